@@ -1,0 +1,3 @@
+from neffbuild.cli import main
+
+main()

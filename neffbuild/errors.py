@@ -1,0 +1,75 @@
+"""One error hierarchy; each kind has its own exit code, caught once in the CLI."""
+
+from __future__ import annotations
+
+
+class NeffbuildError(Exception):
+    """Base of every error neffbuild reports to a user: a one-line message and a hint."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InputError(NeffbuildError):
+    """A manifest, flag, path or document given to us is invalid."""
+
+    exit_code = 2
+
+
+class ManifestError(InputError):
+    """The manifest is invalid; the message names file, entry and key."""
+
+
+class StoreError(NeffbuildError):
+    """The store could not be read or written (missing, unreachable, denied)."""
+
+    exit_code = 3
+
+
+class IntegrityError(NeffbuildError):
+    """Bytes or a document do not match their recorded digest or schema."""
+
+    exit_code = 4
+
+
+class BuildError(NeffbuildError):
+    """A warmup compile failed or produced something we cannot bundle."""
+
+    exit_code = 5
+
+
+class ReplayMissError(NeffbuildError):
+    """A replay compiled something: the cache did not cover the manifest."""
+
+    exit_code = 6
+
+
+class EnvironmentMismatch(NeffbuildError):
+    """This host's environment fingerprint differs from the one a bundle was built for."""
+
+    exit_code = 7
+
+
+class NotFoundError(NeffbuildError):
+    """A tag, release or bundle is not in the store."""
+
+    exit_code = 8
+
+
+class ConflictError(NeffbuildError):
+    """Two writers or two bundles disagree (tag race lost too often, path clash)."""
+
+    exit_code = 9
+
+
+class DiskError(NeffbuildError):
+    """The local filesystem refused a write (full disk, permissions)."""
+
+    exit_code = 10

@@ -1,0 +1,29 @@
+"""Stores behind one protocol; `open_store` picks one from a URL or a path."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from neffbuild.errors import InputError
+from neffbuild.store.base import Store
+
+DEFAULT_STORE = ".neffbuild/store"
+
+
+def resolve_store_url(flag: str | None, env: Mapping[str, str], manifest_default: str | None = None) -> str:
+    """--store beats NEFFBUILD_STORE beats the manifest's store beats .neffbuild/store."""
+    return flag or env.get("NEFFBUILD_STORE") or manifest_default or DEFAULT_STORE
+
+
+def open_store(url: str, *, create: bool = False, env: Mapping[str, str] | None = None) -> Store:
+    if url.startswith("s3://"):
+        from neffbuild.store.s3 import S3Store  # only this path imports boto3
+
+        return S3Store.from_url(url, env=env or {}, create=create)
+    if "://" in url:
+        scheme = url.split("://", 1)[0]
+        raise InputError(f"store {url!r}: unsupported scheme {scheme!r}", hint="use a directory path or s3://bucket/prefix")
+    from neffbuild.store.local import LocalStore
+
+    return LocalStore(Path(url), create=create)
