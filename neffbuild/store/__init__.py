@@ -16,11 +16,14 @@ def resolve_store_url(flag: str | None, env: Mapping[str, str], manifest_default
     return flag or env.get("NEFFBUILD_STORE") or manifest_default or DEFAULT_STORE
 
 
-def open_store(url: str, *, create: bool = False, env: Mapping[str, str] | None = None) -> Store:
+def open_store(
+    url: str, *, create: bool = False, env: Mapping[str, str] | None = None, endpoint_url: str | None = None
+) -> Store:
+    """endpoint_url (--endpoint-url) beats env's AWS_ENDPOINT_URL for s3:// stores."""
     if url.startswith("s3://"):
         from neffbuild.store.s3 import S3Store  # only this path imports boto3
 
-        return S3Store.from_url(url, env=env or {}, create=create)
+        return S3Store.from_url(url, env=env or {}, create=create, endpoint_url=endpoint_url)
     if "://" in url:
         scheme = url.split("://", 1)[0]
         raise InputError(f"store {url!r}: unsupported scheme {scheme!r}", hint="use a directory path or s3://bucket/prefix")

@@ -1,0 +1,164 @@
+"""The `inductor` backend: torch.compile with Inductor on CPU or CUDA, cache in TORCHINDUCTOR_CACHE_DIR.
+
+Why each fingerprint field is there (measured, see the design notes): Inductor's own keys cover
+the graph, torch's version, its config (incl. CXX) and the thread count, but not the CPU ISA: a
+cache built with AVX-512 and loaded with AVX2 reports hits and computes NaN. Kernel keys include
+absolute include paths, so a Python environment at another prefix recompiles every kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from neffbuild.backends.base import Backend, cpu_isa_flags, relevant_env
+from neffbuild.manifest import ModelEntry
+
+# Cache entries whose path is derived from a content hash (graph key, kernel source + command):
+# two builds may write the same path with different bytes (e.g. .so files embed their build
+# dir), and either copy serves.
+_CONTENT_KEYED = re.compile(
+    r"^(fxgraph/[^/]+/[^/]+/[^/]+"
+    r"|aotautograd/[^/]+/[^/]+"
+    r"|[0-9a-z]{2}/[0-9a-zA-Z_]+(\.[a-z]+)*"
+    r"|triton/\d+/[^/]+/[^/]+)$"
+)
+_NEVER_BUNDLED = re.compile(r"^\.neffbuild/|(^|/)(locks|precompiled_headers|torch_compile_debug)(/|$)|\.(lock|tmp)$|(^|/)tmp[^/]*$")
+_ENV_NAMES = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "TORCH_COMPILE_CACHE_KEY_TAG", "CXX", "CC", "MKL_NUM_THREADS")
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
+_ENV_SKIP = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_COMPILE_DEBUG_DIR"}
+_MISS_COUNTERS = ("inductor.fxgraph_cache_miss", "aot_autograd.autograd_cache_miss")
+
+
+class InductorBackend(Backend):
+    name = "inductor"
+    cache_env = "TORCHINDUCTOR_CACHE_DIR"
+
+    def collect_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
+        import torch
+
+        facts = {
+            "torch": torch.__version__,
+            "torch.git": torch.version.git_version,
+            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "python.prefix": sys.prefix,
+            "platform": f"{sys.platform}-{platform.machine()}",
+            "cpu.isa": cpu_isa_flags(_read("/proc/cpuinfo")),
+            "cpu.capability": torch.backends.cpu.get_cpu_capability(),
+            "threads.default": str(torch.get_num_threads()),
+            "cxx.default": _compiler_version(env.get("CXX") or "g++"),
+        }
+        for package in ("diffusers", "transformers", "triton"):
+            facts[package] = _version(package)
+        if device == "cuda" and torch.cuda.is_available():
+            facts["cuda"] = str(torch.version.cuda)
+            facts["cuda.device"] = torch.cuda.get_device_name(0)
+        return facts
+
+    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
+        fields = {
+            "backend": self.name,
+            **{k: v for k, v in facts.items() if not k.endswith(".default") and v},
+            # Variables that override a probed default: the value the compile will actually see.
+            "threads": env.get("OMP_NUM_THREADS") or facts.get("threads.default", ""),
+            "cxx": facts.get("cxx.default", ""),
+            "device": entry.device,
+        }
+        if env.get("ATEN_CPU_CAPABILITY"):
+            fields["cpu.capability"] = env["ATEN_CPU_CAPABILITY"].lower()
+        fields.update(relevant_env(env, _ENV_NAMES + tuple(entry.env), _ENV_PREFIXES, _ENV_SKIP))
+        return dict(sorted(fields.items()))
+
+    def worker_env(self, cache_dir: Path, scratch: Path) -> dict[str, str]:
+        return {
+            self.cache_env: str(cache_dir),
+            "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+            "TORCH_COMPILE_DEBUG_DIR": str(scratch / "debug"),
+        }
+
+    def runtime_env(self) -> dict[str, str]:
+        # Precompiled headers live outside the cache dir (a host without them rebuilds them,
+        # a compile the cache cannot carry), so they are off at build and at serve time alike.
+        return {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
+
+    def select_files(self, cache_dir: Path) -> list[str]:
+        selected = []
+        for path in sorted(cache_dir.rglob("*")):
+            rel = path.relative_to(cache_dir).as_posix()
+            if path.is_file() and not path.is_symlink() and not _NEVER_BUNDLED.search(rel):
+                selected.append(rel)
+        return selected
+
+    def is_content_keyed(self, path: str) -> bool:
+        return bool(_CONTENT_KEYED.match(path))
+
+    def prepare_process(self, shape_count: int) -> None:
+        import torch._dynamo
+
+        # Each static shape is one more recompile of the same code; the default limit (8)
+        # makes the ninth shape fail hard under fullgraph=True.
+        limit = max(8, 2 * shape_count + 2)
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * limit)
+
+    def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
+        pipe = pipe.to(entry.device)
+        if entry.mode == "eager":
+            return pipe
+        for name in entry.components:
+            component = getattr(pipe, name, None)
+            if component is None:
+                raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
+            if entry.mode == "full":
+                component.compile(fullgraph=True, dynamic=False)
+            else:
+                if not getattr(component, "_repeated_blocks", None):
+                    raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
+                component.compile_repeated_blocks(fullgraph=True, dynamic=False)
+        return pipe
+
+    def counters(self) -> dict[str, int]:
+        from torch._dynamo.utils import counters
+
+        return {
+            f"{group}.{name}": int(value)
+            for group in ("inductor", "aot_autograd", "stats")
+            for name, value in counters[group].items()
+        }
+
+    def compiles_in(self, delta: Mapping[str, int]) -> int:
+        return sum(delta.get(name, 0) for name in _MISS_COUNTERS)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def _compiler_version(cxx: str) -> str:
+    exe = shutil.which(cxx)
+    if exe is None:
+        return f"{cxx} (not found)"
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, env=dict(os.environ))
+    except (OSError, subprocess.TimeoutExpired):
+        return f"{cxx} (unusable)"
+    first = out.stdout.splitlines()[0] if out.stdout else "unknown"
+    return f"{cxx}: {first}"

@@ -1,0 +1,123 @@
+"""Entry point of a worker process: `python -m neffbuild.backends.worker JOB.json`.
+
+Runs in a fresh interpreter whose environment the parent prepared (cache dir, manifest env), so
+nothing compiled earlier in another process can make a build look warm.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from neffbuild.backends import get_backend
+from neffbuild.backends.base import Backend
+from neffbuild.jobs import ShapeRun, WorkerJob, WorkerResult, write_json_atomic
+from neffbuild.manifest import ModelEntry, Shape
+
+DEFAULT_PROMPT = "a photo of a cat"
+# Modules to import before the job runs (comma-separated). The seam through which tests register
+# a substitute compile backend (tests/neuron_double.py); future backends may load plugins so.
+WORKER_IMPORTS_ENV = "NEFFBUILD_WORKER_IMPORTS"
+
+
+def call_kwargs(entry: ModelEntry, shape: Shape) -> dict[str, Any]:
+    import torch
+
+    kwargs: dict[str, Any] = {"prompt": DEFAULT_PROMPT, **entry.call}
+    kwargs.update(
+        height=shape.height,
+        width=shape.width,
+        num_images_per_prompt=shape.batch,
+        generator=torch.Generator("cpu").manual_seed(0),
+        output_type="pt",
+    )
+    return kwargs
+
+
+def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerResult:
+    facts = backend.collect_facts(env, job.entry.device)
+    fingerprint = backend.fingerprint(facts, env, job.entry)
+    backend.prepare_process(len(job.shapes))
+    started = time.perf_counter()
+    pipe = backend.load_pipeline(job.entry, job.model_ref)
+    runner = backend.apply_mode(pipe, job.entry)
+    load_s = time.perf_counter() - started
+    runs = [_run_shape(job, backend, runner, unit_id, shape) for unit_id, shape in zip(job.unit_ids, job.shapes)]
+    return WorkerResult(fingerprint=fingerprint, load_s=load_s, runs=tuple(runs))
+
+
+def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shape: Shape) -> ShapeRun:
+    import torch
+
+    watched = Path(job.watch_dir) if job.watch_dir else None
+    files_before = _snapshot(backend, watched)
+    before = backend.counters()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        images = runner(**call_kwargs(job.entry, shape)).images
+    first_call_s = time.perf_counter() - started
+    after = backend.counters()
+    files_after = _snapshot(backend, watched)
+    written = tuple(sorted(p for p, st in files_after.items() if files_before.get(p) != st))
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
+    delta = {k: v for k, v in delta.items() if v}
+    output = None
+    if job.outputs_dir:
+        output = str(Path(job.outputs_dir) / f"{unit_id.replace('/', '__')}.pt")
+        torch.save(images.detach().cpu(), output)
+    return ShapeRun(
+        unit_id=unit_id,
+        first_call_s=first_call_s,
+        counters=delta,
+        compiles=backend.compiles_in(delta),
+        output=output,
+        written=written,
+    )
+
+
+def _snapshot(backend: Backend, cache_dir: Path | None) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every bundle-worthy file: any change during a replay is a compile."""
+    if cache_dir is None:
+        return {}
+    snapshot = {}
+    for rel in backend.select_files(cache_dir):
+        st = (cache_dir / rel).stat()
+        snapshot[rel] = (st.st_size, st.st_mtime_ns)
+    return snapshot
+
+
+def main(argv: list[str]) -> int:
+    job_file = Path(argv[0])
+    result_file = job_file.with_name(job_file.stem + ".result.json")
+    job = WorkerJob.model_validate_json(job_file.read_text())
+    try:
+        import_seams(os.environ)
+        result = run_job(job, get_backend(job.entry.backend), os.environ)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises a typed error
+        traceback.print_exc()
+        result = WorkerResult(fingerprint={}, load_s=0.0, runs=(), error=f"{type(exc).__name__}: {exc}")
+    if writes_result(os.environ):
+        write_json_atomic(result_file, result)
+    return 0 if result.error is None else 1
+
+
+def import_seams(env: Mapping[str, str]) -> None:
+    for name in (n.strip() for n in env.get(WORKER_IMPORTS_ENV, "").split(",")):
+        if name:
+            importlib.import_module(name)
+
+
+def writes_result(env: Mapping[str, str]) -> bool:
+    """Under torchrun (tensor parallel) every rank runs this module; rank 0 speaks for the group
+    (same fingerprint, same graphs) and a failing rank fails the group through its exit code."""
+    return env.get("RANK", "0") == "0"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

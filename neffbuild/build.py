@@ -1,0 +1,204 @@
+"""Warmup-compile every unit of a plan in fresh processes and publish what each produced.
+
+Per unit: an empty cache dir, a worker process that loads the pipeline and runs the serving call
+at the unit's shape, then the files that call wrote are hashed and published as a bundle. Units
+whose bundle the store already holds are skipped. Only when every unit is present does the build
+publish a release and move the tag.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from neffbuild import __version__
+from neffbuild.backends import get_backend
+from neffbuild.backends.base import Backend
+from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath, Timings, parse
+from neffbuild.errors import BuildError, ConflictError, NeffbuildError
+from neffbuild.hashing import hash_file
+from neffbuild.jobs import WorkerJob, run_worker
+from neffbuild.plan import BuildUnit, Plan
+from neffbuild.publish import move_tag, publish_bundle, publish_release
+from neffbuild.store.base import BlobSource, Store
+
+Notify = Callable[[str, str], None]  # (unit_id, status) for progress displays
+
+
+@dataclass(frozen=True)
+class UnitOutcome:
+    unit_id: str
+    key: str
+    status: str  # "built", "present" or "failed"
+    files: int = 0
+    size: int = 0
+    uploaded: int = 0
+    first_call_s: float = 0.0
+    compiles: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    name: str
+    store: str
+    outcomes: tuple[UnitOutcome, ...]
+    release_id: str | None
+    tag: str | None
+
+    @property
+    def failed(self) -> list[UnitOutcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+
+def build(
+    plan: Plan,
+    store: Store,
+    *,
+    env: Mapping[str, str],
+    tag: str | None = None,
+    jobs: int = 1,
+    work_dir: Path | None = None,
+    keep_work: bool = False,
+    notify: Notify | None = None,
+) -> BuildReport:
+    backend = get_backend(plan.backend_name)
+    notify = notify or (lambda unit_id, status: None)
+    work_root = Path(tempfile.mkdtemp(prefix="neffbuild-work-", dir=work_dir))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            outcomes = list(
+                pool.map(lambda u: _unit_outcome(u, backend, store, env, work_root, notify), plan.units)
+            )
+    finally:
+        if not keep_work:
+            shutil.rmtree(work_root, ignore_errors=True)
+    name = tag or plan.loaded.manifest.name
+    report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None)
+    if report.failed:
+        return report
+    records = [_load_bundle(store, u) for u in plan.units]
+    release = make_release(plan, records, backend)
+    release_id = publish_release(store, release)
+    move_tag(store, name, release_id)
+    return BuildReport(report.name, store.url, report.outcomes, release_id, name)
+
+
+def _unit_outcome(
+    unit: BuildUnit, backend: Backend, store: Store, env: Mapping[str, str], work_root: Path, notify: Notify
+) -> UnitOutcome:
+    if store.get_doc("bundles", unit.key) is not None:
+        notify(unit.unit_id, "present")
+        return UnitOutcome(unit.unit_id, unit.key, "present")
+    notify(unit.unit_id, "compiling")
+    try:
+        outcome = build_unit(unit, backend, store, env, work_root / f"{unit.key[:16]}-{uuid.uuid4().hex[:6]}")
+    except NeffbuildError as exc:
+        notify(unit.unit_id, "failed")
+        return UnitOutcome(unit.unit_id, unit.key, "failed", error=f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
+    notify(unit.unit_id, "built")
+    return outcome
+
+
+def build_unit(unit: BuildUnit, backend: Backend, store: Store, env: Mapping[str, str], scratch: Path) -> UnitOutcome:
+    """Compile one unit in a fresh process with an empty cache dir; publish its bundle."""
+    cache_dir = scratch / "cache"
+    cache_dir.mkdir(parents=True)
+    worker_env = {**env, **unit.env, **backend.worker_env(cache_dir, scratch)}
+    job = WorkerJob(purpose="build", entry=unit.entry, model_ref=unit.model_ref, unit_ids=(unit.unit_id,), shapes=(unit.shape,))
+    result = run_worker(lambda job_file: backend.launch_command(unit.entry, job_file), job, worker_env, scratch)
+    _check_fingerprint(unit, result.fingerprint)
+    run = result.runs[0]
+    files = _hash_outputs(backend, cache_dir)
+    if unit.entry.mode != "eager" and not files:
+        raise BuildError(f"{unit.unit_id}: the warmup wrote no cache files", hint=f"is {backend.cache_env} honoured? see {scratch}/worker.log")
+    record = BundleRecord(
+        key=unit.key,
+        unit_id=unit.unit_id,
+        unit=dict(unit.normalized),
+        backend=backend.name,
+        fingerprint=dict(unit.fingerprint),
+        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest) for p, s in files),
+        counters=run.counters,
+        timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        neffbuild_version=__version__,
+    )
+    uploaded = publish_bundle(store, record, [s for _, s in files], jobs=4)
+    return UnitOutcome(
+        unit.unit_id,
+        unit.key,
+        "built",
+        files=len(files),
+        size=sum(s.size for _, s in files),
+        uploaded=uploaded,
+        first_call_s=run.first_call_s,
+        compiles=run.compiles,
+    )
+
+
+def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSource]]:
+    out = []
+    for rel in backend.select_files(cache_dir):
+        digest = hash_file(cache_dir / rel)
+        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel)))
+    return out
+
+
+def _check_fingerprint(unit: BuildUnit, seen: Mapping[str, str]) -> None:
+    """The worker must have run in the environment the key promises, or the key would lie."""
+    differing = sorted(k for k in set(seen) | set(unit.fingerprint) if seen.get(k) != unit.fingerprint.get(k))
+    if differing:
+        detail = ", ".join(f"{k}: planned {unit.fingerprint.get(k)!r}, worker {seen.get(k)!r}" for k in differing[:4])
+        raise BuildError(f"{unit.unit_id}: worker environment differs from the plan ({detail})", hint="do not change the environment during a build")
+
+
+def _load_bundle(store: Store, unit: BuildUnit) -> BundleRecord:
+    data = store.get_doc("bundles", unit.key)
+    if data is None:
+        raise BuildError(f"{unit.unit_id}: bundle {unit.key} vanished from {store.url}")
+    return parse(BundleRecord, data, f"{store.url}/bundles/{unit.key}.json")
+
+
+def make_release(plan: Plan, records: Sequence[BundleRecord], backend: Backend) -> Release:
+    """Merge the bundles' files into one cache-dir listing; clashing paths go to the backend."""
+    chosen: dict[str, tuple[FileEntry, str]] = {}
+    dropped: dict[str, set[str]] = {}
+    for record in sorted(records, key=lambda r: r.key):  # deterministic winner
+        for entry in record.files:
+            kept = chosen.setdefault(entry.path, (entry, record.unit_id))
+            if kept[0].digest == entry.digest:
+                continue
+            if not backend.is_content_keyed(entry.path):
+                raise ConflictError(
+                    f"{entry.path}: units {kept[1]} and {record.unit_id} produced different files at one path",
+                    hint=f"the {backend.name} backend does not treat this path as a content key; report it",
+                )
+            dropped.setdefault(entry.path, set()).add(entry.digest)
+    common = _common_fields([r.fingerprint for r in records])
+    return Release(
+        name=plan.loaded.manifest.name,
+        manifest_digest=plan.loaded.source_digest,
+        backend=backend.name,
+        cache_env=backend.cache_env,
+        env=dict(plan.runtime_env),
+        fingerprint=common,
+        units=tuple(ReleaseUnit(unit_id=u.unit_id, key=u.key) for u in plan.units),
+        files=tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path)),
+        shared=tuple(
+            SharedPath(path=p, kept=chosen[p][0].digest, dropped=tuple(sorted(d))) for p, d in sorted(dropped.items())
+        ),
+    )
+
+
+def _common_fields(fingerprints: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    if not fingerprints:
+        return {}
+    first = fingerprints[0]
+    return {k: v for k, v in sorted(first.items()) if all(f.get(k) == v for f in fingerprints)}

@@ -1,0 +1,194 @@
+"""The command line: parse, call one core function, print. Errors leave through `main` only."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from neffbuild import __version__
+from neffbuild.errors import InputError, NeffbuildError
+from neffbuild.output import Console
+
+_DEBUG = {"on": False}
+
+store_option = click.option(
+    "--store", "store_url", metavar="URL", help="Store directory or s3://bucket/prefix [env NEFFBUILD_STORE]."
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON document for machines.")
+jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=None, help="Parallel workers.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="neffbuild")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+def cli(debug: bool) -> None:
+    """Build, publish and pull compiled-model caches for static-shape pipelines.
+
+    manifest -> units -> bundles -> release -> tag -> cache dir
+    """
+    _DEBUG["on"] = debug
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@json_option
+def plan(manifest: Path, as_json: bool) -> None:
+    """Show the build units of MANIFEST and their keys, without compiling."""
+    from neffbuild.manifest import load_manifest
+    from neffbuild.plan import make_plan
+
+    the_plan = make_plan(load_manifest(manifest), os.environ)
+    Console(as_json).plan(the_plan)
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@store_option
+@click.option("--tag", help="Tag to move when every unit is built [default: the manifest's name].")
+@jobs_option
+@click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False), help="Scratch space for compiles.")
+@click.option("--keep-work", is_flag=True, help="Keep each unit's scratch dir (cache, job, log).")
+@json_option
+def build(manifest: Path, store_url: str | None, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool, as_json: bool) -> None:
+    """Warmup-compile every unit of MANIFEST, publish bundles, then a release and its tag."""
+    from neffbuild.build import build as run_build
+    from neffbuild.manifest import load_manifest
+    from neffbuild.plan import make_plan
+    from neffbuild.store import open_store, resolve_store_url
+
+    loaded = load_manifest(manifest)
+    the_plan = make_plan(loaded, os.environ)
+    store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), create=True, env=os.environ)
+    console = Console(as_json)
+    with console.units_progress("building", len(the_plan.units)) as notify:
+        report = run_build(the_plan, store, env=os.environ, tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, notify=notify)
+    console.build(report)
+    if report.failed:
+        from neffbuild.errors import BuildError
+
+        first = report.failed[0]
+        raise BuildError(f"{len(report.failed)} of {len(report.outcomes)} units failed; first: {first.error}", hint="fix them and rerun: built units are kept")
+
+
+@cli.command()
+@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir to fill.")
+@store_option
+@jobs_option
+@json_option
+def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, as_json: bool) -> None:
+    """Materialise a release's cache files into --cache-dir (only missing ones move)."""
+    from neffbuild.pull import pull as run_pull
+    from neffbuild.store import open_store, resolve_store_url
+
+    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+    report = run_pull(store, ref, cache_dir, jobs=jobs or 16)
+    Console(as_json).pull(report)
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir to check.")
+@click.option("--replay", is_flag=True, help="Run every unit's warmup in a fresh process; fail on any compile.")
+@store_option
+@click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
+@json_option
+def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None, outputs: Path | None, as_json: bool) -> None:
+    """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it."""
+    from neffbuild.manifest import load_manifest
+    from neffbuild.plan import make_plan
+
+    loaded = load_manifest(manifest)
+    the_plan = make_plan(loaded, os.environ)
+    if not cache_dir.is_dir():
+        raise InputError(f"--cache-dir {cache_dir}: no such directory", hint="pull into it first")
+    console = Console(as_json)
+    if replay:
+        from neffbuild.errors import ReplayMissError
+        from neffbuild.verify import replay as run_replay
+
+        if outputs:
+            outputs.mkdir(parents=True, exist_ok=True)
+        report = run_replay(the_plan, cache_dir, env=os.environ, outputs_dir=outputs)
+        console.replay(report)
+        if report.misses:
+            raise ReplayMissError(
+                f"{len(report.misses)} of {len(report.units)} units compiled during replay",
+                hint="the cache does not cover them: rebuild, or check `neffbuild plan --json` against the build host",
+            )
+        return
+    from neffbuild.errors import IntegrityError
+    from neffbuild.store import open_store, resolve_store_url
+    from neffbuild.verify import check_files
+
+    store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), env=os.environ)
+    results = check_files(the_plan, store, cache_dir)
+    console.check(results)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise IntegrityError(f"{len(bad)} of {len(results)} units are not fully in {cache_dir}", hint="run `neffbuild pull` again")
+
+
+@cli.command("env")
+@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False))
+@store_option
+@json_option
+def env_command(ref: str, cache_dir: Path, store_url: str | None, as_json: bool) -> None:
+    """Print the environment a serving process needs for REF's cache (shell `export` lines)."""
+    from neffbuild.pull import exports_for, resolve
+    from neffbuild.store import open_store, resolve_store_url
+
+    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+    exports = exports_for(resolve(store, ref).release, cache_dir.expanduser().resolve())
+    Console(as_json).exports(exports)
+
+
+@cli.command()
+def schema() -> None:
+    """Print the manifest's JSON schema."""
+    from neffbuild.manifest import manifest_json_schema
+
+    click.echo(json.dumps(manifest_json_schema(), indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The one exit point: typed errors become one line plus a hint and their exit code."""
+    code = _run(lambda: cli.main(args=argv, prog_name="neffbuild", standalone_mode=False))
+    sys.exit(code)
+
+
+def _run(invoke: Callable[[], Any]) -> int:
+    try:
+        result = invoke()
+        return result if isinstance(result, int) else 0
+    except NeffbuildError as exc:
+        _print_error(exc.message, exc.hint)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last resort keeps output to one line
+        _print_error(f"internal error: {type(exc).__name__}: {exc}", "rerun with --debug for a traceback, and report it")
+        return 1
+
+
+def _print_error(message: str, hint: str | None) -> None:
+    if _DEBUG["on"]:
+        traceback.print_exc()
+    click.secho(f"error: {message}", fg="red", err=True)
+    if hint:
+        click.echo(f"hint: {hint}", err=True)

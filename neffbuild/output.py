@@ -1,0 +1,158 @@
+"""How results look: rich tables and progress on a terminal, plain lines in CI, JSON on request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from rich.console import Console as RichConsole
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from neffbuild.build import BuildReport
+    from neffbuild.plan import Plan
+    from neffbuild.pull import PullReport
+    from neffbuild.verify import ReplayReport, UnitFiles
+
+
+def jsonable(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return jsonable(asdict(value))
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    return value
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+class Console:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.out = RichConsole(highlight=False, soft_wrap=True)
+        self.err = RichConsole(stderr=True, highlight=False)
+        self.interactive = self.err.is_terminal and not os.environ.get("CI")
+
+    def _json(self, value: Any) -> None:
+        sys.stdout.write(json.dumps(jsonable(value), indent=2) + "\n")
+
+    @contextmanager
+    def units_progress(self, verb: str, total: int) -> Iterator[Callable[[str, str], None]]:
+        """A notify(unit_id, status) callback: a bar on a terminal, one line per finished unit in CI."""
+        if self.as_json:
+            yield lambda unit_id, status: None
+            return
+        if not self.interactive:
+            yield lambda unit_id, status: status != "compiling" and self.err.print(f"{unit_id}: {status}")
+            return
+        columns = (TextColumn(f"{verb} {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=self.err, transient=True) as progress:
+            task = progress.add_task("", total=total)
+
+            def notify(unit_id: str, status: str) -> None:
+                if status == "compiling":
+                    progress.update(task, description=unit_id)
+                else:
+                    progress.advance(task)
+                    self.err.print(f"{unit_id}: {status}")
+
+            yield notify
+
+    def plan(self, plan: Plan) -> None:
+        if self.as_json:
+            self._json(
+                {
+                    "manifest": plan.loaded.path,
+                    "name": plan.loaded.manifest.name,
+                    "backend": plan.backend_name,
+                    "env": plan.runtime_env,
+                    "units": [
+                        {"unit_id": u.unit_id, "key": u.key, "unit": u.normalized, "fingerprint": u.fingerprint}
+                        for u in plan.units
+                    ],
+                }
+            )
+            return
+        table = Table(title=f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})")
+        for column in ("unit", "key", "mode", "dtype", "device"):
+            table.add_column(column)
+        for u in plan.units:
+            table.add_row(u.unit_id, u.key, u.entry.mode, u.entry.dtype, u.entry.device)
+        self.out.print(table)
+        if plan.units:
+            self.out.print("fingerprint:")
+            for k, v in plan.units[0].fingerprint.items():
+                self.out.print(f"  {k} = {v}")
+
+    def build(self, report: BuildReport) -> None:
+        if self.as_json:
+            self._json(report)
+            return
+        table = Table(title=f"{report.name} -> {report.store}")
+        for column in ("unit", "status", "files", "size", "uploaded", "first call", "compiles"):
+            table.add_column(column)
+        for o in report.outcomes:
+            first = f"{o.first_call_s:.1f} s" if o.status == "built" else "-"
+            table.add_row(o.unit_id, o.status, str(o.files), _size(o.size), _size(o.uploaded), first, str(o.compiles))
+        self.out.print(table)
+        for o in report.failed:
+            self.err.print(f"[red]failed:[/red] {o.error}")
+        if report.release_id:
+            self.out.print(f"release {report.release_id}; tag {report.tag} -> it")
+
+    def pull(self, report: PullReport) -> None:
+        if self.as_json:
+            self._json(report)
+            return
+        self.err.print(
+            f"pulled {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
+            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s"
+        )
+        self.exports(report.exports)
+
+    def exports(self, exports: Mapping[str, str]) -> None:
+        if self.as_json:
+            self._json(exports)
+            return
+        for name, value in exports.items():
+            self.out.print(f"export {name}={shlex.quote(value)}")
+
+    def replay(self, report: ReplayReport) -> None:
+        if self.as_json:
+            self._json({"cache_dir": report.cache_dir, "misses": len(report.misses), "units": report.units})
+            return
+        table = Table(title=f"replay against {report.cache_dir}")
+        for column in ("unit", "result", "first call", "compiles", "files written"):
+            table.add_column(column)
+        for u in report.units:
+            result = "[green]hit[/green]" if u.hit else "[red]MISS[/red]"
+            table.add_row(u.unit_id, result, f"{u.first_call_s:.2f} s", str(u.compiles), str(len(u.written)))
+        self.out.print(table)
+        self.out.print(f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses")
+
+    def check(self, results: tuple[UnitFiles, ...]) -> None:
+        if self.as_json:
+            self._json(results)
+            return
+        for r in results:
+            state = "ok" if r.ok else ("not built" if not r.built else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt")
+            self.out.print(f"{r.unit_id}: {state}")

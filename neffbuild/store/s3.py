@@ -1,0 +1,638 @@
+"""A store in an S3 bucket (AWS or any S3-compatible server): the only module that imports boto3.
+
+Layout as in store/base.py under `s3://bucket/prefix/`, plus packs (store/packs.py): small blobs of
+one publish travel together in a pack object so that a pull makes a few large ranged GETs instead
+of one request per file.
+
+Atomicity rests on conditional writes: immutable objects are written with `If-None-Match: *` (a
+412 means someone wrote it first, which is fine: same name, same bytes) and tags are swapped with
+`If-Match: <ETag>`. A server that ignores these would silently lose tag updates, so before its
+first write a store checks that the server honours them and refuses otherwise, unless
+NEFFBUILD_S3_ALLOW_UNCONDITIONAL=1. Every upload carries a CRC32C the server checks, so bytes
+corrupted in transit are rejected there; every blob read is checked against its XXH3-128 when it
+lands (materialize.write_verified).
+
+boto3 is the control plane (documents, listings, uploads). Blob and pack reads go through a plain
+urllib3 pool with presigned URLs: boto3 costs milliseconds of Python per request, and a pull of
+large ranges is limited by how fast bytes are copied, so the data plane keeps Python out of the loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+import boto3
+import urllib3
+import xxhash
+from awscrt import checksums
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError as BotoConnectionError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
+
+from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError, StoreError
+from neffbuild.hashing import CHUNK
+from neffbuild.materialize import BlobTarget, write_verified
+from neffbuild.store import packs
+from neffbuild.store.base import MARKER, STORE_FORMAT, BlobSource, DocKind, blob_key, doc_key
+
+ALLOW_UNCONDITIONAL_ENV = "NEFFBUILD_S3_ALLOW_UNCONDITIONAL"
+PART = 16 << 20  # a large blob is fetched as parallel ranges of this size
+WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
+PACK_UPLOADS = 4  # packs built in memory at once (each up to packs.PACK_TARGET)
+HEAD_LIMIT = 256  # up to this many blobs to check: HEAD each; more: list their shards
+SINGLE_PUT_MAX = 5 << 30  # S3's limit for one PUT
+FETCH_ATTEMPTS = 4
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403"}
+_CORRUPT = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch", "InvalidRequest"}
+_LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class S3Location:
+    bucket: str
+    prefix: str  # "" or ending in "/"
+
+    @classmethod
+    def parse(cls, url: str) -> S3Location:
+        rest = url.removeprefix("s3://")
+        bucket, _, prefix = rest.partition("/")
+        prefix = prefix.strip("/")
+        if not bucket or url == rest:
+            raise StoreError(f"store {url!r}: expected s3://bucket[/prefix]", hint="e.g. s3://my-bucket/neffbuild")
+        return cls(bucket, f"{prefix}/" if prefix else "")
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def key(self, rel: str) -> str:
+        return self.prefix + rel
+
+
+class S3Store:
+    def __init__(self, location: S3Location, client: Any, data: DataPlane, *, allow_unconditional: bool = False) -> None:
+        self.location = location
+        self.client = client
+        self.data = data
+        self.allow_unconditional = allow_unconditional
+        self._lock = threading.Lock()
+        self._probed = False
+        self._packs: dict[str, packs.PackIndex] = {}
+        self._packed: dict[str, tuple[packs.PackIndex, packs.PackEntry]] = {}
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, env: Mapping[str, str], create: bool = False, endpoint_url: str | None = None
+    ) -> S3Store:
+        """Open s3://bucket/prefix with the standard AWS credential chain; env is the process environment."""
+        location = S3Location.parse(url)
+        endpoint = endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+        with _translated(location, ""):
+            session = boto3.session.Session(
+                aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+                aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+                aws_session_token=env.get("AWS_SESSION_TOKEN"),
+                profile_name=None if env.get("AWS_ACCESS_KEY_ID") else env.get("AWS_PROFILE"),
+                region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+            )
+            client = session.client("s3", endpoint_url=endpoint, config=_client_config(endpoint))
+        store = cls(
+            location, client, DataPlane(client, location, _http_pool(endpoint, env)),
+            allow_unconditional=env.get(ALLOW_UNCONDITIONAL_ENV) == "1",
+        )  # fmt: skip
+        store._open(create)
+        return store
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    # -- opening -----------------------------------------------------------------------------
+
+    def _open(self, create: bool) -> None:
+        if create:
+            self._ensure_bucket()
+        marker = self.get_object(MARKER)
+        if marker is None and create:
+            self._create()
+            marker = self.get_object(MARKER)
+        if marker is None:
+            raise StoreError(f"no neffbuild store at {self.url}", hint="publish or push into it first (that creates it), or check the URL")
+        found = _json_format(marker)
+        if found != STORE_FORMAT:
+            raise StoreError(f"{self.url}: store format {found!r}, expected {STORE_FORMAT!r}")
+
+    def _ensure_bucket(self) -> None:
+        with _translated(self.location, ""):
+            try:
+                self.client.head_bucket(Bucket=self.location.bucket)
+            except ClientError as exc:
+                if _code(exc) not in ("404", "NoSuchBucket", "NotFound"):
+                    raise
+                self.client.create_bucket(Bucket=self.location.bucket, **_bucket_region(self.client))
+
+    def _create(self) -> None:
+        with _translated(self.location, ""):
+            listed = self.client.list_objects_v2(Bucket=self.location.bucket, Prefix=self.location.prefix, MaxKeys=1)
+        if listed.get("KeyCount", 0):
+            raise StoreError(f"{self.url} is not empty and not a neffbuild store", hint="choose an empty or new prefix")
+        self._put_new(MARKER, f'{{"format":"{STORE_FORMAT}"}}'.encode())
+
+    def _ensure_conditional(self) -> None:
+        """Before the first write: check that the server honours If-None-Match and If-Match.
+
+        Both probes rewrite the store marker with its own bytes, which is harmless on a server
+        that ignores the condition, so the probe leaves nothing behind.
+        """
+        with self._lock:
+            if self._probed:
+                return
+            marker = self.get_object(MARKER) or b""
+            honoured = not self._put(MARKER, marker, IfNoneMatch="*") and not self._put(MARKER, marker, IfMatch='"0"')
+            if not honoured and not self.allow_unconditional:
+                raise StoreError(
+                    f"{self.url}: the server ignores conditional writes (If-None-Match / If-Match), "
+                    "so concurrent publishes could silently overwrite each other",
+                    hint=f"use a server that supports them (AWS S3, SeaweedFS), or set {ALLOW_UNCONDITIONAL_ENV}=1 "
+                    "if only one publisher ever writes to this store",
+                )
+            self._probed = True
+
+    # -- documents and tags --------------------------------------------------------------------
+
+    def put_doc(self, kind: DocKind, name: str, data: bytes) -> bool:
+        self._ensure_conditional()
+        return self._put_new(doc_key(kind, name), data)
+
+    def get_doc(self, kind: DocKind, name: str) -> bytes | None:
+        return self.get_object(doc_key(kind, name))
+
+    def list_docs(self, kind: DocKind) -> Iterator[str]:
+        names = [rel[len(kind) + 1 : -len(".json")] for rel in self._list(f"{kind}/") if rel.endswith(".json")]
+        yield from sorted(n for n in names if "/" not in n)
+
+    def read_tag(self, name: str) -> tuple[bytes, str] | None:
+        key = doc_key("tags", name)
+        with _translated(self.location, key):
+            try:
+                got = self.client.get_object(Bucket=self.location.bucket, Key=self.location.key(key))
+            except ClientError as exc:
+                if _code(exc) in ("NoSuchKey", "404"):
+                    return None
+                raise
+            return got["Body"].read(), got["ETag"]
+
+    def swap_tag(self, name: str, data: bytes, expected: str | None) -> bool:
+        self._ensure_conditional()
+        condition = {"IfMatch": expected} if expected is not None else {"IfNoneMatch": "*"}
+        try:
+            return self._put(doc_key("tags", name), data, **condition)
+        except NotFoundError:  # AWS answers If-Match on a deleted key with 404: the tag moved too
+            return False
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def missing_blobs(self, digests: Collection[str]) -> set[str]:
+        wanted = set(digests)
+        if not wanted:
+            return set()
+        self._refresh_packs()
+        loose = wanted - self._packed.keys()
+        return self._absent_loose(loose)
+
+    def put_blob(self, digest: str, source: Path) -> int:
+        self._ensure_conditional()
+        if not self.missing_blobs({digest}):
+            return 0
+        return self._upload_loose(BlobSource(digest, source.stat().st_size, source))
+
+    def put_blobs(self, sources: Sequence[BlobSource], jobs: int) -> int:
+        unique = {s.digest: s for s in sources}
+        if not unique:
+            return 0
+        self._ensure_conditional()
+        todo = [unique[d] for d in sorted(self.missing_blobs(unique))]
+        small = [s for s in todo if s.size < packs.SMALL_BLOB]
+        large = [s for s in todo if s.size >= packs.SMALL_BLOB]
+        building = threading.BoundedSemaphore(PACK_UPLOADS)
+
+        def upload_pack(group: list[BlobSource]) -> int:
+            with building:
+                return self._upload_pack(group)
+
+        tasks: list[Callable[[], int]] = [lambda g=g: upload_pack(g) for g in packs.group_small(small)]
+        tasks += [lambda s=s: self._upload_loose(s) for s in large]
+        return sum(_run_all(tasks, jobs))
+
+    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int) -> None:
+        if not targets:
+            return
+        self._refresh_packs()
+        jobs = max(1, jobs)
+        by_pack: dict[str, list[BlobTarget]] = {}
+        direct: list[Callable[[], None]] = []
+        large: list[BlobTarget] = []
+        for t in targets:
+            if t.size == 0:  # nothing to fetch; write_verified still checks the digest
+                direct.append(lambda t=t: write_verified(t, [], origin=f"{self.url} (empty blob)"))
+            elif t.digest in self._packed:
+                by_pack.setdefault(self._packed[t.digest][0].pack_id, []).append(t)
+            elif t.size <= PART:
+                direct.append(lambda t=t: self._fetch_loose(t))
+            else:
+                large.append(t)
+        for pack_id, wanted in by_pack.items():
+            direct += [lambda f=f: self._fetch_range(f) for f in packs.plan_ranges(self._packs[pack_id], wanted)]
+        # A large blob's writer waits on its ranges, fetched by a pool of their own (a task never
+        # waits on its own pool); the semaphore bounds memory to writers * WINDOW * PART.
+        writers = threading.BoundedSemaphore(max(1, jobs // WINDOW))
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="neffbuild-s3-part") as parts:
+
+            def write_large(target: BlobTarget) -> None:
+                with writers:
+                    self._fetch_large(target, parts)
+
+            _run_all([lambda t=t: write_large(t) for t in large] + direct, jobs)
+
+    @contextmanager
+    def open_blob(self, digest: str) -> Iterator[BinaryIO]:
+        self._refresh_packs()
+        where = self._packed.get(digest)
+        if where is None:
+            response = self.data.stream(blob_key(digest), missing=f"blob {digest}")
+        else:
+            index, entry = where
+            response = self.data.stream(packs.pack_key(index.pack_id), entry.offset, entry.offset + entry.size)
+        try:
+            yield response  # type: ignore[misc]  # urllib3's response is a readable stream
+        finally:
+            response.release_conn()
+
+    # -- uploads -------------------------------------------------------------------------------
+
+    def _upload_pack(self, group: list[BlobSource]) -> int:
+        index, index_bytes = packs.encode_index(group)
+        body = bytearray(index.size)
+        view = memoryview(body)
+        for source, entry in zip(group, index.entries, strict=True):
+            _read_exact(source, view[entry.offset : entry.offset + entry.size])
+        written = self._put_new(packs.pack_key(index.pack_id), body)
+        self._put_new(packs.index_key(index.pack_id), index_bytes)  # after the pack: an index means a whole pack
+        with self._lock:
+            self._remember(index)
+        return index.size if written else 0
+
+    def _upload_loose(self, source: BlobSource) -> int:
+        if source.size > SINGLE_PUT_MAX:
+            raise StoreError(f"{source.path}: {source.size} bytes is over S3's single-upload limit", hint="files over 5 GiB are not supported yet")
+        crc = _crc32c_of_file(source)  # also checks the file still has the digest we publish it under
+        with source.path.open("rb") as body:
+            written = self._put(blob_key(source.digest), body, IfNoneMatch="*", crc=crc, length=source.size)
+        return source.size if written else 0
+
+    def _put_new(self, rel: str, data: bytes | bytearray) -> bool:
+        return self._put(rel, data, IfNoneMatch="*")
+
+    def _put(self, rel: str, body: Any, *, crc: int | None = None, length: int | None = None, **condition: str) -> bool:
+        """PUT with a CRC32C the server verifies; False if a condition did not hold."""
+        if crc is None:
+            crc = checksums.crc32c(body)
+        with _translated(self.location, rel):
+            try:
+                self.client.put_object(
+                    Bucket=self.location.bucket, Key=self.location.key(rel), Body=body,
+                    ContentLength=len(body) if length is None else length,
+                    ChecksumCRC32C=base64.b64encode(crc.to_bytes(4, "big")).decode(), **condition,
+                )  # fmt: skip
+            except ClientError as exc:
+                if _code(exc) in _LOST_RACE:
+                    return False
+                raise
+        return True
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get_object(self, rel: str) -> bytes | None:
+        with _translated(self.location, rel):
+            try:
+                return self.client.get_object(Bucket=self.location.bucket, Key=self.location.key(rel))["Body"].read()
+            except ClientError as exc:
+                if _code(exc) in ("NoSuchKey", "404"):
+                    return None
+                raise
+
+    def _list(self, rel_prefix: str) -> list[str]:
+        """Keys under a prefix, relative to the store root."""
+        out: list[str] = []
+        with _translated(self.location, rel_prefix):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.location.bucket, Prefix=self.location.key(rel_prefix)
+            )
+            for page in pages:
+                out += [o["Key"][len(self.location.prefix) :] for o in page.get("Contents", ())]
+        return out
+
+    def _refresh_packs(self) -> None:
+        """Load the indexes of packs written since we last looked (they never change)."""
+        ids = {packs.pack_id_of_index_key(rel) for rel in self._list("packs/")} - {None}
+        new = sorted(i for i in ids if i not in self._packs)
+        loaded = _run_all([lambda i=i: packs.decode_index(i, self.data.get(packs.index_key(i))) for i in new], 16)
+        with self._lock:
+            for index in loaded:
+                self._remember(index)
+
+    def _remember(self, index: packs.PackIndex) -> None:
+        self._packs[index.pack_id] = index
+        for entry in index.entries:
+            self._packed.setdefault(entry.digest, (index, entry))
+
+    def _absent_loose(self, digests: set[str]) -> set[str]:
+        """Blobs not stored as objects of their own: HEAD a few, list the shards of many."""
+        if len(digests) <= HEAD_LIMIT:
+            present = _run_all([lambda d=d: self.data.exists(blob_key(d)) for d in sorted(digests)], 16)
+            return {d for d, ok in zip(sorted(digests), present, strict=True) if not ok}
+        shards = sorted({d[:2] for d in digests})
+        listed = _run_all([lambda s=s: self._list(f"blobs/{s}/") for s in shards], 16)
+        have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys}
+        return digests - have
+
+    def _fetch_loose(self, target: BlobTarget) -> None:
+        key = blob_key(target.digest)
+        write_verified(target, [self.data.get(key, missing=str(target.dest))], origin=f"{self.url}/{key}")
+
+    def _fetch_range(self, fetch: packs.RangeFetch) -> None:
+        key = packs.pack_key(fetch.pack_id)
+        data = memoryview(self.data.get(key, fetch.start, fetch.end))
+        for piece in fetch.pieces:
+            chunk = data[piece.start : piece.start + piece.target.size]
+            write_verified(piece.target, [chunk], origin=f"{self.url}/{key} at {fetch.start + piece.start}")
+
+    def _fetch_large(self, target: BlobTarget, fetchers: ThreadPoolExecutor) -> None:
+        key = blob_key(target.digest)
+        write_verified(target, _ranges_in_order(self.data, key, target, fetchers), origin=f"{self.url}/{key}")
+
+
+def _ranges_in_order(data: DataPlane, key: str, target: BlobTarget, fetchers: ThreadPoolExecutor) -> Iterator[bytearray]:
+    """The blob's bytes in order, fetched as parallel ranges with WINDOW of them in flight."""
+    starts = list(range(0, target.size, PART))
+    pending: list[Future[bytearray]] = []
+    try:
+        for i, start in enumerate(starts):
+            pending.append(fetchers.submit(data.get, key, start, min(start + PART, target.size), str(target.dest)))
+            if i + 1 >= WINDOW:
+                yield pending.pop(0).result()
+        while pending:
+            yield pending.pop(0).result()
+    finally:
+        for f in pending:
+            f.cancel()
+
+
+class DataPlane:
+    """GET and HEAD of objects over a urllib3 pool, signed by presigning with the boto3 client."""
+
+    def __init__(self, client: Any, location: S3Location, pool: urllib3.PoolManager) -> None:
+        self.client = client
+        self.location = location
+        self.pool = pool
+
+    def get(self, rel: str, start: int = 0, end: int | None = None, missing: str | None = None) -> bytearray:
+        """Bytes [start, end) of an object (all of it if end is None), retried on transient failures.
+
+        `missing` names what needed the object, for the error if it is absent.
+        """
+
+        def attempt() -> bytearray:
+            response = self._get(rel, start, end, missing)
+            try:
+                return _read_body(response, rel, None if end is None else end - start)
+            finally:
+                response.release_conn()
+
+        return self._retried(rel, attempt)
+
+    def stream(self, rel: str, start: int = 0, end: int | None = None, *, missing: str | None = None) -> urllib3.BaseHTTPResponse:
+        return self._retried(rel, lambda: self._get(rel, start, end, missing))
+
+    def exists(self, rel: str) -> bool:
+        def attempt() -> bool:
+            try:
+                response = self.pool.request("HEAD", self._presign("head_object", rel))
+            except urllib3.exceptions.HTTPError as exc:
+                raise _Transient(str(exc)) from None
+            if response.status in (200, 404):
+                return response.status == 200
+            raise _http_error(self.location, rel, response.status, b"", None)
+
+        return self._retried(rel, attempt)
+
+    def _get(self, rel: str, start: int, end: int | None, missing: str | None) -> urllib3.BaseHTTPResponse:
+        headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
+        try:
+            response = self.pool.request("GET", self._presign("get_object", rel), headers=headers, preload_content=False)
+        except urllib3.exceptions.HTTPError as exc:
+            raise _Transient(str(exc)) from None
+        if response.status == (200 if end is None else 206):
+            return response
+        body = response.read()
+        response.release_conn()
+        raise _http_error(self.location, rel, response.status, body, missing)
+
+    def _retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
+        for i in range(FETCH_ATTEMPTS):
+            try:
+                return attempt()
+            except _Transient as exc:
+                if i + 1 == FETCH_ATTEMPTS:
+                    raise StoreError(f"{self.location.url}/{rel}: {exc}", hint="the endpoint keeps failing; retry later") from None
+                time.sleep(0.2 * 2**i)
+        raise AssertionError("unreachable")
+
+    def _presign(self, method: str, rel: str) -> str:
+        with _translated(self.location, rel):
+            return self.client.generate_presigned_url(
+                method, Params={"Bucket": self.location.bucket, "Key": self.location.key(rel)}, ExpiresIn=3600
+            )
+
+
+class _Transient(Exception):
+    """A connection or server failure worth another try."""
+
+
+def _read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None) -> bytearray:
+    """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop)."""
+    length = int(response.headers.get("Content-Length", "-1"))
+    if wanted is not None and length != wanted:  # the server clipped the range: the object is short
+        raise IntegrityError(f"{rel}: server returned {length} bytes of a {wanted}-byte range", hint=_CORRUPT_HINT)
+    if length < 0:
+        return bytearray(response.read())
+    buf = bytearray(length)
+    view = memoryview(buf)
+    got = 0
+    try:
+        while got < length and (n := response.readinto(view[got:])):
+            got += n
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise _Transient(f"read failed after {got} of {length} bytes ({exc})") from None
+    if got != length:
+        raise _Transient(f"connection closed after {got} of {length} bytes")
+    return buf
+
+
+def _http_error(location: S3Location, rel: str, status: int, body: bytes, missing: str | None) -> Exception:
+    where = f"{location.url}/{rel}"
+    if status == 404:
+        needed = f" (needed for {missing})" if missing else ""
+        return NotFoundError(f"{where} is missing{needed}", hint="re-push the release to this store")
+    if status == 403:
+        return StoreError(f"access denied to {where}", hint=_CREDENTIALS_HINT)
+    if status == 416:
+        return IntegrityError(f"{where} is shorter than its index says", hint=_CORRUPT_HINT)
+    if status >= 500 or status == 429:
+        return _Transient(f"HTTP {status}")
+    return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
+
+
+_CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
+_CREDENTIALS_HINT = "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
+
+
+@contextmanager
+def _translated(location: S3Location, rel: str) -> Iterator[None]:
+    """botocore's exceptions become our typed errors, one line each, naming the object."""
+    where = f"{location.url}/{rel}".rstrip("/")
+    try:
+        yield
+    except NeffbuildError:
+        raise
+    except ClientError as exc:
+        code = _code(exc)
+        message = exc.response.get("Error", {}).get("Message", "")
+        if code == "NoSuchBucket":
+            raise StoreError(
+                f"bucket {location.bucket!r} does not exist",
+                hint="create it (e.g. aws s3 mb), or open the store with create=True as publishing commands do",
+            ) from None
+        if code in _DENIED:
+            raise StoreError(f"access denied to {where} ({code})", hint=_CREDENTIALS_HINT) from None
+        if code in _CORRUPT:
+            raise IntegrityError(
+                f"upload of {where} was rejected by the server: its checksum did not match ({code})",
+                hint="the bytes were corrupted in transit; retry, and check proxies on the way to the endpoint",
+            ) from None
+        if code in ("NoSuchKey", "404"):
+            raise NotFoundError(f"{where} not found") from None
+        raise StoreError(f"{where}: {code}: {message}".rstrip(": ")) from None
+    except (NoCredentialsError, PartialCredentialsError) as exc:
+        raise StoreError(f"no AWS credentials for {location.url} ({exc})", hint=_CREDENTIALS_HINT) from None
+    except ProfileNotFound as exc:
+        raise StoreError(str(exc), hint="check AWS_PROFILE and ~/.aws/config") from None
+    except BotoConnectionError as exc:
+        raise StoreError(f"cannot reach S3 for {where}: {exc}", hint="check --endpoint-url / AWS_ENDPOINT_URL and the network") from None
+    except BotoCoreError as exc:
+        raise StoreError(f"{where}: {exc}") from None
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _client_config(endpoint: str | None) -> Config:
+    return Config(
+        signature_version="s3v4",
+        retries={"mode": "standard", "max_attempts": 5},
+        max_pool_connections=64,
+        # We send our own CRC32C and verify XXH3 on read: skip botocore's extra checksums and the
+        # SHA-256 of every payload it would compute on plain-http endpoints.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if endpoint else {})},
+    )
+
+
+def _http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:
+    """The data plane's pool; honours AWS_CA_BUNDLE and HTTP(S)_PROXY/NO_PROXY like boto3 does."""
+    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=10, read=120)}
+    if env.get("AWS_CA_BUNDLE"):
+        kwargs["ca_certs"] = env["AWS_CA_BUNDLE"]
+    scheme, host = "https", "s3.amazonaws.com"
+    if endpoint:
+        parsed = urllib.parse.urlsplit(endpoint)
+        scheme, host = parsed.scheme, parsed.hostname or ""
+    proxies = {k.lower().removesuffix("_proxy"): v for k, v in env.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
+    proxy = proxies.get(scheme)
+    if proxy and not urllib.request.proxy_bypass_environment(host, proxies):
+        return urllib3.ProxyManager(proxy, **kwargs)
+    return urllib3.PoolManager(**kwargs)
+
+
+def _bucket_region(client: Any) -> dict[str, Any]:
+    region = client.meta.region_name
+    return {} if region in (None, "us-east-1") else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+
+
+def _read_exact(source: BlobSource, into: memoryview) -> None:
+    """Read a source file into a slice of a pack, checking it is still what we publish."""
+    with source.path.open("rb") as f:
+        got = 0
+        while got < len(into) and (n := f.readinto(into[got:])):
+            got += n
+        grew = f.read(1)
+    if got != source.size or grew or xxhash.xxh3_128_hexdigest(into) != source.digest:
+        raise IntegrityError(f"{source.path}: changed while publishing (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish")
+
+
+def _crc32c_of_file(source: BlobSource) -> int:
+    hasher, crc, size = xxhash.xxh3_128(), 0, 0
+    with source.path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            hasher.update(chunk)
+            crc = checksums.crc32c(chunk, crc)
+            size += len(chunk)
+    if size != source.size or hasher.hexdigest() != source.digest:
+        raise IntegrityError(f"{source.path}: changed while publishing (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish")
+    return crc
+
+
+def _json_format(data: bytes) -> object:
+    import json
+
+    try:
+        raw = json.loads(data)
+    except ValueError:
+        return None
+    return raw.get("format") if isinstance(raw, dict) else None
+
+
+def _run_all(tasks: Sequence[Callable[[], _T]], jobs: int) -> list[_T]:
+    """Run tasks in a pool, results in order; the first failure cancels what has not started."""
+    if not tasks:
+        return []
+    if len(tasks) == 1:
+        return [tasks[0]()]
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
+        futures = [pool.submit(t) for t in tasks]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            for f in futures:
+                f.cancel()
+            raise failed.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]

@@ -1,0 +1,400 @@
+"""The neuron backend: everything around the compiler, here; real compiles only where torch-neuronx is.
+
+The end-to-end test drives build -> bundle -> store -> pull -> replay through the neuron backend
+with tests/neuron_double.py, a TEST-ONLY compile backend registered under another name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neffbuild.backends import get_backend
+from neffbuild.backends.neuron import (
+    COMPILE_BACKEND_ENV,
+    DEVICE_ENV,
+    TARGET_ENV,
+    TP_TRANSFORMERS,
+    NeuronBackend,
+    compile_target,
+    instance_family,
+)
+from neffbuild.backends.worker import import_seams, writes_result
+from neffbuild.errors import ManifestError
+from neffbuild.manifest import ModelEntry, ShapeSet, load_manifest
+from neffbuild.plan import make_plan
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+NEFF = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/\1\2[0-9a-f]{28}\.neff$")
+VERSIONS = {"torch": "2.13.0", "torch-neuronx": "2.13.0.1", "neuronx-cc": "2.21.33", "diffusers": "0.42.1", "transformers": "5.0.0"}
+
+
+def backend_on(tmp_path: Path, product: str = "trn2.48xlarge", versions: dict | None = None, env=None) -> NeuronBackend:
+    dmi = tmp_path / "product_name"
+    dmi.write_text(product + "\n")
+    table = VERSIONS if versions is None else versions
+    return NeuronBackend(version_of=table.get, product_name_file=dmi, env=env or {})
+
+
+def entry(**overrides) -> ModelEntry:
+    fields = dict(id="m", model="./m", pipeline="Flux2KleinPipeline", backend="neuron", device="neuron", shapes=[ShapeSet(height=32, width=32)])
+    return ModelEntry(**{**fields, **overrides})
+
+
+# -- fingerprint ---------------------------------------------------------------------------------
+
+
+def test_fingerprint_names_every_field_from_injected_facts(tmp_path):
+    backend = backend_on(tmp_path)
+    facts = backend.collect_facts({}, "neuron")
+    fp = backend.fingerprint(facts, {"NEURON_CC_FLAGS": "--model-type=transformer", "NEURON_COMPILER_OPT_LEVEL": "-O1"}, entry(tensor_parallel=2))
+    assert fp["torch-neuronx"] == "2.13.0.1" and fp["neuronx-cc"] == "2.21.33"
+    assert fp["torch"] == "2.13.0" and fp["diffusers"] == "0.42.1"
+    assert fp["neuron.target"] == "trn2" and fp["neuron.lnc"] == "2"  # trn2's default logical cores
+    assert fp["neuron.cc_flags"] == "--model-type=transformer" and fp["neuron.opt_level"] == "-O1"
+    assert fp["neuron.tp"] == "2" and fp["backend"] == "neuron" and fp["device"] == "neuron"
+    assert fp["neuron.compile_backend"] == "neuron" and fp["neuron.device"] == "neuron"
+
+
+def test_compiler_version_changes_the_fingerprint(tmp_path):
+    # TorchNeuron's own key omits the neuronx-cc version; ours must not.
+    old = backend_on(tmp_path)
+    new = backend_on(tmp_path, versions={**VERSIONS, "neuronx-cc": "2.22.0"})
+    e = entry()
+    assert old.fingerprint(old.collect_facts({}, "neuron"), {}, e) != new.fingerprint(new.collect_facts({}, "neuron"), {}, e)
+
+
+def test_missing_packages_are_absent_and_target_can_be_overridden(tmp_path):
+    backend = backend_on(tmp_path, product="Standard PC (Q35 + ICH9, 2009)", versions={})
+    facts = backend.collect_facts({}, "neuron")
+    fp = backend.fingerprint(facts, {}, entry())
+    assert fp["torch-neuronx"] == "absent" and fp["neuronx-cc"] == "absent"
+    assert fp["neuron.target"] == "unknown" and fp["neuron.lnc"] == "unknown"
+    fp = backend.fingerprint(facts, {TARGET_ENV: "trn1", "NEURON_LOGICAL_NC_CONFIG": "1"}, entry())
+    assert fp["neuron.target"] == "trn1" and fp["neuron.lnc"] == "1"
+
+
+def test_instance_families_map_to_compile_targets():
+    assert [compile_target(instance_family(p)) for p in ("trn2.48xlarge", "trn2u.48xlarge", "inf2.xlarge", "trn1n.32xlarge", "m5.large")] == [
+        "trn2", "trn2", "trn1", "trn1", None,
+    ]  # fmt: skip
+
+
+def test_worker_and_runtime_only_variables_do_not_split_keys(tmp_path):
+    backend = backend_on(tmp_path)
+    facts = backend.collect_facts({}, "neuron")
+    base = {"TORCH_NEURONX_COMPLEX_DECOMPOSE": "0"}
+    plan_fp = backend.fingerprint(facts, base, entry())
+    worker = {**base, **backend.worker_env(tmp_path / "cache", tmp_path), "NEURON_RT_VISIBLE_CORES": "0-3", "RANK": "1"}
+    assert backend.fingerprint(facts, worker, entry()) == plan_fp
+    assert plan_fp["env.TORCH_NEURONX_COMPLEX_DECOMPOSE"] == "0"  # changes lowering: keyed
+
+
+def test_seams_are_fingerprint_fields(tmp_path):
+    backend = backend_on(tmp_path)
+    facts = backend.collect_facts({}, "neuron")
+    fp = backend.fingerprint(facts, {COMPILE_BACKEND_ENV: "neffbuild_neuron_double", DEVICE_ENV: "cpu"}, entry())
+    assert fp["neuron.compile_backend"] == "neffbuild_neuron_double" and fp["neuron.device"] == "cpu"
+    assert fp != backend.fingerprint(facts, {}, entry())
+
+
+def test_real_facts_do_not_need_torch_neuronx():
+    facts = NeuronBackend().collect_facts(dict(os.environ), "neuron")
+    assert facts["torch"].startswith("2.")
+    if not _has_torch_neuronx():
+        assert facts["torch-neuronx"] == "absent" and facts["neuronx-cc"] == "absent"
+    assert "torch_neuronx" not in sys.modules  # planning never starts the Neuron runtime
+
+
+# -- validation (mode and tensor parallel) -------------------------------------------------------
+
+
+def write_model(root: Path, class_name: str, heads: int | None) -> None:
+    (root / "transformer").mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    config = {"_class_name": class_name, **({"num_attention_heads": heads} if heads else {})}
+    (root / "transformer" / "config.json").write_text(json.dumps(config))
+
+
+def manifest(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "neffbuild.toml"
+    path.write_text('name = "t"\n' + body)
+    return path
+
+
+def model_toml(model: str, pipeline: str, tp: int, extra: str = "") -> str:
+    return (
+        f'[[model]]\nid = "m"\nmodel = "{model}"\npipeline = "{pipeline}"\nbackend = "neuron"\n'
+        f'device = "neuron"\ntensor_parallel = {tp}\nshapes = {{height = 32, width = 32}}\n{extra}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("class_name", "heads", "tp", "problem"),
+    [
+        ("Flux2Transformer2DModel", 24, 4, None),
+        ("Flux2Transformer2DModel", 2, 4, "does not divide the transformer's num_attention_heads (2)"),
+        ("QwenImageTransformer2DModel", None, 8, None),
+        ("SD3Transformer2DModel", 24, 2, "SD3Transformer2DModel has no _tp_plan"),
+        ("SD3Transformer2DModel", 24, 1, None),
+    ],
+)
+def test_tensor_parallel_is_validated_from_the_local_config(tmp_path, class_name, heads, tp, problem):
+    write_model(tmp_path / "m", class_name, heads)
+    loaded = load_manifest(manifest(tmp_path, model_toml("./m", "Flux2KleinPipeline", tp)))
+    problems = NeuronBackend().validate(loaded.manifest.models[0], loaded)
+    assert (problems == []) if problem is None else any(problem in p for p in problems)
+
+
+def test_hub_models_are_validated_by_pipeline(tmp_path):
+    extra = 'revision = "0123abcd"\n'
+    flux = load_manifest(manifest(tmp_path, model_toml("black-forest-labs/FLUX.1-dev", "FluxPipeline", 2, extra)))
+    assert NeuronBackend().validate(flux.manifest.models[0], flux) == []
+    sd3 = load_manifest(manifest(tmp_path, model_toml("stabilityai/sd3", "StableDiffusion3Pipeline", 2, extra)))
+    assert "cannot confirm" in NeuronBackend().validate(sd3.manifest.models[0], sd3)[0]
+
+
+def test_plan_refuses_an_invalid_tensor_parallel_degree(tmp_path):
+    write_model(tmp_path / "m", "Flux2Transformer2DModel", 2)
+    loaded = load_manifest(manifest(tmp_path, model_toml("./m", "Flux2KleinPipeline", 4)))
+    with pytest.raises(ManifestError, match=r"model\[m\]: tensor_parallel: 4 does not divide"):
+        make_plan(loaded, {})
+
+
+def test_the_tp_table_matches_installed_diffusers():
+    diffusers = pytest.importorskip("diffusers")
+    has_plan = {
+        name for name in dir(diffusers) if isinstance(getattr(diffusers, name, None), type) and getattr(getattr(diffusers, name), "_tp_plan", None)
+    }
+    assert has_plan == TP_TRANSFORMERS
+
+
+def test_manifest_keeps_neuron_on_its_device():
+    with pytest.raises(ValueError, match="does not suit backend"):
+        entry(device="cpu")
+    with pytest.raises(ValueError, match="tensor_parallel > 1 needs backend"):
+        entry(backend="inductor", device="cpu", tensor_parallel=2)
+
+
+# -- cache files ---------------------------------------------------------------------------------
+
+
+def touch(root: Path, rel: str, data: bytes = b"x") -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_select_files_takes_torchneuron_entries_only(tmp_path):
+    good = ["ab/cd/abcd" + "0" * 28 + ".neff", "01/23/0123" + "f" * 28 + ".neff"]
+    for rel in good:
+        touch(tmp_path, rel)
+    for rel in (
+        "ab/cd/.tmp.Xy12Qz",  # TorchNeuron's temp file before the rename
+        "ab/cd/ffff" + "0" * 28 + ".neff",  # shard dirs disagree with the key
+        "ab/cd/abcd" + "0" * 27 + ".neff",  # not 32 hex
+        "AB/CD/ABCD" + "0" * 28 + ".neff",
+        "locks/abcd.lock",
+        ".neffbuild/state.json",
+        "neuron-debug/graph.hlo",
+    ):
+        touch(tmp_path, rel)
+    (tmp_path / "ab" / "cd" / ("abce" + "0" * 28 + ".neff")).symlink_to(tmp_path / good[0])
+    assert NeuronBackend().select_files(tmp_path) == sorted(good)
+
+
+def test_select_files_takes_only_finished_libneuronxla_entries(tmp_path):
+    root = "neuronxcc-2.21.33+abc"
+    done = f"{root}/MODULE_111+aaa"
+    for name in ("model.neff", "model.done", "compile_flags.json", "model.hlo_module.pb", "model.log"):
+        touch(tmp_path, f"{done}/{name}")
+    older = f"{root}/MODULE_222+bbb"
+    for name in ("model.neff", "model.done", "compile_flags.txt", "model.hlo.pb"):
+        touch(tmp_path, f"{older}/{name}")
+    for name in ("model.hlo_module.pb", "model.log"):  # a cached failure: poisoned
+        touch(tmp_path, f"{root}/MODULE_333+ccc/{name}")
+    for name in ("model.neff", "model.done", "model.hlo_module.pb", "model.neff.lock"):  # in progress
+        touch(tmp_path, f"{root}/MODULE_444+ddd/{name}")
+    for name in ("model.hlo_module.pb", "model.neff"):  # no success marker yet
+        touch(tmp_path, f"{root}/MODULE_555+eee/{name}")
+    expected = [f"{done}/{n}" for n in ("compile_flags.json", "model.done", "model.hlo_module.pb", "model.neff")]
+    expected += [f"{older}/{n}" for n in ("compile_flags.txt", "model.done", "model.hlo.pb", "model.neff")]
+    assert NeuronBackend().select_files(tmp_path) == sorted(expected)
+
+
+def test_both_layouts_are_content_keyed():
+    backend = NeuronBackend()
+    assert backend.is_content_keyed("ab/cd/abcd" + "0" * 28 + ".neff")
+    assert backend.is_content_keyed("neuronxcc-2.21.33/MODULE_111+aaa/model.neff")
+    assert not backend.is_content_keyed("locks/abcd.lock")
+    assert not backend.is_content_keyed("ab/cd/ffff" + "0" * 28 + ".neff")
+
+
+def test_worker_env_keeps_locks_and_debug_out_of_the_cache_dir(tmp_path):
+    cache, scratch = tmp_path / "s" / "cache", tmp_path / "s"
+    env = NeuronBackend().worker_env(cache, scratch)
+    assert env["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(cache)
+    for name in ("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", "TORCH_NEURONX_DEBUG_DIR", "TORCH_NEURONX_HLO_CACHE_DIR"):
+        assert Path(env[name]).parent == scratch and not Path(env[name]).is_relative_to(cache)
+    assert get_backend("neuron").cache_env == "TORCH_NEURONX_NEFF_CACHE_DIR"
+    assert NeuronBackend().runtime_env() == {}
+
+
+# -- worker side ---------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_launches_one_process_per_core(tmp_path):
+    job = tmp_path / "job.json"
+    assert NeuronBackend().launch_command(entry(), job) == [sys.executable, "-m", "neffbuild.backends.worker", str(job)]
+    command = NeuronBackend().launch_command(entry(tensor_parallel=4), job)
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc_per_node=4" in command and "--standalone" in command
+    assert command[-3:] == ["-m", "neffbuild.backends.worker", str(job)]
+
+
+def test_only_rank_zero_writes_the_result_and_seams_import():
+    assert writes_result({}) and writes_result({"RANK": "0"}) and not writes_result({"RANK": "3"})
+    import_seams({"NEFFBUILD_WORKER_IMPORTS": "json, colorsys"})
+    assert "colorsys" in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        import_seams({"NEFFBUILD_WORKER_IMPORTS": "no_such_module_here"})
+
+
+def test_a_substitute_backend_reports_in_dynamo_counters():
+    from torch._dynamo.utils import counters
+
+    backend = NeuronBackend(env={COMPILE_BACKEND_ENV: "neffbuild_counter_probe"})
+    before = backend.counters()
+    counters["neffbuild_counter_probe"]["CompilationCache.TotalCompilations"] += 3
+    counters["neffbuild_counter_probe"]["CompilationCache.PersistentHits"] += 5
+    after = backend.counters()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert backend.compiles_in(delta) == 3 and delta["neuron.CompilationCache.PersistentHits"] == 5
+
+
+def test_without_torch_neuronx_the_worker_says_so():
+    if "torch_neuronx" in sys.modules or _has_torch_neuronx():
+        pytest.skip("torch-neuronx is installed here")
+    with pytest.raises(RuntimeError, match="torch-neuronx is not importable"):
+        NeuronBackend(env={}).prepare_process(1)
+
+
+def _has_torch_neuronx() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+# -- real compiles: only where torch-neuronx and a Neuron device are -----------------------------
+
+REAL_COMPILE = """
+import sys, torch
+from neffbuild.backends.neuron import NeuronBackend
+b = NeuronBackend()
+b.prepare_process(1)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to("neuron")
+m.compile(backend="neuron", fullgraph=True, dynamic=False)
+before = b.counters()
+m(torch.randn(4, 16, device="neuron"))
+after = b.counters()
+print(b.compiles_in({k: after[k] - before.get(k, 0) for k in after}))
+"""
+
+
+def _real_compile(cache: Path, scratch: Path) -> int:
+    env = {**os.environ, **NeuronBackend().worker_env(cache, scratch)}
+    out = subprocess.run([sys.executable, "-c", REAL_COMPILE], env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_real_neuron_compile_fills_the_documented_layout_and_hits_on_rerun(tmp_path):
+    pytest.importorskip("torch_neuronx", reason="torch-neuronx is not installed (real compiles run only on Trainium)")
+    cache = tmp_path / "cache"
+    assert _real_compile(cache, tmp_path / "a") >= 1
+    files = NeuronBackend().select_files(cache)
+    assert files and all(NEFF.match(f) for f in files)
+    assert _real_compile(cache, tmp_path / "b") == 0  # a fresh process loads every NEFF from disk
+    assert NeuronBackend().select_files(cache) == files
+
+
+# -- build -> bundle -> store -> pull -> replay through the neuron backend, with the double ------
+
+DOUBLE_ENV = {
+    COMPILE_BACKEND_ENV: "neffbuild_neuron_double",
+    DEVICE_ENV: "cpu",
+    "NEFFBUILD_WORKER_IMPORTS": "neuron_double",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+E2E_MANIFEST = """
+name = "tiny-neuron"
+
+[[model]]
+id = "klein"
+model = "./tiny"
+pipeline = "Flux2KleinPipeline"
+dtype = "float32"
+backend = "neuron"
+device = "neuron"
+mode = "regional"
+shapes = { height = 32, width = [32, 64] }
+call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_layers = [1] }
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_pipeline.py"), str(out)], check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.slow
+def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tiny_pipeline):
+    from neffbuild.build import build
+    from neffbuild.jobs import WorkerJob, run_worker
+    from neffbuild.pull import pull
+    from neffbuild.store import open_store
+
+    (tmp_path / "tiny").symlink_to(tiny_pipeline)
+    path = tmp_path / "neffbuild.toml"
+    path.write_text(E2E_MANIFEST)
+    env = {**os.environ, **DOUBLE_ENV, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    plan = make_plan(load_manifest(path), env)
+    assert {u.fingerprint["neuron.compile_backend"] for u in plan.units} == {"neffbuild_neuron_double"}
+
+    store = open_store(str(tmp_path / "store"), create=True)
+    report = build(plan, store, env=env)
+    assert [o.status for o in report.outcomes] == ["built", "built"], [o.error for o in report.outcomes]
+    assert all(o.compiles >= 1 and o.files >= 1 for o in report.outcomes)
+    assert report.tag == "tiny-neuron"
+
+    cache = tmp_path / "serving-cache"
+    pulled = pull(store, "tiny-neuron", cache)
+    assert pulled.exports["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(cache.resolve())
+    files = NeuronBackend().select_files(cache)
+    assert len(files) == pulled.files_total and all(NEFF.match(f) for f in files)
+    assert not [p for p in cache.rglob("*.lock") if ".neffbuild" not in p.parts]  # compiler locks never travel
+
+    # Serving replay in a fresh process over the pulled dir: every graph found, nothing written.
+    backend = NeuronBackend()
+    scratch = tmp_path / "replay"
+    unit_ids = tuple(u.unit_id for u in plan.units)
+    job = WorkerJob(
+        purpose="replay", entry=plan.units[0].entry, model_ref=plan.units[0].model_ref,
+        unit_ids=unit_ids, shapes=tuple(u.shape for u in plan.units), watch_dir=str(cache),
+    )  # fmt: skip
+    result = run_worker(lambda job_file: backend.launch_command(job.entry, job_file), job, {**env, **backend.worker_env(cache, scratch)}, scratch)
+    assert [r.compiles for r in result.runs] == [0, 0] and [r.written for r in result.runs] == [(), ()]
+    assert all(r.counters.get("neuron.CompilationCache.PersistentHits", 0) >= 1 for r in result.runs)
+
+    again = build(plan, store, env=env)
+    assert [o.status for o in again.outcomes] == ["present", "present"] and again.release_id == report.release_id
