@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -18,9 +19,31 @@ from neffbuild.output import Console
 
 _DEBUG = {"on": False}
 
-store_option = click.option(
+_store_flag = click.option(
     "--store", "store_url", metavar="URL", help="Store directory or s3://bucket/prefix [env NEFFBUILD_STORE]."
 )
+_endpoint_flag = click.option(
+    "--endpoint-url", metavar="URL", help="S3 endpoint for s3:// stores (S3-compatible servers) [env AWS_ENDPOINT_URL]."
+)
+
+
+def _with_endpoint(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Commands pass os.environ to open_store; --endpoint-url enters there, beating AWS_ENDPOINT_URL."""
+
+    @functools.wraps(command)
+    def run(*args: Any, endpoint_url: str | None = None, **kwargs: Any) -> Any:
+        if endpoint_url:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint_url
+        return command(*args, **kwargs)
+
+    return run
+
+
+def store_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--store and --endpoint-url, for every command that opens a store."""
+    return _endpoint_flag(_with_endpoint(_store_flag(command)))
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON document for machines.")
 jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=None, help="Parallel workers.")
 
@@ -149,6 +172,55 @@ def env_command(ref: str, cache_dir: Path, store_url: str | None, as_json: bool)
     store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
     exports = exports_for(resolve(store, ref).release, cache_dir.expanduser().resolve())
     Console(as_json).exports(exports)
+
+
+@cli.command()
+@click.option("--cache-dir", type=click.Path(path_type=Path), help="Cache dir the server will use [default: the backend's variable, else the compiler's default].")
+@click.option("--backend", type=click.Choice(["neuron", "inductor"]), help="Backend to check for [default: the release's, else neuron].")
+@click.option("--release", "release_ref", metavar="FILE|TAG", help="Compare with a release: its JSON file, or a tag or release id in --store.")
+@store_option
+@json_option
+def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, store_url: str | None, as_json: bool) -> int:
+    """Check this host before it serves: backend, devices, versions, cache dir; exit 1 if any check fails."""
+    from neffbuild.doctor import load_release, run_doctor
+    from neffbuild.store import resolve_store_url
+
+    release = load_release(release_ref, resolve_store_url(store_url, os.environ), os.environ) if release_ref else None
+    report = run_doctor(env=os.environ, cache_dir=cache_dir, backend=backend, release=release)
+    Console(as_json).doctor(report)
+    return report.exit_code
+
+
+@cli.command()
+@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.option("--from", "from_url", required=True, metavar="URL", help="Store to copy from (directory or s3://).")
+@click.option("--to", "to_url", required=True, metavar="URL", help="Store to copy to; created if absent.")
+@_endpoint_flag
+@jobs_option
+@json_option
+@_with_endpoint
+def push(ref: str, from_url: str, to_url: str, jobs: int | None, as_json: bool) -> None:
+    """Copy a release and its tag to another store, uploading only what that store lacks."""
+    from neffbuild.store import open_store
+    from neffbuild.transfer import push as run_push
+
+    src = open_store(from_url, env=os.environ)
+    result = run_push(ref, src, open_store(to_url, create=True, env=os.environ), jobs=jobs or 16)
+    Console(as_json).push(result)
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("release_id", metavar="RELEASE")
+@store_option
+@json_option
+def tag(name: str, release_id: str, store_url: str | None, as_json: bool) -> None:
+    """Point tag NAME at RELEASE (a release id, e.g. from the tag's history): rollback."""
+    from neffbuild.publish import move_tag
+    from neffbuild.store import open_store, resolve_store_url
+
+    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+    Console(as_json).tag(move_tag(store, name, release_id))
 
 
 @cli.command()

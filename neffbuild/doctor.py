@@ -59,6 +59,7 @@ class BackendHost:
     module: str  # must be importable by the serving Python
     install_hint: str
     device_pattern: str | None  # device nodes under /dev that must exist, as a regex
+    device_label: str  # the same, for people
     default_cache_dir: str  # where the compiler caches when its variable is unset ({user} filled in)
 
 
@@ -67,12 +68,14 @@ BACKEND_HOSTS = {
         module="torch_neuronx",
         install_hint="install torch-neuronx from the Neuron SDK into the serving Python (see docs/trainium.md)",
         device_pattern=r"neuron\d+",
+        device_label="Neuron device nodes (neuron0, neuron1, ...)",
         default_cache_dir="/tmp/neff_cache",
     ),
     "inductor": BackendHost(
         module="torch",
         install_hint="install torch into the serving Python",
         device_pattern=None,
+        device_label="",
         default_cache_dir="/tmp/torchinductor_{user}",
     ),
 }
@@ -152,7 +155,7 @@ def check_devices(info: BackendHost, host: HostView) -> Check:
     return Check(
         "devices",
         "fail",
-        f"no {info.device_pattern} device nodes under {host.dev_dir}",
+        f"no {info.device_label} under {host.dev_dir}",
         "run on a Trainium instance with the Neuron driver loaded (`lsmod | grep neuron`, `neuron-ls`); "
         "in a container, pass the /dev/neuron* devices through",
     )
@@ -197,7 +200,8 @@ def host_fingerprint(name: str, release: Release, env: Mapping[str, str], host: 
 def fingerprint_diff(built: Mapping[str, str], here: Mapping[str, str]) -> list[str]:
     """What differs, field by field; an env.* variable set only here also changes keys."""
     diffs = [f"{k}: built {v!r}, here {here.get(k, '(missing)')!r}" for k, v in sorted(built.items()) if here.get(k) != v]
-    diffs += [f"{k}: here {v!r}, not set at build" for k, v in sorted(here.items()) if k.startswith("env.") and k not in built]
+    extra = sorted(k for k in here if k.startswith("env.") and k not in built)
+    diffs += [f"{k}: here {here[k]!r}, not set at build" for k in extra]
     return diffs
 
 

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from neffbuild.errors import ManifestError
 
@@ -50,9 +50,9 @@ class Shape(_Strict):
 class ShapeSet(_Strict):
     """A product of heights × widths × batches; each field takes one value or a list."""
 
-    height: int | list[int]
-    width: int | list[int]
-    batch: int | list[int] = 1
+    height: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)]
+    width: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)]
+    batch: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] = 1
 
     def expand(self) -> list[Shape]:
         def as_list(v: int | list[int]) -> list[int]:
@@ -78,14 +78,11 @@ class ModelEntry(_Strict):
     components: tuple[str, ...] = ("transformer",)
     tensor_parallel: int = Field(default=1, ge=1, description="Neuron only: processes per model (NeuronCores).")
     shape_multiple: int | None = Field(default=None, gt=0, description="Override the pipeline's size divisor.")
-    shapes: Annotated[list[ShapeSet], Field(min_length=1)]
+    shapes: ShapeSet | Annotated[list[ShapeSet], Field(min_length=1)] = Field(
+        description="One table or a list of tables; each expands to height x width x batch."
+    )
     call: dict[str, CallValue] = Field(default_factory=dict, description="Extra pipeline call arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for build and serving.")
-
-    @field_validator("shapes", mode="before")
-    @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
-        return [value] if isinstance(value, dict) else value
 
     @field_validator("env")
     @classmethod
@@ -120,7 +117,8 @@ class ModelEntry(_Strict):
         return self
 
     def expanded_shapes(self) -> list[Shape]:
-        return [shape for shape_set in self.shapes for shape in shape_set.expand()]
+        sets = self.shapes if isinstance(self.shapes, list) else [self.shapes]
+        return [shape for shape_set in sets for shape in shape_set.expand()]
 
 
 class Manifest(_Strict):
@@ -229,9 +227,21 @@ def shape_multiple(entry: ModelEntry, loaded: LoadedManifest) -> int:
     return vae_factor * 2 if _PATCHED_PIPELINES.match(entry.pipeline) else vae_factor
 
 
+def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """Drop pydantic's union branch tags (`str`, `list[int]`, `ShapeSet`): not TOML keys."""
+    tags = ("str", "int", "float", "bool", "ShapeSet")
+    return tuple(p for p in loc if not (isinstance(p, str) and (p in tags or p.startswith(("list[", "constrained-")))))
+
+
 def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
+    errors = [{**e, "loc": _clean_loc(e["loc"])} for e in exc.errors()]
+    # A union reports every branch; where one branch got further, the others are noise.
+    errors = [
+        e for e in errors
+        if not any(o is not e and len(o["loc"]) > len(e["loc"]) and o["loc"][: len(e["loc"])] == e["loc"] for o in errors)
+    ]
     problems = []
-    for err in exc.errors():
+    for err in errors:
         location = _location(data, err["loc"])
         message = err["msg"]
         if err["type"] == "extra_forbidden":
@@ -257,14 +267,12 @@ def _location(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
     """Render a pydantic location as TOML a user recognises: model[<id>].shapes.height."""
     parts: list[str] = []
     node: Any = data
-    for i, part in enumerate(loc):
+    for part in loc:
         if isinstance(part, int):
             label = str(part)
             if isinstance(node, list) and part < len(node) and isinstance(node[part], dict):
                 label = str(node[part].get("id", part))
             parts[-1] = f"{parts[-1]}[{label}]" if parts else f"[{label}]"
-        elif part in ("str", "int", "float", "bool", "list[union[str,int,float,bool]]") and i == len(loc) - 1:
-            continue  # union branch names add nothing a user can act on
         else:
             parts.append(str(part))
         node = node[part] if isinstance(node, (dict, list)) and _has(node, part) else None

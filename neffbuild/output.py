@@ -18,8 +18,11 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from neffbuild.build import BuildReport
+    from neffbuild.doctor import DoctorReport
     from neffbuild.plan import Plan
+    from neffbuild.bundle import TagRecord
     from neffbuild.pull import PullReport
+    from neffbuild.transfer import PushResult
     from neffbuild.verify import ReplayReport, UnitFiles
 
 
@@ -129,6 +132,24 @@ class Console:
         )
         self.exports(report.exports)
 
+    def push(self, result: PushResult) -> None:
+        if self.as_json:
+            self._json(result)
+            return
+        moved = f"; tag {result.tag} -> it" if result.tag_moved else (f"; tag {result.tag} already there" if result.tag else "")
+        self.out.print(
+            f"pushed release {result.release_id} to {result.destination}: {result.bundles_copied} bundles, "
+            f"{result.blobs_uploaded} blobs ({_size(result.bytes_uploaded)}) uploaded{moved}"
+        )
+
+    def tag(self, record: TagRecord) -> None:
+        if self.as_json:
+            self._json(record)
+            return
+        self.out.print(f"tag {record.name} -> {record.release}")
+        for event in record.history[-5:]:
+            self.out.print(f"  {event.at}  {event.release}  by {event.by}")
+
     def exports(self, exports: Mapping[str, str]) -> None:
         if self.as_json:
             self._json(exports)
@@ -156,3 +177,18 @@ class Console:
         for r in results:
             state = "ok" if r.ok else ("not built" if not r.built else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt")
             self.out.print(f"{r.unit_id}: {state}")
+
+    def doctor(self, report: DoctorReport) -> None:
+        from neffbuild.doctor import report_json
+
+        if self.as_json:
+            self._json(report_json(report))
+            return
+        colors = {"pass": "green", "fail": "red", "skip": "yellow"}
+        self.out.print(f"backend {report.backend}, cache dir {report.cache_dir}")
+        for c in report.checks:
+            self.out.print(f"[{colors[c.status]}]{c.status.upper():4}[/{colors[c.status]}]  {c.name:10}  {c.detail}")
+            if c.status == "fail" and c.fix:
+                self.out.print(f"      {'':10}  fix: {c.fix}")
+        failed = sum(c.status == "fail" for c in report.checks)
+        self.out.print("this host is ready" if not failed else f"{failed} check(s) failed")

@@ -43,6 +43,8 @@ def move_tag(store: Store, name: str, release_id: str, *, by: str | None = None)
         history: tuple[TagEvent, ...] = ()
         if current is not None:
             old = parse(TagRecord, current[0], f"{store.url}/tags/{name}.json")
+            if old.release == release_id:
+                return old  # already there: an unchanged re-publish writes nothing
             history = old.history
         record = TagRecord(name=name, release=release_id, history=(*history, event))
         if store.swap_tag(name, dump(record), current[1] if current else None):

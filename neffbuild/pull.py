@@ -20,7 +20,7 @@ from filelock import FileLock
 from neffbuild.bundle import FileEntry, Release, TagRecord, parse
 from neffbuild.errors import IntegrityError, NotFoundError
 from neffbuild.hashing import hash_file, is_digest
-from neffbuild.materialize import BlobTarget, disk_error
+from neffbuild.materialize import INCOMPLETE_SUFFIX, BlobTarget, disk_error
 from neffbuild.store.base import Store
 
 STATE_DIR = ".neffbuild"  # inside the cache dir; compilers ignore unknown top-level dirs
@@ -82,6 +82,7 @@ def pull(store: Store, ref: str, cache_dir: Path, *, jobs: int = 16) -> PullRepo
         raise disk_error(exc, state_dir) from None
     # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
     with FileLock(str(state_dir / "pull.lock"), timeout=3600):
+        remove_stale_temp_files(cache_dir)
         state = _load_state(state_dir)
         missing = [f for f in resolved.release.files if not _is_present(cache_dir, f, state)]
         targets = [BlobTarget(f.digest, f.size, cache_dir / f.path) for f in missing]
@@ -98,6 +99,27 @@ def pull(store: Store, ref: str, cache_dir: Path, *, jobs: int = 16) -> PullRepo
         seconds=time.perf_counter() - started,
         exports=exports_for(resolved.release, cache_dir),
     )
+
+
+def remove_stale_temp_files(cache_dir: Path) -> int:
+    """Delete `*.incomplete` files left by pulls that were killed (their pid is gone)."""
+    removed = 0
+    for path in cache_dir.rglob(f".*{INCOMPLETE_SUFFIX}"):
+        pid = path.name.rsplit(".", 3)[-3] if path.name.count(".") >= 3 else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_present(cache_dir: Path, entry: FileEntry, state: Mapping[str, list]) -> bool:

@@ -30,7 +30,6 @@ from neffbuild.errors import ManifestError
 from neffbuild.manifest import ModelEntry, ShapeSet, load_manifest
 from neffbuild.plan import make_plan
 
-REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 NEFF = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/\1\2[0-9a-f]{28}\.neff$")
 VERSIONS = {"torch": "2.13.0", "torch-neuronx": "2.13.0.1", "neuronx-cc": "2.21.33", "diffusers": "0.42.1", "transformers": "5.0.0"}
@@ -267,6 +266,25 @@ def test_only_rank_zero_writes_the_result_and_seams_import():
         import_seams({"NEFFBUILD_WORKER_IMPORTS": "no_such_module_here"})
 
 
+def test_tensor_parallel_runs_every_rank_under_torchrun_and_rank_zero_reports(tmp_path):
+    # Here no rank can reach a NeuronCore: each fails in prepare_process, which is enough to show
+    # that the launch command starts N ranks of the worker and that only rank 0 writes the result.
+    if _has_torch_neuronx():
+        pytest.skip("torch-neuronx is installed: the real TP path is covered on Trainium")
+    from neffbuild.errors import BuildError
+    from neffbuild.jobs import WorkerJob, run_worker
+    from neffbuild.manifest import Shape
+
+    e = entry(model="/nonexistent", tensor_parallel=2)
+    job = WorkerJob(purpose="build", entry=e, model_ref="/nonexistent", unit_ids=("m/32x32x1",), shapes=(Shape(height=32, width=32),))
+    backend = NeuronBackend()
+    env = {**os.environ, **backend.worker_env(tmp_path / "cache", tmp_path)}
+    with pytest.raises(BuildError, match="torch-neuronx is not importable"):
+        run_worker(lambda job_file: backend.launch_command(e, job_file), job, env, tmp_path)
+    log = (tmp_path / "worker.log").read_text()
+    assert log.count("RuntimeError: torch-neuronx is not importable") == 2  # both ranks ran the job
+
+
 def test_a_substitute_backend_reports_in_dynamo_counters():
     from torch._dynamo.utils import counters
 
@@ -350,28 +368,22 @@ call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_lay
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_pipeline(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_pipeline.py"), str(out)], check=True, capture_output=True)
-    return out
-
-
 @pytest.mark.slow
-def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tiny_pipeline):
+def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tiny_model, cli):
     from neffbuild.build import build
-    from neffbuild.jobs import WorkerJob, run_worker
     from neffbuild.pull import pull
     from neffbuild.store import open_store
+    from neffbuild.verify import check_files, replay
 
-    (tmp_path / "tiny").symlink_to(tiny_pipeline)
+    (tmp_path / "tiny").symlink_to(tiny_model)
     path = tmp_path / "neffbuild.toml"
     path.write_text(E2E_MANIFEST)
     env = {**os.environ, **DOUBLE_ENV, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     plan = make_plan(load_manifest(path), env)
     assert {u.fingerprint["neuron.compile_backend"] for u in plan.units} == {"neffbuild_neuron_double"}
 
-    store = open_store(str(tmp_path / "store"), create=True)
+    store_dir = tmp_path / "store"
+    store = open_store(str(store_dir), create=True)
     report = build(plan, store, env=env)
     assert [o.status for o in report.outcomes] == ["built", "built"], [o.error for o in report.outcomes]
     assert all(o.compiles >= 1 and o.files >= 1 for o in report.outcomes)
@@ -383,18 +395,15 @@ def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tin
     files = NeuronBackend().select_files(cache)
     assert len(files) == pulled.files_total and all(NEFF.match(f) for f in files)
     assert not [p for p in cache.rglob("*.lock") if ".neffbuild" not in p.parts]  # compiler locks never travel
+    assert all(r.ok for r in check_files(plan, store, cache))
 
     # Serving replay in a fresh process over the pulled dir: every graph found, nothing written.
-    backend = NeuronBackend()
-    scratch = tmp_path / "replay"
-    unit_ids = tuple(u.unit_id for u in plan.units)
-    job = WorkerJob(
-        purpose="replay", entry=plan.units[0].entry, model_ref=plan.units[0].model_ref,
-        unit_ids=unit_ids, shapes=tuple(u.shape for u in plan.units), watch_dir=str(cache),
-    )  # fmt: skip
-    result = run_worker(lambda job_file: backend.launch_command(job.entry, job_file), job, {**env, **backend.worker_env(cache, scratch)}, scratch)
-    assert [r.compiles for r in result.runs] == [0, 0] and [r.written for r in result.runs] == [(), ()]
-    assert all(r.counters.get("neuron.CompilationCache.PersistentHits", 0) >= 1 for r in result.runs)
+    replayed = replay(plan, cache, env=env)
+    assert not replayed.misses and len(replayed.units) == 2
+    assert all(u.counters.get("neuron.CompilationCache.PersistentHits", 0) >= 1 for u in replayed.units)
+
+    exported = cli("env", "tiny-neuron", "--store", str(store_dir), "--cache-dir", str(cache))
+    assert exported.returncode == 0 and f"export TORCH_NEURONX_NEFF_CACHE_DIR={cache.resolve()}" in exported.stdout
 
     again = build(plan, store, env=env)
     assert [o.status for o in again.outcomes] == ["present", "present"] and again.release_id == report.release_id

@@ -22,6 +22,7 @@ seam can never carry the key of a real Neuron build):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -91,6 +92,10 @@ _NEFF_COUNTERS = (
     "CompilationCache.InMemoryMisses",
 )
 
+# The native key omits the compiler version; these make ours carry it (and the framework's).
+_DISTRIBUTIONS = ("torch", "torch-neuronx", "neuronx-cc", "diffusers", "transformers")
+_VERSION_FIELDS = (*_DISTRIBUTIONS, "python")
+
 VersionOf = Callable[[str], str | None]
 
 
@@ -132,10 +137,7 @@ class NeuronBackend(Backend):
     def collect_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
         # Versions come from package metadata, so planning works on a CI host without
         # torch-neuronx ("absent"); the instance type from DMI, never from the network (IMDS).
-        facts = {
-            dist: self._version_of(dist) or ABSENT
-            for dist in ("torch", "torch-neuronx", "neuronx-cc", "diffusers", "transformers")
-        }
+        facts = {dist: self._version_of(dist) or ABSENT for dist in _DISTRIBUTIONS}
         facts["python"] = ".".join(platform.python_version_tuple()[:2])
         facts["instance.type"] = _read_text(self._product_name_file)
         return facts
@@ -145,7 +147,7 @@ class NeuronBackend(Backend):
         fields = {
             "backend": self.name,
             "device": entry.device,
-            **{k: facts.get(k, ABSENT) for k in ("torch", "torch-neuronx", "neuronx-cc", "diffusers", "transformers", "python")},
+            **{k: facts.get(k, ABSENT) for k in _VERSION_FIELDS},
             "neuron.target": target,
             "neuron.lnc": env.get("NEURON_LOGICAL_NC_CONFIG") or _DEFAULT_LNC.get(target, "unknown"),
             "neuron.opt_level": env.get("NEURON_COMPILER_OPT_LEVEL") or UNSET,
@@ -251,6 +253,9 @@ class NeuronBackend(Backend):
     def load_pipeline(self, entry: ModelEntry, model_ref: str) -> Any:
         if entry.tensor_parallel == 1:
             return super().load_pipeline(entry, model_ref)
+        if importlib.util.find_spec("accelerate") is None:
+            # Without it diffusers silently loads on CPU memory, then refuses to shard.
+            raise RuntimeError("tensor_parallel > 1 loads through accelerate's meta device: pip install accelerate")
         import diffusers
         import torch
 
@@ -260,7 +265,7 @@ class NeuronBackend(Backend):
         # from_pretrained with a TP config streams each rank's slice straight into its DTensor.
         config = diffusers.TensorParallelConfig(mesh=_tp_mesh(entry.tensor_parallel, self.device))
         transformer = diffusers.AutoModel.from_pretrained(
-            model_ref, subfolder="transformer", parallel_config=config, **kwargs
+            model_ref, subfolder="transformer", parallel_config=config, low_cpu_mem_usage=True, **kwargs
         )
         pipeline_class = getattr(diffusers, entry.pipeline)
         return pipeline_class.from_pretrained(model_ref, transformer=transformer, **kwargs)

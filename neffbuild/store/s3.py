@@ -25,7 +25,8 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from collections import deque
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,7 @@ from neffbuild.store import packs
 from neffbuild.store.base import MARKER, STORE_FORMAT, BlobSource, DocKind, blob_key, doc_key
 
 ALLOW_UNCONDITIONAL_ENV = "NEFFBUILD_S3_ALLOW_UNCONDITIONAL"
-PART = 16 << 20  # a large blob is fetched as parallel ranges of this size
+PART = 8 << 20  # a large blob is fetched as parallel ranges of this size; >= packs.RANGE_TARGET
 WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
 PACK_UPLOADS = 4  # packs built in memory at once (each up to packs.PACK_TARGET)
 HEAD_LIMIT = 256  # up to this many blobs to check: HEAD each; more: list their shards
@@ -249,17 +250,18 @@ class S3Store:
         by_pack: dict[str, list[BlobTarget]] = {}
         direct: list[Callable[[], None]] = []
         large: list[BlobTarget] = []
+        buffers = _Buffers()
         for t in targets:
             if t.size == 0:  # nothing to fetch; write_verified still checks the digest
                 direct.append(lambda t=t: write_verified(t, [], origin=f"{self.url} (empty blob)"))
             elif t.digest in self._packed:
                 by_pack.setdefault(self._packed[t.digest][0].pack_id, []).append(t)
             elif t.size <= PART:
-                direct.append(lambda t=t: self._fetch_loose(t))
+                direct.append(lambda t=t: self._fetch_loose(t, buffers))
             else:
                 large.append(t)
         for pack_id, wanted in by_pack.items():
-            direct += [lambda f=f: self._fetch_range(f) for f in packs.plan_ranges(self._packs[pack_id], wanted)]
+            direct += [lambda f=f: self._fetch_range(f, buffers) for f in packs.plan_ranges(self._packs[pack_id], wanted)]
         # A large blob's writer waits on its ranges, fetched by a pool of their own (a task never
         # waits on its own pool); the semaphore bounds memory to writers * WINDOW * PART.
         writers = threading.BoundedSemaphore(max(1, jobs // WINDOW))
@@ -267,7 +269,7 @@ class S3Store:
 
             def write_large(target: BlobTarget) -> None:
                 with writers:
-                    self._fetch_large(target, parts)
+                    self._fetch_large(target, parts, buffers)
 
             _run_all([lambda t=t: write_large(t) for t in large] + direct, jobs)
 
@@ -353,7 +355,7 @@ class S3Store:
         """Load the indexes of packs written since we last looked (they never change)."""
         ids = {packs.pack_id_of_index_key(rel) for rel in self._list("packs/")} - {None}
         new = sorted(i for i in ids if i not in self._packs)
-        loaded = _run_all([lambda i=i: packs.decode_index(i, self.data.get(packs.index_key(i))) for i in new], 16)
+        loaded = _run_all([lambda i=i: packs.decode_index(i, bytes(self.data.get(packs.index_key(i)))) for i in new], 16)
         with self._lock:
             for index in loaded:
                 self._remember(index)
@@ -373,36 +375,78 @@ class S3Store:
         have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys}
         return digests - have
 
-    def _fetch_loose(self, target: BlobTarget) -> None:
+    def _fetch_loose(self, target: BlobTarget, buffers: _Buffers) -> None:
         key = blob_key(target.digest)
-        write_verified(target, [self.data.get(key, missing=str(target.dest))], origin=f"{self.url}/{key}")
+        with buffers.lend() as buf:
+            data = self.data.get(key, into=buf, missing=str(target.dest))
+            write_verified(target, [data], origin=f"{self.url}/{key}")
 
-    def _fetch_range(self, fetch: packs.RangeFetch) -> None:
+    def _fetch_range(self, fetch: packs.RangeFetch, buffers: _Buffers) -> None:
         key = packs.pack_key(fetch.pack_id)
-        data = memoryview(self.data.get(key, fetch.start, fetch.end))
-        for piece in fetch.pieces:
-            chunk = data[piece.start : piece.start + piece.target.size]
-            write_verified(piece.target, [chunk], origin=f"{self.url}/{key} at {fetch.start + piece.start}")
+        with buffers.lend() as buf:
+            data = self.data.get(key, fetch.start, fetch.end, into=buf)
+            for piece in fetch.pieces:
+                chunk = data[piece.start : piece.start + piece.target.size]
+                write_verified(piece.target, [chunk], origin=f"{self.url}/{key} at byte {fetch.start + piece.start}")
 
-    def _fetch_large(self, target: BlobTarget, fetchers: ThreadPoolExecutor) -> None:
+    def _fetch_large(self, target: BlobTarget, fetchers: ThreadPoolExecutor, buffers: _Buffers) -> None:
         key = blob_key(target.digest)
-        write_verified(target, _ranges_in_order(self.data, key, target, fetchers), origin=f"{self.url}/{key}")
+        chunks = _ranges_in_order(self.data, key, target, fetchers, buffers)
+        write_verified(target, chunks, origin=f"{self.url}/{key}")
 
 
-def _ranges_in_order(data: DataPlane, key: str, target: BlobTarget, fetchers: ThreadPoolExecutor) -> Iterator[bytearray]:
+def _ranges_in_order(
+    data: DataPlane, key: str, target: BlobTarget, fetchers: ThreadPoolExecutor, buffers: _Buffers
+) -> Iterator[memoryview]:
     """The blob's bytes in order, fetched as parallel ranges with WINDOW of them in flight."""
-    starts = list(range(0, target.size, PART))
-    pending: list[Future[bytearray]] = []
+
+    def fetch(start: int) -> tuple[bytearray, memoryview]:
+        buf = buffers.take()
+        try:
+            return buf, data.get(key, start, min(start + PART, target.size), into=buf, missing=str(target.dest))
+        except BaseException:
+            buffers.give(buf)
+            raise
+
+    pending = deque(fetchers.submit(fetch, start) for start in range(0, min(target.size, WINDOW * PART), PART))
+    next_start = WINDOW * PART
     try:
-        for i, start in enumerate(starts):
-            pending.append(fetchers.submit(data.get, key, start, min(start + PART, target.size), str(target.dest)))
-            if i + 1 >= WINDOW:
-                yield pending.pop(0).result()
         while pending:
-            yield pending.pop(0).result()
+            buf, view = pending.popleft().result()
+            yield view  # write_verified has written it when we resume
+            buffers.give(buf)
+            if next_start < target.size:
+                pending.append(fetchers.submit(fetch, next_start))
+                next_start += PART
     finally:
-        for f in pending:
-            f.cancel()
+        for f in pending:  # on failure: give back what was fetched, cancel the rest
+            if not f.cancel() and f.exception() is None:
+                buffers.give(f.result()[0])
+
+
+class _Buffers:
+    """PART-sized buffers reused across requests: fresh memory costs page faults (and on a VM,
+    host allocations) that cost more than the copy itself; reuse keeps the data plane fast."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            return self._free.pop() if self._free else bytearray(PART)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    @contextmanager
+    def lend(self) -> Iterator[bytearray]:
+        buf = self.take()
+        try:
+            yield buf
+        finally:
+            self.give(buf)
 
 
 class DataPlane:
@@ -413,16 +457,19 @@ class DataPlane:
         self.location = location
         self.pool = pool
 
-    def get(self, rel: str, start: int = 0, end: int | None = None, missing: str | None = None) -> bytearray:
+    def get(
+        self, rel: str, start: int = 0, end: int | None = None, *, into: bytearray | None = None, missing: str | None = None
+    ) -> memoryview:
         """Bytes [start, end) of an object (all of it if end is None), retried on transient failures.
 
+        They land in `into` when it is large enough (the caller owns it until done with the view).
         `missing` names what needed the object, for the error if it is absent.
         """
 
-        def attempt() -> bytearray:
+        def attempt() -> memoryview:
             response = self._get(rel, start, end, missing)
             try:
-                return _read_body(response, rel, None if end is None else end - start)
+                return _read_body(response, rel, None if end is None else end - start, into)
             finally:
                 response.release_conn()
 
@@ -476,15 +523,15 @@ class _Transient(Exception):
     """A connection or server failure worth another try."""
 
 
-def _read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None) -> bytearray:
+def _read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, into: bytearray | None) -> memoryview:
     """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop)."""
     length = int(response.headers.get("Content-Length", "-1"))
     if wanted is not None and length != wanted:  # the server clipped the range: the object is short
         raise IntegrityError(f"{rel}: server returned {length} bytes of a {wanted}-byte range", hint=_CORRUPT_HINT)
     if length < 0:
-        return bytearray(response.read())
-    buf = bytearray(length)
-    view = memoryview(buf)
+        return memoryview(response.read())
+    buf = into if into is not None and len(into) >= length else bytearray(length)
+    view = memoryview(buf)[:length]
     got = 0
     try:
         while got < length and (n := response.readinto(view[got:])):
@@ -493,7 +540,7 @@ def _read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None)
         raise _Transient(f"read failed after {got} of {length} bytes ({exc})") from None
     if got != length:
         raise _Transient(f"connection closed after {got} of {length} bytes")
-    return buf
+    return view
 
 
 def _http_error(location: S3Location, rel: str, status: int, body: bytes, missing: str | None) -> Exception:

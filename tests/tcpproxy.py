@@ -1,0 +1,113 @@
+"""A loopback TCP proxy in front of the test S3 server that misbehaves on purpose.
+
+Modes:
+- "pass": forward bytes unchanged.
+- "flip-body": flip the first body byte of PUTs whose path contains one of `paths` (a corrupting
+  network path; the server must reject the upload by its checksum).
+- "ignore-preconditions": answer a 412 with an empty 200 (a server that ignores If-None-Match /
+  If-Match; the real server still did not write, which the tests do not rely on).
+
+Each request is forwarded with `Connection: close`, so a connection carries one exchange and the
+proxy needs no HTTP framing beyond the request's Content-Length. It serves until stop().
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+
+
+class TcpProxy:
+    def __init__(self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",)) -> None:
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.mode = mode
+        self.paths = tuple(p.encode() for p in paths)
+        self.corrupted = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> TcpProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        self._listener.close()
+
+    def _serve(self) -> None:
+        self._listener.settimeout(0.1)  # closing a listening socket does not wake accept(): poll
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _handle(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=30)
+        except OSError:
+            client.close()
+            return
+        threading.Thread(target=self._responses, args=(upstream, client), daemon=True).start()
+        try:
+            self._request(client, upstream)
+        except OSError:
+            upstream.close()
+            client.close()
+
+    def _request(self, client: socket.socket, upstream: socket.socket) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = client.recv(65536)
+            if not chunk:
+                upstream.close()
+                return
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        first, *headers = head.split(b"\r\n")
+        headers = [h for h in headers if not h.lower().startswith(b"connection:")] + [b"Connection: close"]
+        length = next((int(h.split(b":", 1)[1]) for h in headers if h.lower().startswith(b"content-length:")), 0)
+        method, path = first.split(b" ")[:2]
+        flip = self.mode == "flip-body" and method == b"PUT" and length > 0 and any(p in path for p in self.paths)
+        upstream.sendall(b"\r\n".join([first, *headers]) + b"\r\n\r\n")
+        remaining = length
+        while remaining > 0:
+            if not body:
+                body = client.recv(65536)
+                if not body:
+                    return
+            part, body = body[:remaining], body[remaining:]
+            if flip:
+                part, flip = bytes([part[0] ^ 0x01]) + part[1:], False
+                self.corrupted += 1
+            upstream.sendall(part)
+            remaining -= len(part)
+
+    def _responses(self, upstream: socket.socket, client: socket.socket) -> None:
+        try:
+            while chunk := upstream.recv(65536):
+                if self.mode == "ignore-preconditions" and chunk.startswith(b"HTTP/1.1 412 "):
+                    # What a server without conditional writes answers: a plain success, no body.
+                    client.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    break
+                client.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            upstream.close()
+            client.close()

@@ -1,0 +1,202 @@
+"""`neffbuild doctor`: each check failing on this machine's real filesystems, and passing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from neffbuild.bundle import FileEntry, Release
+from neffbuild.doctor import (
+    HostView,
+    check_free_space,
+    check_persistent,
+    check_writable,
+    fingerprint_diff,
+    load_release,
+    mount_of,
+    report_json,
+    report_lines,
+    run_doctor,
+)
+from neffbuild.errors import InputError
+
+CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
+HERE_FACTS = {"torch": "2.13.0", "torch-neuronx": "absent", "neuronx-cc": "absent", "diffusers": "0.42.1",
+              "transformers": "5.0.0", "python": "3.11", "instance.type": "trn2.48xlarge"}  # fmt: skip
+
+
+def fake_facts(facts: dict[str, str]):
+    return lambda backend, env, device: facts
+
+
+def release(fingerprint: dict[str, str], files=(), env=None) -> Release:
+    return Release(
+        name="prod", manifest_digest="0" * 32, backend="neuron", cache_env=CACHE_ENV, env=env or {},
+        fingerprint=fingerprint, units=(), files=tuple(files),
+    )  # fmt: skip
+
+
+def host_fingerprint(**overrides: str) -> dict[str, str]:
+    """What the neuron backend reports for HERE_FACTS with no Neuron variables set."""
+    from neffbuild.backends.neuron import NeuronBackend
+    from neffbuild.manifest import ModelEntry, ShapeSet
+
+    entry = ModelEntry(id="x", model="a/b", revision="r", pipeline="P", backend="neuron", device="neuron", shapes=[ShapeSet(height=16, width=16)])
+    return {**NeuronBackend().fingerprint(HERE_FACTS, {}, entry), **overrides}
+
+
+def by_name(report, name: str):
+    return next(c for c in report.checks if c.name == name)
+
+
+def persistent_host(**kw) -> HostView:
+    # pytest's tmp dirs are under /tmp; tests that need a passing location drop that rule.
+    return HostView(volatile_dirs=(), module_available=lambda name: True, **kw)
+
+
+def test_this_machine_fails_backend_devices_and_default_cache_dir():
+    report = run_doctor(env={})
+    assert report.backend == "neuron" and report.cache_dir == Path("/tmp/neff_cache")
+    if not by_name(report, "backend").status == "pass":  # torch-neuronx absent here
+        assert "torch_neuronx" in by_name(report, "backend").detail and by_name(report, "backend").fix
+    if not list(Path("/dev").glob("neuron[0-9]*")):
+        assert by_name(report, "devices").status == "fail" and "neuron-ls" in by_name(report, "devices").fix
+    persistent = by_name(report, "persistent")
+    assert persistent.status == "fail" and "/tmp" in persistent.detail  # the compiler's default dies at reboot
+    assert by_name(report, "versions").status == "skip"
+    assert not report.ok and report.exit_code == 1
+    text = "\n".join(report_lines(report))
+    assert "FAIL  persistent" in text and "fix:" in text
+    assert report_json(report)["ok"] is False
+
+
+def test_tmpfs_cache_dir_fails(tmp_path):
+    if not Path("/dev/shm").is_dir() or mount_of(Path("/dev/shm"), _mounts())[1] != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    check = check_persistent(Path("/dev/shm/neffbuild-cache"), persistent_host(), CACHE_ENV)
+    assert check.status == "fail" and "tmpfs" in check.detail and "/var/cache" in check.fix
+
+
+def test_dirs_cleared_at_boot_fail_even_on_a_disk(tmp_path):
+    check = check_persistent(Path("/var/tmp/neuron-compile-cache"), HostView(), CACHE_ENV)
+    assert check.status == "fail" and "/var/tmp" in check.detail
+
+
+def test_disk_dir_passes(tmp_path):
+    check = check_persistent(tmp_path / "not-yet", persistent_host(), CACHE_ENV)
+    assert check.status == "pass", check.detail
+
+
+def test_mount_lookup_takes_the_longest_and_unescapes(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\ntmpfs /srv/my\\040cache tmpfs rw 0 0\n")
+    host = HostView(mounts=mounts, volatile_dirs=())
+    assert check_persistent(Path("/srv/my cache/neff"), host, CACHE_ENV).status == "fail"
+    assert check_persistent(Path("/srv/other"), host, CACHE_ENV).status == "pass"
+
+
+def test_non_writable_dir_fails(tmp_path):
+    if os.geteuid() == 0:
+        target = Path("/sys/kernel")  # sysfs refuses new files even to root
+    else:
+        target = tmp_path / "ro"
+        target.mkdir()
+        target.chmod(0o555)
+    check = check_writable(target)
+    assert check.status == "fail" and "cannot create files" in check.detail and check.fix
+
+
+def test_missing_dir_is_judged_by_its_parent(tmp_path):
+    check = check_writable(tmp_path / "a" / "b")
+    assert check.status == "pass" and "does not exist yet" in check.detail
+    (tmp_path / "file").write_text("x")
+    assert check_writable(tmp_path / "file").status == "fail"
+
+
+def test_free_space_fails_when_the_release_does_not_fit(tmp_path):
+    huge = FileEntry(path="ab/cd/abcd" + "0" * 28 + ".neff", size=1 << 60, digest="0" * 32)
+    check = check_free_space(tmp_path, release({}, files=[huge]), HostView())
+    assert check.status == "fail" and "still to pull" in check.detail
+    assert check_free_space(tmp_path, None, HostView(min_free_bytes=1 << 60)).status == "fail"
+    assert check_free_space(tmp_path, None, HostView(min_free_bytes=1)).status == "pass"
+
+
+def test_files_already_present_need_no_space(tmp_path):
+    size = shutil.disk_usage(tmp_path).free + (1 << 30)  # more than fits
+    entry = FileEntry(path="ab/cd/abcd" + "0" * 28 + ".neff", size=size, digest="0" * 32)
+    assert check_free_space(tmp_path, release({}, files=[entry]), HostView()).status == "fail"
+    target = tmp_path / entry.path
+    target.parent.mkdir(parents=True)
+    with target.open("wb") as out:  # sparse: the size matches without using the space
+        out.truncate(entry.size)
+    assert check_free_space(tmp_path, release({}, files=[entry]), HostView()).status == "pass"
+
+
+def test_versions_against_a_release_name_each_difference(tmp_path):
+    built = host_fingerprint(**{"neuronx-cc": "2.21.33", "torch-neuronx": "2.13.0.1"})
+    host = persistent_host(facts=fake_facts(HERE_FACTS))
+    report = run_doctor(env={}, cache_dir=tmp_path, release=release(built), host=host)
+    versions = by_name(report, "versions")
+    assert versions.status == "fail"
+    assert "neuronx-cc: built '2.21.33', here 'absent'" in versions.detail and "torch-neuronx" in versions.detail
+    same = run_doctor(env={}, cache_dir=tmp_path, release=release(host_fingerprint()), host=host)
+    assert by_name(same, "versions").status == "pass"
+
+
+def test_release_env_is_what_the_server_runs_with(tmp_path):
+    built = host_fingerprint(**{"neuron.cc_flags": "--model-type=transformer"})
+    rel = release(built, env={"NEURON_CC_FLAGS": "--model-type=transformer"})
+    host = persistent_host(facts=fake_facts(HERE_FACTS))
+    assert by_name(run_doctor(env={}, cache_dir=tmp_path, release=rel, host=host), "versions").status == "pass"
+    extra = {"TORCH_NEURONX_COMPLEX_DECOMPOSE": "0"}
+    check = by_name(run_doctor(env=extra, cache_dir=tmp_path, release=rel, host=host), "versions")
+    assert check.status == "fail" and "env.TORCH_NEURONX_COMPLEX_DECOMPOSE: here '0', not set at build" in check.detail
+
+
+def test_fingerprint_diff_is_symmetric_for_env_only():
+    assert fingerprint_diff({"a": "1"}, {"a": "1", "b": "2"}) == []
+    assert fingerprint_diff({"a": "1"}, {}) == ["a: built '1', here '(missing)'"]
+
+
+def test_all_pass_on_a_good_host(tmp_path):
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "neuron0").touch()
+    host = persistent_host(dev_dir=tmp_path / "dev", facts=fake_facts(HERE_FACTS))
+    report = run_doctor(env={CACHE_ENV: str(tmp_path / "cache")}, release=release(host_fingerprint()), host=host)
+    assert report.ok, report_lines(report)
+    assert report.cache_dir == tmp_path / "cache" and [c.status for c in report.checks] == ["pass"] * 6
+
+
+def test_release_from_a_file_or_a_store(tmp_path):
+    from neffbuild.bundle import dump
+
+    rel = release(host_fingerprint())
+    path = tmp_path / "release.json"
+    path.write_bytes(dump(rel))
+    assert load_release(str(path), None, {}) == rel
+    with pytest.raises(InputError, match="not a release file"):
+        load_release("prod", None, {})
+
+
+def test_backend_must_match_the_release(tmp_path):
+    with pytest.raises(InputError, match="built with neuron"):
+        run_doctor(env={}, cache_dir=tmp_path, backend="inductor", release=release({}))
+
+
+def _mounts() -> list[tuple[str, str]]:
+    from neffbuild.doctor import _read_mounts
+
+    return _read_mounts(Path("/proc/mounts"))
+
+
+def test_cli_doctor_exits_non_zero_and_prints_json(cli):
+    result = cli("doctor", "--json", "--cache-dir", "/dev/shm/neffbuild-doctor-test")
+    doc = json.loads(result.stdout)
+    assert result.returncode == 1 and doc["ok"] is False
+    assert {c["name"]: c["status"] for c in doc["checks"]}["persistent"] == "fail"
+    text = cli("doctor", "--cache-dir", "/dev/shm/neffbuild-doctor-test")
+    assert text.returncode == 1 and "FAIL  persistent" in text.stdout and "fix:" in text.stdout

@@ -1,0 +1,105 @@
+"""The product's promise on real components: a real diffusers pipeline compiled by Inductor,
+built into a store, pulled into a new directory at another path, replayed with zero compiles."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import write_manifest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pulled(built_store: Path, tmp_path_factory: pytest.TempPathFactory, cli) -> Path:
+    cache = tmp_path_factory.mktemp("host-b") / "var" / "cache" / "neffbuild"
+    result = cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(cache), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["files_fetched"] == report["files_total"] > 0
+    assert report["exports"]["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    return cache
+
+
+def replay(cli, manifest: Path, cache: Path, outputs: Path) -> tuple[int, dict]:
+    result = cli("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--outputs", str(outputs), "--json")
+    assert result.stdout, result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_pulled_cache_replays_with_zero_compiles_and_matches_eager(
+    tiny_manifest: Path, pulled: Path, tmp_path: Path, tiny_model: Path, cli
+) -> None:
+    code, report = replay(cli, tiny_manifest, pulled, tmp_path / "compiled")
+    assert code == 0, report
+    assert report["misses"] == 0
+    assert [u["unit_id"] for u in report["units"]] == ["klein/128x128x1", "klein/128x256x1"]
+    for unit in report["units"]:
+        assert unit["compiles"] == 0 and unit["written"] == []
+        assert unit["counters"].get("inductor.fxgraph_cache_hit", 0) > 0, unit
+
+    eager_manifest = write_manifest(tmp_path / "eager.toml", tiny_model)
+    eager_manifest.write_text(eager_manifest.read_text().replace('mode = "full"\ncomponents = ["transformer"]\n', 'mode = "eager"\n'))
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    code, _ = replay(cli, eager_manifest, empty, tmp_path / "eager")
+    assert code == 0
+    for unit in report["units"]:
+        name = unit["unit_id"].replace("/", "__") + ".pt"
+        compiled, eager = torch.load(tmp_path / "compiled" / name), torch.load(tmp_path / "eager" / name)
+        assert compiled.shape == eager.shape and compiled.shape[-2:] == (128, int(unit["unit_id"].split("x")[1]))
+        torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=1e-3)
+
+
+def test_second_build_compiles_nothing_and_keeps_the_release(built_store: Path, tiny_manifest: Path, cli) -> None:
+    tag_before = json.loads((built_store / "tags" / "tiny-flux2-klein.json").read_text())
+    result = cli("build", str(tiny_manifest), "--store", str(built_store), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [o["status"] for o in report["outcomes"]] == ["present", "present"]
+    assert sum(o["uploaded"] for o in report["outcomes"]) == 0
+    assert report["release_id"] == tag_before["release"]
+    assert json.loads((built_store / "tags" / "tiny-flux2-klein.json").read_text()) == tag_before
+
+
+def test_adding_a_shape_builds_only_the_new_unit(built_store: Path, tiny_model: Path, tmp_path: Path, cli) -> None:
+    manifest = write_manifest(tmp_path / "three.toml", tiny_model, widths=(128, 256, 192))
+    store = tmp_path / "store-copy"
+    shutil.copytree(built_store, store)
+    result = cli("build", str(manifest), "--store", str(store), "--json")
+    assert result.returncode == 0, result.stderr
+    statuses = {o["unit_id"]: o["status"] for o in json.loads(result.stdout)["outcomes"]}
+    assert statuses == {"klein/128x128x1": "present", "klein/128x256x1": "present", "klein/128x192x1": "built"}
+
+
+def test_replay_counts_recompiled_kernels_even_when_counters_say_hit(
+    tiny_manifest: Path, built_store: Path, tmp_path: Path, cli
+) -> None:
+    cache = tmp_path / "cache"
+    assert cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(cache)).returncode == 0
+    removed = [p for p in cache.rglob("*.so")]
+    for path in removed:
+        path.unlink()
+    code, report = replay(cli, tiny_manifest, cache, tmp_path / "out")
+    assert code == 6, report
+    assert report["misses"] == 2
+    rewritten = {w for u in report["units"] for w in u["written"]}
+    assert any(w.endswith(".so") for w in rewritten)
+
+
+def test_verify_checks_the_cache_files_against_the_store(tiny_manifest: Path, built_store: Path, pulled: Path, tmp_path: Path, cli) -> None:
+    ok = cli("verify", str(tiny_manifest), "--cache-dir", str(pulled), "--store", str(built_store))
+    assert ok.returncode == 0, ok.stderr
+    cache = tmp_path / "damaged"
+    shutil.copytree(pulled, cache)
+    victim = next(p for p in sorted(cache.rglob("*.so")))
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    bad = cli("verify", str(tiny_manifest), "--cache-dir", str(cache), "--store", str(built_store), "--json")
+    assert bad.returncode == 4
+    corrupt = [p for unit in json.loads(bad.stdout) for p in unit["corrupt"]]
+    assert victim.relative_to(cache).as_posix() in corrupt

@@ -1,0 +1,93 @@
+"""Publishing on both stores: two real processes racing on one tag lose no update; rollback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neffbuild.bundle import TagRecord, parse
+from neffbuild.publish import move_tag
+from neffbuild.store import open_store
+from neffbuild.store.base import Store
+from tests.storekit import publish_release_of, write_files
+
+ROOT = Path(__file__).resolve().parent.parent
+MOVES = 6  # tag moves per process: enough that the two really interleave
+
+# Each publisher: two releases of its own (blobs, bundle, release), then MOVES moves of the shared
+# tag between them, starting with the other publisher (a go-file) so their compare-and-swaps collide.
+PUBLISHER = """
+import os, sys, time
+from pathlib import Path
+from neffbuild.publish import move_tag
+from neffbuild.store import open_store
+from tests.storekit import publish_release_of, write_files
+
+url, name, work, go, moves = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
+store = open_store(url, env=os.environ)
+releases = []
+for v in range(2):
+    sources = write_files(work / str(v), {f"{name}-{i}.bin": 2000 + i for i in range(5)}, seed=hash((name, v)) % 1000)
+    releases.append(publish_release_of(store, work / str(v), sources, name=f"{name}-{v}"))
+while not go.exists():
+    time.sleep(0.005)
+for i in range(moves):  # alternate: a move to the release the tag already names records nothing
+    move_tag(store, "ci", releases[i % 2], by=name)
+print(" ".join(releases))
+"""
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, str]]:
+    if request.param == "s3":
+        return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_env")
+    return str(tmp_path / "store"), {}
+
+
+def test_two_processes_moving_one_tag_lose_no_update(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    url, env = target
+    store = open_store(url, create=True, env=env)
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PUBLISHER, url, name, str(tmp_path / name), str(go), str(MOVES)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        for name in ("job-a", "job-b")
+    ]
+    time.sleep(0.5)  # both import and publish their release, then race
+    go.touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    releases = {r for out, _ in outs for r in out.split()}
+    tag = _tag(store, "ci")
+    assert len(tag.history) == 2 * MOVES  # every move is recorded: none overwritten
+    assert {e.release for e in tag.history} == releases
+    assert sorted(e.by for e in tag.history) == ["job-a"] * MOVES + ["job-b"] * MOVES
+    assert tag.release == tag.history[-1].release
+
+
+def test_rollback_moves_the_tag_back_and_keeps_history(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    url, env = target
+    store = open_store(url, create=True, env=env)
+    old = publish_release_of(store, tmp_path / "v1", write_files(tmp_path / "v1", {"a.bin": 10}, seed=1), name="v1", tag="prod")
+    new = publish_release_of(store, tmp_path / "v2", write_files(tmp_path / "v2", {"a.bin": 10}, seed=2), name="v2", tag="prod")
+    assert _tag(store, "prod").release == new
+    move_tag(store, "prod", old, by="oncall")
+    tag = _tag(store, "prod")
+    assert tag.release == old
+    assert [e.release for e in tag.history] == [old, new, old]
+    assert tag.history[-1].by == "oncall"
+
+
+def _tag(store: Store, name: str) -> TagRecord:
+    current = store.read_tag(name)
+    assert current is not None
+    return parse(TagRecord, current[0], name)

@@ -1,0 +1,282 @@
+"""The store protocol, run unchanged against the local store and the S3 store (real SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tests.storekit import corrupt_blob, keys_of, s3_client, small_and_large, write_files
+
+from neffbuild.errors import IntegrityError, NotFoundError, StoreError
+from neffbuild.hashing import hash_bytes
+from neffbuild.materialize import BlobTarget
+from neffbuild.store import open_store
+from neffbuild.store.base import MARKER, STORE_FORMAT, BlobSource, Store, blob_key, doc_key
+
+DOC = b'{"format":"x"}'
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def env(kind: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    return request.getfixturevalue("s3_env") if kind == "s3" else {}
+
+
+@pytest.fixture
+def store_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "store")
+
+
+@pytest.fixture
+def store(store_url: str, env: dict[str, str]) -> Store:
+    return open_store(store_url, create=True, env=env)
+
+
+def fetch_all(store: Store, sources: list[BlobSource], dest: Path, jobs: int = 8) -> list[BlobTarget]:
+    targets = [BlobTarget(s.digest, s.size, dest / s.path.name) for s in sources]
+    store.download_blobs(targets, jobs)
+    return targets
+
+
+# ---- opening and layout -------------------------------------------------------------------------
+
+
+def test_a_new_store_holds_only_its_marker(store: Store, env: dict[str, str]) -> None:
+    assert keys_of(store, env) == {MARKER}
+    assert json.loads(_read(store, MARKER, env)) == {"format": STORE_FORMAT}
+
+
+def test_opening_without_create_needs_an_existing_store(store_url: str, env: dict[str, str]) -> None:
+    with pytest.raises(StoreError, match="no neffbuild store") as err:
+        open_store(store_url, env=env)
+    assert err.value.hint
+    open_store(store_url, create=True, env=env)
+    assert open_store(store_url, env=env).url == open_store(store_url, env=env).url  # opens twice, no error
+
+
+def test_layout_contract(store: Store, env: dict[str, str], tmp_path: Path) -> None:
+    [one] = write_files(tmp_path / "src", {"one.bin": 1000})
+    assert store.put_blob(one.digest, one.path) == 1000
+    assert store.put_doc("bundles", "b" * 32, DOC)
+    assert store.put_doc("releases", "r" * 32, DOC)
+    assert store.swap_tag("main", DOC, None)
+    assert keys_of(store, env) == {
+        MARKER, blob_key(one.digest), doc_key("bundles", "b" * 32), doc_key("releases", "r" * 32), doc_key("tags", "main"),
+    }  # fmt: skip
+    assert blob_key(one.digest) == f"blobs/{one.digest[:2]}/{one.digest}"
+    assert _read(store, blob_key(one.digest), env) == one.path.read_bytes()
+
+
+def test_documents_are_immutable(store: Store) -> None:
+    assert store.put_doc("releases", "r1", b"first") is True
+    assert store.put_doc("releases", "r1", b"second") is False
+    assert store.get_doc("releases", "r1") == b"first"
+    assert store.get_doc("releases", "absent") is None
+
+
+def test_list_docs_names_documents_of_one_kind(store: Store) -> None:
+    for name in ("b", "a", "c"):
+        store.put_doc("bundles", name, DOC)
+    store.put_doc("releases", "z", DOC)
+    assert list(store.list_docs("bundles")) == ["a", "b", "c"]
+    assert list(store.list_docs("tags")) == []
+
+
+# ---- blobs --------------------------------------------------------------------------------------
+
+
+def test_missing_blobs_and_idempotent_upload(store: Store, tmp_path: Path) -> None:
+    sources = small_and_large(tmp_path / "src")
+    digests = {s.digest for s in sources}
+    assert store.missing_blobs(digests) == digests
+    assert store.missing_blobs(set()) == set()
+    uploaded = store.put_blobs(sources + sources[:3], jobs=8)  # duplicates travel once
+    assert uploaded == sum(s.size for s in sources)
+    absent = hash_bytes(b"never stored")
+    assert store.missing_blobs(digests | {absent}) == {absent}
+    assert store.put_blobs(sources, jobs=8) == 0
+    assert store.put_blob(sources[0].digest, sources[0].path) == 0
+
+
+def test_round_trip_many_small_and_a_large_blob(store: Store, tmp_path: Path) -> None:
+    sources = small_and_large(tmp_path / "src", small=300)
+    store.put_blobs(sources, jobs=8)
+    dest = tmp_path / "cache"
+    targets = fetch_all(store, sources, dest)
+    twin = BlobTarget(sources[5].digest, sources[5].size, dest / "twin" / "same-bytes.bin")
+    store.download_blobs([twin], jobs=2)  # one blob, two paths
+    for s, t in zip(sources, targets, strict=True):
+        assert t.dest.read_bytes() == s.path.read_bytes(), t.dest
+    assert twin.dest.read_bytes() == sources[5].path.read_bytes()
+    assert not [p for p in dest.rglob("*") if p.name.endswith(".incomplete")]
+
+
+def test_open_blob_streams_bytes_or_raises_not_found(store: Store, tmp_path: Path) -> None:
+    sources = small_and_large(tmp_path / "src", small=3)
+    store.put_blobs(sources, jobs=4)
+    for s in (sources[0], sources[-1]):
+        with store.open_blob(s.digest) as stream:
+            assert stream.read() == s.path.read_bytes()
+    with pytest.raises(NotFoundError):
+        with store.open_blob(hash_bytes(b"absent")) as stream:
+            stream.read()
+
+
+def test_download_of_an_absent_blob_names_it(store: Store, tmp_path: Path) -> None:
+    absent = BlobTarget(hash_bytes(b"absent"), 6, tmp_path / "cache" / "x.bin")
+    with pytest.raises(NotFoundError, match=absent.digest):
+        store.download_blobs([absent], jobs=1)
+    assert not absent.dest.exists()
+
+
+def test_a_source_that_does_not_match_its_digest_is_not_stored(store: Store, tmp_path: Path) -> None:
+    small, large = write_files(tmp_path / "src", {"small.bin": 5000, "large.bin": 9 << 20})
+    for s in (small, large):
+        lying = BlobSource(hash_bytes(b"other bytes"), s.size, s.path)
+        with pytest.raises(IntegrityError, match="changed while publishing"):
+            store.put_blobs([lying], jobs=2)
+        assert store.missing_blobs({lying.digest}) == {lying.digest}
+
+
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_a_corrupt_stored_blob_fails_closed_naming_the_file(store: Store, env: dict[str, str], tmp_path: Path, which: str) -> None:
+    sources = small_and_large(tmp_path / "src", small=10)
+    store.put_blobs(sources, jobs=4)
+    bad = sources[3] if which == "small" else sources[-1]
+    corrupt_blob(store, bad.digest, env)
+    dest = tmp_path / "cache"
+    with pytest.raises(IntegrityError, match=bad.path.name) as err:
+        store.download_blobs([BlobTarget(bad.digest, bad.size, dest / bad.path.name)], jobs=4)
+    assert "nothing was written" in (err.value.hint or "")
+    assert not dest.exists() or not list(dest.rglob("*.bin*"))  # no file, no temp file
+
+
+def test_wrong_expected_digest_writes_nothing(store: Store, tmp_path: Path) -> None:
+    [s] = write_files(tmp_path / "src", {"a.bin": 4000})
+    store.put_blobs([s], jobs=1)
+    wrong_size = BlobTarget(s.digest, s.size + 1, tmp_path / "cache" / "a.bin")
+    with pytest.raises(IntegrityError):
+        store.download_blobs([wrong_size], jobs=1)
+    assert not list((tmp_path / "cache").rglob("*"))
+
+
+# ---- tags ---------------------------------------------------------------------------------------
+
+
+def test_tag_compare_and_swap(store: Store) -> None:
+    assert store.read_tag("main") is None
+    assert store.swap_tag("main", b"v1", None) is True
+    assert store.swap_tag("main", b"lost", None) is False  # someone created it first
+    data, version = store.read_tag("main")  # type: ignore[misc]
+    assert data == b"v1"
+    assert store.swap_tag("main", b"v2", version) is True
+    assert store.swap_tag("main", b"stale", version) is False  # version moved on
+    data2, version2 = store.read_tag("main")  # type: ignore[misc]
+    assert data2 == b"v2" and version2 != version
+    assert store.swap_tag("other", b"x", version2) is False  # expects a tag that is not there
+
+
+# ---- S3 only: the server's checks and errors ----------------------------------------------------
+
+
+@pytest.mark.s3
+def test_s3_packs_small_blobs_with_an_index(s3_url: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+    from neffbuild.store import packs
+
+    store = open_store(s3_url, create=True, env=s3_env)
+    sources = small_and_large(tmp_path / "src", small=50)
+    store.put_blobs(sources, jobs=4)
+    keys = keys_of(store, s3_env)
+    pack_keys = {k for k in keys if k.startswith("packs/")}
+    [index_key] = [k for k in pack_keys if k.endswith(".idx.json")]
+    pack_id = packs.pack_id_of_index_key(index_key)
+    assert pack_keys == {packs.pack_key(pack_id), index_key}
+    index = packs.decode_index(pack_id, _read(store, index_key, s3_env))
+    small = {s.digest for s in sources if s.size < packs.SMALL_BLOB}
+    assert {e.digest for e in index.entries} == small
+    assert {k for k in keys if k.startswith("blobs/")} == {blob_key(s.digest) for s in sources if s.digest not in small}
+    fresh = open_store(s3_url, env=s3_env)  # another process sees packed blobs as present
+    assert fresh.missing_blobs({s.digest for s in sources}) == set()
+
+
+@pytest.mark.s3
+def test_s3_many_loose_blobs_are_checked_by_listing(s3_url: str, s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neffbuild.store import s3
+
+    store = open_store(s3_url, create=True, env=s3_env)
+    sources = write_files(tmp_path / "src", {f"{i}.bin": 100 + i for i in range(5)})
+    for s in sources[:3]:
+        store.put_blob(s.digest, s.path)
+    monkeypatch.setattr(s3, "HEAD_LIMIT", 1)
+    assert store.missing_blobs({s.digest for s in sources}) == {s.digest for s in sources[3:]}
+
+
+@pytest.mark.s3
+def test_s3_upload_corrupted_in_flight_is_rejected(s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path) -> None:
+    from tests.tcpproxy import TcpProxy
+
+    open_store(s3_url, create=True, env=s3_env)
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    sources = small_and_large(tmp_path / "src", small=5)
+    with TcpProxy(port, mode="flip-body", paths=("/blobs/", "/packs/")) as proxy:
+        via_proxy = open_store(s3_url, env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint})
+        with pytest.raises(IntegrityError, match="corrupted in transit|checksum"):
+            via_proxy.put_blobs(sources, jobs=2)
+        assert proxy.corrupted >= 1
+    direct = open_store(s3_url, env=s3_env)
+    assert direct.missing_blobs({s.digest for s in sources}) == {s.digest for s in sources}
+    assert not [k for k in keys_of(direct, s3_env) if k.startswith(("blobs/", "packs/"))]
+
+
+@pytest.mark.s3
+def test_s3_refuses_a_server_without_conditional_writes(s3_url: str, s3_env: dict[str, str], s3_server) -> None:
+    from tests.tcpproxy import TcpProxy
+
+    open_store(s3_url, create=True, env=s3_env)
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    with TcpProxy(port, mode="ignore-preconditions") as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        with pytest.raises(StoreError, match="ignores conditional writes") as err:
+            open_store(s3_url, env=env).put_doc("releases", "r", DOC)
+        assert "NEFFBUILD_S3_ALLOW_UNCONDITIONAL" in (err.value.hint or "")
+        allowed = open_store(s3_url, env={**env, "NEFFBUILD_S3_ALLOW_UNCONDITIONAL": "1"})
+        assert allowed.put_doc("releases", "r", DOC)
+    assert open_store(s3_url, env=s3_env).get_doc("releases", "r") == DOC
+
+
+@pytest.mark.s3
+def test_s3_errors_are_typed_with_hints(s3_env: dict[str, str], s3_bucket: str) -> None:
+    with pytest.raises(StoreError, match="does not exist") as err:
+        open_store("s3://no-such-bucket-neffbuild/x", env=s3_env)
+    assert "create" in (err.value.hint or "")
+    with pytest.raises(StoreError, match="access denied") as err:
+        open_store(f"s3://{s3_bucket}/x", env={**s3_env, "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert "credentials" in (err.value.hint or "")
+    with pytest.raises(StoreError, match="cannot reach"):
+        open_store(f"s3://{s3_bucket}/x", env={**s3_env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    with pytest.raises(StoreError, match="expected s3://bucket"):
+        open_store("s3://", env=s3_env)
+
+
+@pytest.mark.s3
+def test_s3_create_makes_the_bucket_and_refuses_a_foreign_prefix(s3_env: dict[str, str], s3_server) -> None:
+    import uuid
+
+    bucket = f"new-{uuid.uuid4().hex[:12]}"
+    store = open_store(f"s3://{bucket}/deep/prefix", create=True, env=s3_env)
+    assert store.url == f"s3://{bucket}/deep/prefix"
+    s3_client(s3_env).put_object(Bucket=bucket, Key="other/file", Body=b"x")
+    with pytest.raises(StoreError, match="not empty"):
+        open_store(f"s3://{bucket}/other", create=True, env=s3_env)
+
+
+def _read(store: Store, key: str, env: dict[str, str]) -> bytes:
+    if not store.url.startswith("s3://"):
+        return (Path(store.url) / key).read_bytes()
+    bucket, _, prefix = store.url.removeprefix("s3://").partition("/")
+    return s3_client(env).get_object(Bucket=bucket, Key=f"{prefix}/{key}" if prefix else key)["Body"].read()
