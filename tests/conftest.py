@@ -3,10 +3,12 @@ the expensive part of this suite, so tests that only need a built store share on
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -53,13 +55,31 @@ def tiny_manifest(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) ->
     return write_manifest(tmp_path_factory.mktemp("manifests") / "tiny.toml", tiny_model)
 
 
+@dataclass(frozen=True)
+class BuiltStore:
+    path: Path
+    first_build: dict  # `build --json` of the one-shape manifest
+    second_build: dict  # `build --json` of the two-shape manifest, into the same store
+
+
 @pytest.fixture(scope="session")
-def built_store(tmp_path_factory: pytest.TempPathFactory, tiny_manifest: Path) -> Path:
-    """A local store holding a real Inductor build of the tiny manifest (two shapes)."""
+def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_manifest: Path) -> BuiltStore:
+    """A local store with a real Inductor build of the tiny manifest (two shapes), built in two
+    steps so the incremental path is exercised at no extra compile cost: one shape first, then
+    the full manifest, which must compile only the shape that is new."""
     store = tmp_path_factory.mktemp("stores") / "local"
-    result = run_cli("build", str(tiny_manifest), "--store", str(store), "--json")
-    assert result.returncode == 0, result.stderr
-    return store
+    one_shape = write_manifest(tiny_manifest.with_name("one-shape.toml"), tiny_model, widths=(128,))
+    reports = []
+    for manifest in (one_shape, tiny_manifest):
+        result = run_cli("build", str(manifest), "--store", str(store), "--json")
+        assert result.returncode == 0, result.stderr
+        reports.append(json.loads(result.stdout))
+    return BuiltStore(store, *reports)
+
+
+@pytest.fixture(scope="session")
+def built_store(built: BuiltStore) -> Path:
+    return built.path
 
 
 # ---- S3: a real SeaweedFS server on loopback (tests/s3server.py) ---------------------------------

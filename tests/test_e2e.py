@@ -67,14 +67,17 @@ def test_second_build_compiles_nothing_and_keeps_the_release(built_store: Path, 
     assert json.loads((built_store / "tags" / "tiny-flux2-klein.json").read_text()) == tag_before
 
 
-def test_adding_a_shape_builds_only_the_new_unit(built_store: Path, tiny_model: Path, tmp_path: Path, cli) -> None:
-    manifest = write_manifest(tmp_path / "three.toml", tiny_model, widths=(128, 256, 192))
-    store = tmp_path / "store-copy"
-    shutil.copytree(built_store, store)
-    result = cli("build", str(manifest), "--store", str(store), "--json")
-    assert result.returncode == 0, result.stderr
-    statuses = {o["unit_id"]: o["status"] for o in json.loads(result.stdout)["outcomes"]}
-    assert statuses == {"klein/128x128x1": "present", "klein/128x256x1": "present", "klein/128x192x1": "built"}
+def test_adding_a_shape_builds_only_the_new_unit(built) -> None:
+    first = {o["unit_id"]: o["status"] for o in built.first_build["outcomes"]}
+    second = {o["unit_id"]: o["status"] for o in built.second_build["outcomes"]}
+    assert first == {"klein/128x128x1": "built"}
+    assert second == {"klein/128x128x1": "present", "klein/128x256x1": "built"}
+    new_unit = next(o for o in built.second_build["outcomes"] if o["status"] == "built")
+    assert new_unit["compiles"] > 0 and new_unit["files"] > 0
+    assert built.first_build["tag"] == built.second_build["tag"] == "tiny-flux2-klein"
+    assert built.first_build["release_id"] != built.second_build["release_id"]
+    history = json.loads((built.path / "tags" / "tiny-flux2-klein.json").read_text())["history"]
+    assert [h["release"] for h in history] == [built.first_build["release_id"], built.second_build["release_id"]]
 
 
 def test_replay_counts_recompiled_kernels_even_when_counters_say_hit(
@@ -82,14 +85,14 @@ def test_replay_counts_recompiled_kernels_even_when_counters_say_hit(
 ) -> None:
     cache = tmp_path / "cache"
     assert cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(cache)).returncode == 0
-    removed = [p for p in cache.rglob("*.so")]
-    for path in removed:
-        path.unlink()
+    # One kernel gone: Inductor still reports a graph-cache hit, then rebuilds the kernel.
+    removed = sorted(cache.rglob("*.so"))[0]
+    removed.unlink()
     code, report = replay(cli, tiny_manifest, cache, tmp_path / "out")
     assert code == 6, report
-    assert report["misses"] == 2
+    assert report["misses"] >= 1
     rewritten = {w for u in report["units"] for w in u["written"]}
-    assert any(w.endswith(".so") for w in rewritten)
+    assert removed.relative_to(cache).as_posix() in rewritten
 
 
 def test_verify_checks_the_cache_files_against_the_store(tiny_manifest: Path, built_store: Path, pulled: Path, tmp_path: Path, cli) -> None:
@@ -98,7 +101,9 @@ def test_verify_checks_the_cache_files_against_the_store(tiny_manifest: Path, bu
     cache = tmp_path / "damaged"
     shutil.copytree(pulled, cache)
     victim = next(p for p in sorted(cache.rglob("*.so")))
-    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
     bad = cli("verify", str(tiny_manifest), "--cache-dir", str(cache), "--store", str(built_store), "--json")
     assert bad.returncode == 4
     corrupt = [p for unit in json.loads(bad.stdout) for p in unit["corrupt"]]

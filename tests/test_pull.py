@@ -174,3 +174,27 @@ def test_release_document_must_match_its_name(store: LocalStore, tmp_path: Path)
     store.put_doc("releases", other, dump(Release.model_validate(doc)))
     with pytest.raises(IntegrityError, match="does not match its name"):
         pull(store, other, tmp_path / "c")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    """A real 256 KiB filesystem (tmpfs), so a pull runs out of space for real."""
+    mount_point = tmp_path / "tiny-disk"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_full_disk_is_a_one_line_error_and_leaves_nothing_behind(store: LocalStore, tmp_path: Path, tiny_disk: Path, cli) -> None:
+    publish_files(store, {"small": b"s" * 1000, "big/model.neff": os.urandom(1 << 20)}, tmp_path)
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(tiny_disk / "cache"), "--jobs", "1")
+    assert result.returncode == 10, result.stderr
+    assert "No space left on device" in result.stderr and "model.neff" in result.stderr
+    assert "hint: free space" in result.stderr and "Traceback" not in result.stderr
+    assert not (tiny_disk / "cache" / "big" / "model.neff").exists()
+    assert incomplete_files(tiny_disk) == []
