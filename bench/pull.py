@@ -10,7 +10,9 @@ file, neffbuild as a published release (small files packed). Cases:
 
 Every run starts from an empty destination after `sync`; a warm-up round is not counted; each
 figure is the median of --runs rounds, tools interleaved within a round. neffbuild fsyncs each file
-it lands (the peers do not), so its time includes making the files durable.
+it lands and the peers do not, so by default every tool's time ends with `sync -f DEST` (the files
+are on disk, for all of them alike); --no-sync times the tools alone. On a tmpfs --dest the sync
+costs nothing and the figures compare the transfer machinery only.
 
 Set-up (optional tools; missing ones are skipped):
     python3 -m venv bench/.work/peers && bench/.work/peers/bin/pip install -r bench/requirements.txt
@@ -32,8 +34,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import boto3
+from botocore.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -77,6 +83,8 @@ def main() -> None:
             tools = available_tools(s3, args)
             results[name] = measure(case, tools, args)
             shutil.rmtree(args.dest, ignore_errors=True)
+            print_markdown({name: results[name]}, args)
+    print("\n# all cases\n")
     print_markdown(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -91,6 +99,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--store-dir", type=Path, help="case c: a local store built by `neffbuild build`")
     p.add_argument("--tag", help="case c: the tag to pull [default: the store's only tag]")
     p.add_argument("--dest", type=Path, default=WORK / "dest", help="where pulls land (emptied before each run)")
+    p.add_argument("--no-sync", dest="sync", action="store_false", help="do not include `sync -f DEST` in each time")
     p.add_argument("--peers-venv", type=Path, default=WORK / "peers", help="venv with bench/requirements.txt")
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args()
@@ -158,15 +167,17 @@ def push_real_bundle(store_dir: Path, tag: str | None, s3_store, files: Path) ->
 
 def upload_files(s3: S3Settings, case: Case) -> None:
     """The peers' copy: one object per file under s3://bench/<case>/files/."""
-    client = client_for(s3)
+    # The test client fails fast; uploads of 128 MiB files to a busy server need patience.
+    client = boto3.client(
+        "s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key, aws_secret_access_key=s3.secret_key,
+        region_name=s3.region, config=Config(retries={"mode": "standard", "max_attempts": 5}, read_timeout=300),
+    )  # fmt: skip
     prefix = f"{case.name}/files/"
     listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("KeyCount", 0)
     if listed:
         return
-    from concurrent.futures import ThreadPoolExecutor
-
     paths = [p for p in case.files_dir.rglob("*") if p.is_file()]
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda p: client.upload_file(str(p), BUCKET, prefix + p.relative_to(case.files_dir).as_posix()), paths))
 
 
@@ -232,7 +243,7 @@ def measure(case: Case, tools: list[Tool], args: argparse.Namespace) -> dict:
     cpu: dict[str, list[float]] = {t.name: [] for t in tools}
     for round_ in range(args.warmup + args.runs):
         for tool in tools:
-            seconds, cpu_s = run_once(tool, case, args.dest)
+            seconds, cpu_s = run_once(tool, case, args.dest, args.sync)
             if round_ >= args.warmup:
                 times[tool.name].append(seconds)
                 cpu[tool.name].append(cpu_s)
@@ -245,7 +256,7 @@ def measure(case: Case, tools: list[Tool], args: argparse.Namespace) -> dict:
     return {"label": case.label, "files": case.count, "bytes": case.size, "tools": rows}
 
 
-def run_once(tool: Tool, case: Case, dest: Path) -> tuple[float, float]:
+def run_once(tool: Tool, case: Case, dest: Path, sync: bool) -> tuple[float, float]:
     """Wall seconds and the CPU seconds (user + system) the tool's processes used."""
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
@@ -254,6 +265,8 @@ def run_once(tool: Tool, case: Case, dest: Path) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command, env=tool.env, capture_output=True, text=True, check=False)
+    if sync and done.returncode == 0:
+        subprocess.run(["sync", "-f", str(dest)], check=True)
     seconds = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -267,7 +280,8 @@ def run_once(tool: Tool, case: Case, dest: Path) -> tuple[float, float]:
 
 
 def print_markdown(results: dict, args: argparse.Namespace) -> None:
-    print(f"\nmedian of {args.runs} runs after {args.warmup} warm-up; --jobs {args.jobs}; dest {args.dest}\n")
+    synced = "each time ends with `sync -f DEST`" if args.sync else "tools timed alone (--no-sync)"
+    print(f"\nmedian of {args.runs} runs after {args.warmup} warm-up; --jobs {args.jobs}; dest {args.dest}; {synced}\n")
     for case in results.values():
         rows = case["tools"]
         peers = {k: v for k, v in rows.items() if k not in ("neffbuild", CEILING)}

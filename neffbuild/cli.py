@@ -181,7 +181,7 @@ def env_command(ref: str, cache_dir: Path, store_url: str | None, as_json: bool)
 @store_option
 @json_option
 def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, store_url: str | None, as_json: bool) -> int:
-    """Check this host before it serves: backend, devices, versions, cache dir; exit 1 if any check fails."""
+    """Check this host before it serves: backend, devices, versions, cache dir; exit 11 if any check fails."""
     from neffbuild.doctor import load_release, run_doctor
     from neffbuild.store import resolve_store_url
 

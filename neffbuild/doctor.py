@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from neffbuild.backends import get_backend
 from neffbuild.bundle import Release, parse
-from neffbuild.errors import InputError
+from neffbuild.errors import HostNotReady, InputError
 from neffbuild.manifest import ModelEntry, ShapeSet
 
 Status = Literal["pass", "fail", "skip"]
@@ -49,7 +49,7 @@ class DoctorReport:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        return 0 if self.ok else HostNotReady.exit_code
 
 
 @dataclass(frozen=True, slots=True)

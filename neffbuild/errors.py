@@ -73,3 +73,9 @@ class DiskError(NeffbuildError):
     """The local filesystem refused a write (full disk, permissions)."""
 
     exit_code = 10
+
+
+class HostNotReady(NeffbuildError):
+    """`doctor` found a check that fails: this host should not serve yet."""
+
+    exit_code = 11

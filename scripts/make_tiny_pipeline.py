@@ -4,7 +4,7 @@
 Usage: python scripts/make_tiny_pipeline.py OUT_DIR [--seed N] [--force]
 
 Standalone on purpose: tests and CI build the fixture without importing neffbuild.
-Recipe: /work/shared/design/inductor-cache.md ("A tiny FLUX.2-klein pipeline").
+Recipe: ../shared/design/inductor-cache.md ("A tiny FLUX.2-klein pipeline").
 Call it with max_sequence_length=64, text_encoder_out_layers=(1,), height/width multiples of 16.
 """
 

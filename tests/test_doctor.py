@@ -68,7 +68,7 @@ def test_this_machine_fails_backend_devices_and_default_cache_dir():
     persistent = by_name(report, "persistent")
     assert persistent.status == "fail" and "/tmp" in persistent.detail  # the compiler's default dies at reboot
     assert by_name(report, "versions").status == "skip"
-    assert not report.ok and report.exit_code == 1
+    assert not report.ok and report.exit_code == 11
     text = "\n".join(report_lines(report))
     assert "FAIL  persistent" in text and "fix:" in text
     assert report_json(report)["ok"] is False
@@ -196,7 +196,7 @@ def _mounts() -> list[tuple[str, str]]:
 def test_cli_doctor_exits_non_zero_and_prints_json(cli):
     result = cli("doctor", "--json", "--cache-dir", "/dev/shm/neffbuild-doctor-test")
     doc = json.loads(result.stdout)
-    assert result.returncode == 1 and doc["ok"] is False
+    assert result.returncode == 11 and doc["ok"] is False
     assert {c["name"]: c["status"] for c in doc["checks"]}["persistent"] == "fail"
     text = cli("doctor", "--cache-dir", "/dev/shm/neffbuild-doctor-test")
-    assert text.returncode == 1 and "FAIL  persistent" in text.stdout and "fix:" in text.stdout
+    assert text.returncode == 11 and "FAIL  persistent" in text.stdout and "fix:" in text.stdout

@@ -64,7 +64,7 @@ def test_two_processes_moving_one_tag_lose_no_update(target: tuple[str, dict[str
     time.sleep(0.5)  # both import and publish their release, then race
     go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
     releases = {r for out, _ in outs for r in out.split()}
     tag = _tag(store, "ci")

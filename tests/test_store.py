@@ -6,13 +6,26 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.storekit import corrupt_blob, keys_of, s3_client, small_and_large, write_files
 
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.hashing import hash_bytes
 from neffbuild.materialize import BlobTarget
 from neffbuild.store import open_store
-from neffbuild.store.base import MARKER, STORE_FORMAT, BlobSource, Store, blob_key, doc_key
+from neffbuild.store.base import (
+    MARKER,
+    STORE_FORMAT,
+    BlobSource,
+    Store,
+    blob_key,
+    doc_key,
+)
+from tests.storekit import (
+    corrupt_blob,
+    keys_of,
+    s3_client,
+    small_and_large,
+    write_files,
+)
 
 DOC = b'{"format":"x"}'
 
@@ -103,7 +116,17 @@ def test_missing_blobs_and_idempotent_upload(store: Store, tmp_path: Path) -> No
     assert store.put_blob(sources[0].digest, sources[0].path) == 0
 
 
-def test_round_trip_many_small_and_a_large_blob(store: Store, tmp_path: Path) -> None:
+@pytest.fixture(params=["ranges", "stream"])
+def large_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """S3 fetches a few large blobs as parallel ranges and many as one stream each: test both."""
+    from neffbuild.store import s3
+
+    if request.param == "stream":
+        monkeypatch.setattr(s3, "STREAM_MIN", 1)
+    return request.param
+
+
+def test_round_trip_many_small_and_a_large_blob(store: Store, tmp_path: Path, large_path: str) -> None:
     sources = small_and_large(tmp_path / "src", small=300)
     store.put_blobs(sources, jobs=8)
     dest = tmp_path / "cache"
@@ -144,7 +167,9 @@ def test_a_source_that_does_not_match_its_digest_is_not_stored(store: Store, tmp
 
 
 @pytest.mark.parametrize("which", ["small", "large"])
-def test_a_corrupt_stored_blob_fails_closed_naming_the_file(store: Store, env: dict[str, str], tmp_path: Path, which: str) -> None:
+def test_a_corrupt_stored_blob_fails_closed_naming_the_file(
+    store: Store, env: dict[str, str], tmp_path: Path, which: str, large_path: str
+) -> None:
     sources = small_and_large(tmp_path / "src", small=10)
     store.put_blobs(sources, jobs=4)
     bad = sources[3] if which == "small" else sources[-1]

@@ -1,6 +1,6 @@
 """The `neuron` backend: TorchNeuron (torch-neuronx) on Trainium, NEFF cache in TORCH_NEURONX_NEFF_CACHE_DIR.
 
-Written to the documented contract (/work/shared/design/neuron-cache.md and the torch-neuronx
+Written to the documented contract (../shared/design/neuron-cache.md and the torch-neuronx
 sources it cites); torch-neuronx cannot be installed where this was written, so everything that
 touches the compiler is verified only on Trainium. What is checked where is listed in
 docs/trainium.md.

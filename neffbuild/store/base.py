@@ -8,9 +8,13 @@ The layout below is a contract shared by all stores and asserted by tests:
     releases/<release id>.json  Release (immutable, id = digest of its canonical JSON)
     tags/<name>.json            TagRecord (the only object that is ever replaced, by compare-and-swap)
     locks/                      local store only: lock files that avoid duplicate work
+    packs/<p>.pack              S3 store only: small blobs (< 8 MiB) of one upload laid end to end (immutable)
+    packs/<p>.idx.json          its index {"format": "neffbuild.pack/1", "size", "entries": [[digest, offset, size]]},
+                                written after the pack; p = XXH3-128 of the index bytes (see store/packs.py)
 
-Publishing writes blobs, then bundles, then the release, then the tag, so a reader never finds a
-document that points at something absent.
+A blob is present if blobs/<d[:2]>/<d> exists or a present pack index lists it; missing_blobs
+answers for both. Publishing writes blobs, then bundles, then the release, then the tag, so a
+reader never finds a document that points at something absent.
 """
 
 from __future__ import annotations

@@ -115,10 +115,12 @@ def decode_index(pack_id: str, data: bytes) -> PackIndex:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """A blob to land from a fetched range: where it starts inside the range."""
+    """A blob to land from a fetched range: where it starts inside the range and its stored size
+    (write_verified then checks that against the size the release expects)."""
 
     target: BlobTarget
     start: int
+    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +152,7 @@ def plan_ranges(index: PackIndex, targets: Sequence[BlobTarget]) -> list[RangeFe
             pieces = []
         if not pieces:
             start, end = entry.offset, stop
-        pieces.append(Piece(target, entry.offset - start))
+        pieces.append(Piece(target, entry.offset - start, entry.size))
         end = max(end, stop)
     if pieces:
         fetches.append(RangeFetch(index.pack_id, start, end, tuple(pieces)))

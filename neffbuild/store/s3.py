@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import base64
 import threading
-import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from collections import deque
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,28 +34,28 @@ import urllib3
 import xxhash
 from awscrt import checksums
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectionError as BotoConnectionError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ProfileNotFound,
-)
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError, ProfileNotFound
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.hashing import CHUNK
 from neffbuild.materialize import BlobTarget, write_verified
-from neffbuild.store import packs
-from neffbuild.store.base import MARKER, STORE_FORMAT, BlobSource, DocKind, blob_key, doc_key
+from neffbuild.store import dataplane, packs
+from neffbuild.store.base import (
+    MARKER,
+    STORE_FORMAT,
+    BlobSource,
+    DocKind,
+    blob_key,
+    doc_key,
+)
 
 ALLOW_UNCONDITIONAL_ENV = "NEFFBUILD_S3_ALLOW_UNCONDITIONAL"
-PART = 8 << 20  # a large blob is fetched as parallel ranges of this size; >= packs.RANGE_TARGET
-WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
+STREAM_MIN = 4  # with this many large blobs or more, stream each with one GET instead of ranges
+STREAM_CHUNK = 4 << 20  # receive buffer of a streamed blob
 PACK_UPLOADS = 4  # packs built in memory at once (each up to packs.PACK_TARGET)
 HEAD_LIMIT = 256  # up to this many blobs to check: HEAD each; more: list their shards
 SINGLE_PUT_MAX = 5 << 30  # S3's limit for one PUT
-FETCH_ATTEMPTS = 4
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403"}
 _CORRUPT = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch"}
 _LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
@@ -89,10 +85,10 @@ class S3Location:
 
 
 class S3Store:
-    def __init__(self, location: S3Location, client: Any, data: DataPlane, *, allow_unconditional: bool = False) -> None:
+    def __init__(self, location: S3Location, client: Any, pool: urllib3.PoolManager, *, allow_unconditional: bool = False) -> None:
         self.location = location
         self.client = client
-        self.data = data
+        self.data = dataplane.DataPlane(self._presign, location.url, pool)
         self.allow_unconditional = allow_unconditional
         self._lock = threading.Lock()
         self._probed = False
@@ -120,7 +116,7 @@ class S3Store:
                 config=_client_config(endpoint),
             )
         store = cls(
-            location, client, DataPlane(client, location, _http_pool(endpoint, env)),
+            location, client, dataplane.http_pool(endpoint, env),
             allow_unconditional=env.get(ALLOW_UNCONDITIONAL_ENV) == "1",
         )  # fmt: skip
         store._open(create)
@@ -250,38 +246,57 @@ class S3Store:
 
         tasks: list[Callable[[], int]] = [lambda g=g: upload_pack(g) for g in packs.group_small(small)]
         tasks += [lambda s=s: self._upload_loose(s) for s in large]
-        return sum(_run_all(tasks, jobs))
+        return sum(dataplane.run_all(tasks, jobs))
 
     def download_blobs(self, targets: Sequence[BlobTarget], jobs: int) -> None:
         if not targets:
             return
         self._refresh_packs()
         jobs = max(1, jobs)
+        unique, copies = _split_duplicates(targets)
+        chunks = dataplane.Buffers(STREAM_CHUNK)
+        tasks: list[Callable[[], None]] = []
         by_pack: dict[str, list[BlobTarget]] = {}
-        direct: list[Callable[[], None]] = []
         large: list[BlobTarget] = []
-        buffers = _Buffers()
-        for t in targets:
+        for t in unique:
             if t.size == 0:  # nothing to fetch; write_verified still checks the digest
-                direct.append(lambda t=t: write_verified(t, [], origin=f"{self.url} (empty blob)"))
+                tasks.append(lambda t=t: write_verified(t, [], origin=f"{self.url} (empty blob)"))
             elif t.digest in self._packed:
                 by_pack.setdefault(self._packed[t.digest][0].pack_id, []).append(t)
-            elif t.size <= PART:
-                direct.append(lambda t=t: self._fetch_loose(t, buffers))
+            elif t.size <= dataplane.PART:
+                tasks.append(lambda t=t: self._stream_loose(t, chunks))
             else:
                 large.append(t)
         for pack_id, wanted in by_pack.items():
-            direct += [lambda f=f: self._fetch_range(f, buffers) for f in packs.plan_ranges(self._packs[pack_id], wanted)]
-        # A large blob's writer waits on its ranges, fetched by a pool of their own (a task never
-        # waits on its own pool); the semaphore bounds memory to writers * WINDOW * PART.
-        writers = threading.BoundedSemaphore(max(1, jobs // WINDOW))
+            tasks += [lambda f=f: self._stream_range(f, chunks) for f in packs.plan_ranges(self._packs[pack_id], wanted)]
+        if len(large) >= STREAM_MIN:
+            # Enough blobs to keep the connections busy: one GET each, received into a small buffer
+            # and written in order (measured faster than ranges: no reordering, no big buffers).
+            tasks += [lambda t=t: self._stream_loose(t, chunks) for t in large]
+            large = []
+        self._run_with_ranges(large, tasks, jobs)
+        for first, twin in copies:  # one blob at several paths: fetched once, landed again locally
+            with first.dest.open("rb") as landed:
+                write_verified(twin, iter(lambda: landed.read(CHUNK), b""), origin=str(first.dest))
+
+    def _run_with_ranges(self, large: list[BlobTarget], tasks: list[Callable[[], None]], jobs: int) -> None:
+        """Run tasks, and fetch a few large blobs as parallel ranges so one big file still gets
+        several connections. Each writer waits on its ranges, fetched by a pool of their own (a task
+        never waits on its own pool); the semaphore bounds memory to writers * WINDOW * PART."""
+        if not large:
+            dataplane.run_all(tasks, jobs)
+            return
+        buffers = dataplane.Buffers(dataplane.PART)
+        writers = threading.BoundedSemaphore(max(1, jobs // dataplane.WINDOW))
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="neffbuild-s3-part") as parts:
 
             def write_large(target: BlobTarget) -> None:
                 with writers:
-                    self._fetch_large(target, parts, buffers)
+                    key = blob_key(target.digest)
+                    chunks = dataplane.ranges_in_order(self.data, key, target, parts, buffers)
+                    write_verified(target, chunks, origin=f"{self.url}/{key}")
 
-            _run_all([lambda t=t: write_large(t) for t in large] + direct, jobs)
+            dataplane.run_all([lambda t=t: write_large(t) for t in large] + tasks, jobs)
 
     @contextmanager
     def open_blob(self, digest: str) -> Iterator[BinaryIO]:
@@ -295,7 +310,7 @@ class S3Store:
         try:
             yield response  # type: ignore[misc]  # urllib3's response is a readable stream
         finally:
-            response.release_conn()
+            dataplane.finish(response)
 
     # -- uploads -------------------------------------------------------------------------------
 
@@ -361,11 +376,17 @@ class S3Store:
                 out += [o["Key"][len(self.location.prefix) :] for o in page.get("Contents", ())]
         return out
 
+    def _presign(self, method: str, rel: str) -> str:
+        with _translated(self.location, rel):
+            return self.client.generate_presigned_url(
+                method, Params={"Bucket": self.location.bucket, "Key": self.location.key(rel)}, ExpiresIn=3600
+            )
+
     def _refresh_packs(self) -> None:
         """Load the indexes of packs written since we last looked (they never change)."""
         ids = {packs.pack_id_of_index_key(rel) for rel in self._list("packs/")} - {None}
         new = sorted(i for i in ids if i not in self._packs)
-        loaded = _run_all([lambda i=i: packs.decode_index(i, bytes(self.data.get(packs.index_key(i)))) for i in new], 16)
+        loaded = dataplane.run_all([lambda i=i: packs.decode_index(i, bytes(self.data.get(packs.index_key(i)))) for i in new], 16)
         with self._lock:
             for index in loaded:
                 self._remember(index)
@@ -378,197 +399,50 @@ class S3Store:
     def _absent_loose(self, digests: set[str]) -> set[str]:
         """Blobs not stored as objects of their own: HEAD a few, list the shards of many."""
         if len(digests) <= HEAD_LIMIT:
-            present = _run_all([lambda d=d: self.data.exists(blob_key(d)) for d in sorted(digests)], 16)
+            present = dataplane.run_all([lambda d=d: self.data.exists(blob_key(d)) for d in sorted(digests)], 16)
             return {d for d, ok in zip(sorted(digests), present, strict=True) if not ok}
         shards = sorted({d[:2] for d in digests})
-        listed = _run_all([lambda s=s: self._list(f"blobs/{s}/") for s in shards], 16)
+        listed = dataplane.run_all([lambda s=s: self._list(f"blobs/{s}/") for s in shards], 16)
         have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys}
         return digests - have
 
-    def _fetch_loose(self, target: BlobTarget, buffers: _Buffers) -> None:
+    def _stream_loose(self, target: BlobTarget, chunks: dataplane.Buffers) -> None:
+        """One GET of a blob's own object, received into a small buffer and landed as it comes."""
         key = blob_key(target.digest)
-        with buffers.lend() as buf:
-            data = self.data.get(key, into=buf, missing=str(target.dest))
-            write_verified(target, [data], origin=f"{self.url}/{key}")
 
-    def _fetch_range(self, fetch: packs.RangeFetch, buffers: _Buffers) -> None:
-        key = packs.pack_key(fetch.pack_id)
-        with buffers.lend() as buf:
-            data = self.data.get(key, fetch.start, fetch.end, into=buf, missing=str(fetch.pieces[0].target.dest))
-            for piece in fetch.pieces:
-                chunk = data[piece.start : piece.start + piece.target.size]
-                write_verified(piece.target, [chunk], origin=f"{self.url}/{key} at byte {fetch.start + piece.start}")
-
-    def _fetch_large(self, target: BlobTarget, fetchers: ThreadPoolExecutor, buffers: _Buffers) -> None:
-        key = blob_key(target.digest)
-        chunks = _ranges_in_order(self.data, key, target, fetchers, buffers)
-        write_verified(target, chunks, origin=f"{self.url}/{key}")
-
-
-def _ranges_in_order(
-    data: DataPlane, key: str, target: BlobTarget, fetchers: ThreadPoolExecutor, buffers: _Buffers
-) -> Iterator[memoryview]:
-    """The blob's bytes in order, fetched as parallel ranges with WINDOW of them in flight."""
-
-    def fetch(start: int) -> tuple[bytearray, memoryview]:
-        buf = buffers.take()
-        try:
-            return buf, data.get(key, start, min(start + PART, target.size), into=buf, missing=str(target.dest))
-        except BaseException:
-            buffers.give(buf)
-            raise
-
-    pending = deque(fetchers.submit(fetch, start) for start in range(0, min(target.size, WINDOW * PART), PART))
-    next_start = WINDOW * PART
-    try:
-        while pending:
-            buf, view = pending.popleft().result()
-            yield view  # write_verified has written it when we resume
-            buffers.give(buf)
-            if next_start < target.size:
-                pending.append(fetchers.submit(fetch, next_start))
-                next_start += PART
-    finally:
-        for f in pending:  # on failure: give back what was fetched, cancel the rest
-            if not f.cancel() and f.exception() is None:
-                buffers.give(f.result()[0])
-
-
-class _Buffers:
-    """PART-sized buffers reused across requests: fresh memory costs page faults (and on a VM,
-    host allocations) that cost more than the copy itself; reuse keeps the data plane fast."""
-
-    def __init__(self) -> None:
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> bytearray:
-        with self._lock:
-            return self._free.pop() if self._free else bytearray(PART)
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-    @contextmanager
-    def lend(self) -> Iterator[bytearray]:
-        buf = self.take()
-        try:
-            yield buf
-        finally:
-            self.give(buf)
-
-
-class DataPlane:
-    """GET and HEAD of objects over a urllib3 pool, signed by presigning with the botocore client."""
-
-    def __init__(self, client: Any, location: S3Location, pool: urllib3.PoolManager) -> None:
-        self.client = client
-        self.location = location
-        self.pool = pool
-
-    def get(
-        self, rel: str, start: int = 0, end: int | None = None, *, into: bytearray | None = None, missing: str | None = None
-    ) -> memoryview:
-        """Bytes [start, end) of an object (all of it if end is None), retried on transient failures.
-
-        They land in `into` when it is large enough (the caller owns it until done with the view).
-        `missing` names what needed the object, for the error if it is absent.
-        """
-
-        def attempt() -> memoryview:
-            response = self._get(rel, start, end, missing)
+        def attempt() -> None:  # write_verified leaves nothing behind when a try fails
+            response = self.data.stream(key, missing=str(target.dest))
             try:
-                return _read_body(response, rel, None if end is None else end - start, into)
+                with chunks.lend() as buf:
+                    write_verified(target, dataplane.received(response, buf), origin=f"{self.url}/{key}")
             finally:
-                response.release_conn()
+                dataplane.finish(response)
 
-        return self._retried(rel, attempt)
+        self.data.retried(key, attempt)
 
-    def stream(self, rel: str, start: int = 0, end: int | None = None, *, missing: str | None = None) -> urllib3.BaseHTTPResponse:
-        return self._retried(rel, lambda: self._get(rel, start, end, missing))
+    def _stream_range(self, fetch: packs.RangeFetch, chunks: dataplane.Buffers) -> None:
+        """One ranged GET of a pack; each blob in it is landed as its bytes arrive."""
+        key = packs.pack_key(fetch.pack_id)
+        landed = 0  # a retry resumes after the blobs already landed
 
-    def exists(self, rel: str) -> bool:
-        def attempt() -> bool:
+        def attempt() -> None:
+            nonlocal landed
+            pieces = fetch.pieces[landed:]
+            pos = fetch.start + pieces[0].start
+            response = self.data.stream(key, pos, fetch.end, missing=str(pieces[0].target.dest))
             try:
-                response = self.pool.request("HEAD", self._presign("head_object", rel))
-            except urllib3.exceptions.HTTPError as exc:
-                raise _Transient(str(exc)) from None
-            if response.status in (200, 404):
-                return response.status == 200
-            raise _http_error(self.location, rel, response.status, b"", None)
+                with chunks.lend() as buf:
+                    body = dataplane.Body(response, buf)
+                    for piece in pieces:
+                        at = fetch.start + piece.start
+                        body.skip(at - pos)
+                        write_verified(piece.target, body.take(piece.size), origin=f"{self.url}/{key} at byte {at}")
+                        pos = at + piece.size
+                        landed += 1
+            finally:
+                dataplane.finish(response)
 
-        return self._retried(rel, attempt)
-
-    def _get(self, rel: str, start: int, end: int | None, missing: str | None) -> urllib3.BaseHTTPResponse:
-        headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
-        try:
-            response = self.pool.request("GET", self._presign("get_object", rel), headers=headers, preload_content=False)
-        except urllib3.exceptions.HTTPError as exc:
-            raise _Transient(str(exc)) from None
-        if response.status == (200 if end is None else 206):
-            return response
-        body = response.read()
-        response.release_conn()
-        raise _http_error(self.location, rel, response.status, body, missing)
-
-    def _retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
-        for i in range(FETCH_ATTEMPTS):
-            try:
-                return attempt()
-            except _Transient as exc:
-                if i + 1 == FETCH_ATTEMPTS:
-                    raise StoreError(f"{self.location.url}/{rel}: {exc}", hint="the endpoint keeps failing; retry later") from None
-                time.sleep(0.2 * 2**i)
-        raise AssertionError("unreachable")
-
-    def _presign(self, method: str, rel: str) -> str:
-        with _translated(self.location, rel):
-            return self.client.generate_presigned_url(
-                method, Params={"Bucket": self.location.bucket, "Key": self.location.key(rel)}, ExpiresIn=3600
-            )
-
-
-class _Transient(Exception):
-    """A connection or server failure worth another try."""
-
-
-def _read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, into: bytearray | None) -> memoryview:
-    """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop)."""
-    length = int(response.headers.get("Content-Length", "-1"))
-    if wanted is not None and length != wanted:  # the server clipped the range: the object is short
-        raise IntegrityError(f"{rel}: server returned {length} bytes of a {wanted}-byte range", hint=_CORRUPT_HINT)
-    if length < 0:
-        return memoryview(response.read())
-    buf = into if into is not None and len(into) >= length else bytearray(length)
-    view = memoryview(buf)[:length]
-    got = 0
-    try:
-        while got < length and (n := response.readinto(view[got:])):
-            got += n
-    except (urllib3.exceptions.HTTPError, OSError) as exc:
-        raise _Transient(f"read failed after {got} of {length} bytes ({exc})") from None
-    if got != length:
-        raise _Transient(f"connection closed after {got} of {length} bytes")
-    return view
-
-
-def _http_error(location: S3Location, rel: str, status: int, body: bytes, missing: str | None) -> Exception:
-    where = f"{location.url}/{rel}"
-    if status == 404:
-        needed = f" (needed for {missing})" if missing else ""
-        return NotFoundError(f"{where} is missing{needed}", hint="re-push the release to this store")
-    if status == 403:
-        return StoreError(f"access denied to {where}", hint=_CREDENTIALS_HINT)
-    if status == 416:
-        return IntegrityError(f"{where} is shorter than its index says", hint=_CORRUPT_HINT)
-    if status >= 500 or status == 429:
-        return _Transient(f"HTTP {status}")
-    return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
-
-
-_CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
-_CREDENTIALS_HINT = "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
+        self.data.retried(key, attempt)
 
 
 @contextmanager
@@ -588,7 +462,7 @@ def _translated(location: S3Location, rel: str) -> Iterator[None]:
                 hint="create it (e.g. aws s3 mb), or open the store with create=True as publishing commands do",
             ) from None
         if code in _DENIED:
-            raise StoreError(f"access denied to {where} ({code})", hint=_CREDENTIALS_HINT) from None
+            raise StoreError(f"access denied to {where} ({code})", hint=dataplane.CREDENTIALS_HINT) from None
         if code in _CORRUPT:
             raise IntegrityError(
                 f"upload of {where} was rejected by the server: its checksum did not match ({code})",
@@ -598,7 +472,7 @@ def _translated(location: S3Location, rel: str) -> Iterator[None]:
             raise NotFoundError(f"{where} not found") from None
         raise StoreError(f"{where}: {code}: {message}".rstrip(": ")) from None
     except (NoCredentialsError, PartialCredentialsError) as exc:
-        raise StoreError(f"no AWS credentials for {location.url} ({exc})", hint=_CREDENTIALS_HINT) from None
+        raise StoreError(f"no AWS credentials for {location.url} ({exc})", hint=dataplane.CREDENTIALS_HINT) from None
     except ProfileNotFound as exc:
         raise StoreError(str(exc), hint="check AWS_PROFILE and ~/.aws/config") from None
     except BotoConnectionError as exc:
@@ -624,22 +498,6 @@ def _client_config(endpoint: str | None) -> Config:
     )
 
 
-def _http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:
-    """The data plane's pool; honours AWS_CA_BUNDLE and HTTP(S)_PROXY/NO_PROXY as botocore does."""
-    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=10, read=120)}
-    if env.get("AWS_CA_BUNDLE"):
-        kwargs["ca_certs"] = env["AWS_CA_BUNDLE"]
-    scheme, host = "https", "s3.amazonaws.com"
-    if endpoint:
-        parsed = urllib.parse.urlsplit(endpoint)
-        scheme, host = parsed.scheme, parsed.hostname or ""
-    proxies = {k.lower().removesuffix("_proxy"): v for k, v in env.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
-    proxy = proxies.get(scheme)
-    if proxy and not urllib.request.proxy_bypass_environment(host, proxies):
-        return urllib3.ProxyManager(proxy, **kwargs)
-    return urllib3.PoolManager(**kwargs)
-
-
 def _bucket_region(client: Any) -> dict[str, Any]:
     region = client.meta.region_name
     return {} if region in (None, "us-east-1") else {"CreateBucketConfiguration": {"LocationConstraint": region}}
@@ -653,7 +511,13 @@ def _read_exact(source: BlobSource, into: memoryview) -> None:
             got += n
         grew = f.read(1)
     if got != source.size or grew or xxhash.xxh3_128_hexdigest(into) != source.digest:
-        raise IntegrityError(f"{source.path}: changed while publishing (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish")
+        raise _changed(source)
+
+
+def _changed(source: BlobSource) -> IntegrityError:
+    return IntegrityError(
+        f"{source.path}: changed while publishing (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish"
+    )
 
 
 def _crc32c_of_file(source: BlobSource) -> int:
@@ -664,8 +528,20 @@ def _crc32c_of_file(source: BlobSource) -> int:
             crc = checksums.crc32c(chunk, crc)
             size += len(chunk)
     if size != source.size or hasher.hexdigest() != source.digest:
-        raise IntegrityError(f"{source.path}: changed while publishing (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish")
+        raise _changed(source)
     return crc
+
+
+def _split_duplicates(targets: Sequence[BlobTarget]) -> tuple[list[BlobTarget], list[tuple[BlobTarget, BlobTarget]]]:
+    """Targets with distinct digests, and (first, twin) pairs for the same bytes at another path."""
+    first: dict[str, BlobTarget] = {}
+    twins = []
+    for t in targets:
+        if t.digest in first:
+            twins.append((first[t.digest], t))
+        else:
+            first[t.digest] = t
+    return list(first.values()), twins
 
 
 def _json_format(data: bytes) -> object:
@@ -678,18 +554,3 @@ def _json_format(data: bytes) -> object:
     return raw.get("format") if isinstance(raw, dict) else None
 
 
-def _run_all(tasks: Sequence[Callable[[], _T]], jobs: int) -> list[_T]:
-    """Run tasks in a pool, results in order; the first failure cancels what has not started."""
-    if not tasks:
-        return []
-    if len(tasks) == 1:
-        return [tasks[0]()]
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
-        futures = [pool.submit(t) for t in tasks]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f in done and f.exception() is not None), None)
-        if failed is not None:
-            for f in futures:
-                f.cancel()
-            raise failed.exception()  # type: ignore[misc]
-        return [f.result() for f in futures]

@@ -1,0 +1,292 @@
+"""The read side of the S3 store: GET and HEAD over a plain urllib3 pool, on presigned URLs.
+
+botocore costs milliseconds of Python per request, and large bodies must not be copied more than
+needed, so reads bypass it: the store presigns each request (botocore signs, resolves endpoints and
+refreshes credentials) and this module moves the bytes, receiving them into reused buffers and
+handing them to materialize.write_verified as they arrive. Connection failures and 5xx are retried;
+404 and 403 become typed errors naming the object and what needed it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import urllib3
+
+from neffbuild.errors import IntegrityError, NotFoundError, StoreError
+from neffbuild.materialize import BlobTarget
+
+PART = 8 << 20  # a large blob is fetched as parallel ranges of this size
+WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
+FETCH_ATTEMPTS = 4
+CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
+CREDENTIALS_HINT = "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
+_T = TypeVar("_T")
+
+Presign = Callable[[str, str], str]  # (botocore method, key relative to the store) -> URL
+
+
+def ranges_in_order(
+    data: DataPlane, key: str, target: BlobTarget, fetchers: ThreadPoolExecutor, buffers: Buffers
+) -> Iterator[memoryview]:
+    """The blob's bytes in order, fetched as parallel ranges with WINDOW of them in flight."""
+
+    def fetch(start: int) -> tuple[bytearray, memoryview]:
+        buf = buffers.take()
+        try:
+            return buf, data.get(key, start, min(start + PART, target.size), into=buf, missing=str(target.dest))
+        except BaseException:
+            buffers.give(buf)
+            raise
+
+    pending = deque(fetchers.submit(fetch, start) for start in range(0, min(target.size, WINDOW * PART), PART))
+    next_start = WINDOW * PART
+    try:
+        while pending:
+            buf, view = pending.popleft().result()
+            yield view  # write_verified has written it when we resume
+            buffers.give(buf)
+            if next_start < target.size:
+                pending.append(fetchers.submit(fetch, next_start))
+                next_start += PART
+    finally:
+        for f in pending:  # on failure: give back what was fetched, cancel the rest
+            if not f.cancel() and f.exception() is None:
+                buffers.give(f.result()[0])
+
+
+def received(response: urllib3.BaseHTTPResponse, buf: bytearray) -> Iterator[memoryview]:
+    """A response body as views of one reused buffer, each valid until the next is requested."""
+    view = memoryview(buf)
+    readinto = direct_readinto(response)
+    while True:
+        try:
+            n = readinto(view)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise Transient(f"read failed ({exc})") from None
+        if not n:
+            return
+        yield view[:n]
+
+
+class Body:
+    """Exact reads from a response body through one reused buffer (a pack range: blob after blob)."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse, buf: bytearray) -> None:
+        self._readinto = direct_readinto(response)
+        self._view = memoryview(buf)
+
+    def take(self, size: int) -> Iterator[memoryview]:
+        """The next size bytes, as views valid until the next is requested."""
+        while size > 0:
+            view = self._view[: min(size, len(self._view))]
+            got = 0
+            while got < len(view):
+                try:
+                    n = self._readinto(view[got:])
+                except (urllib3.exceptions.HTTPError, OSError) as exc:
+                    raise Transient(f"read failed ({exc})") from None
+                if not n:
+                    raise Transient("connection closed before the range ended")
+                got += n
+            size -= got
+            yield view
+
+    def skip(self, size: int) -> None:
+        for _ in self.take(size):
+            pass
+
+
+class Buffers:
+    """Buffers reused across requests: fresh memory costs page faults (and on a VM, host
+    allocations) that cost more than the copy itself; reuse keeps the data plane fast."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            return self._free.pop() if self._free else bytearray(self.size)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    @contextmanager
+    def lend(self) -> Iterator[bytearray]:
+        buf = self.take()
+        try:
+            yield buf
+        finally:
+            self.give(buf)
+
+
+class DataPlane:
+    """GET and HEAD of a store's objects (keys relative to its root, `base` its URL for messages)."""
+
+    def __init__(self, presign: Presign, base: str, pool: urllib3.PoolManager) -> None:
+        self._presign = presign
+        self.base = base
+        self.pool = pool
+
+    def get(
+        self, rel: str, start: int = 0, end: int | None = None, *, into: bytearray | None = None, missing: str | None = None
+    ) -> memoryview:
+        """Bytes [start, end) of an object (all of it if end is None), retried on transient failures.
+
+        They land in `into` when it is large enough (the caller owns it until done with the view).
+        `missing` names what needed the object, for the error if it is absent.
+        """
+
+        def attempt() -> memoryview:
+            response = self._get(rel, start, end, missing)
+            try:
+                return read_body(response, rel, None if end is None else end - start, into)
+            finally:
+                finish(response)
+
+        return self.retried(rel, attempt)
+
+    def stream(self, rel: str, start: int = 0, end: int | None = None, *, missing: str | None = None) -> urllib3.BaseHTTPResponse:
+        return self.retried(rel, lambda: self._get(rel, start, end, missing))
+
+    def exists(self, rel: str) -> bool:
+        def attempt() -> bool:
+            try:
+                response = self.pool.request("HEAD", self._presign("head_object", rel))
+            except urllib3.exceptions.HTTPError as exc:
+                raise Transient(str(exc)) from None
+            if response.status in (200, 404):
+                return response.status == 200
+            raise http_error(self.base, rel, response.status, b"", None)
+
+        return self.retried(rel, attempt)
+
+    def _get(self, rel: str, start: int, end: int | None, missing: str | None) -> urllib3.BaseHTTPResponse:
+        headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
+        try:
+            response = self.pool.request("GET", self._presign("get_object", rel), headers=headers, preload_content=False)
+        except urllib3.exceptions.HTTPError as exc:
+            raise Transient(str(exc)) from None
+        if response.status == (200 if end is None else 206):
+            return response
+        body = response.read()
+        response.release_conn()
+        raise http_error(self.base, rel, response.status, body, missing)
+
+    def retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
+        for i in range(FETCH_ATTEMPTS):
+            try:
+                return attempt()
+            except Transient as exc:
+                if i + 1 == FETCH_ATTEMPTS:
+                    raise StoreError(f"{self.base}/{rel}: {exc}", hint="the endpoint keeps failing; retry later") from None
+                time.sleep(0.2 * 2**i)
+        raise AssertionError("unreachable")
+
+
+class Transient(Exception):
+    """A connection or server failure worth another try."""
+
+
+def read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, into: bytearray | None) -> memoryview:
+    """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop)."""
+    length = int(response.headers.get("Content-Length", "-1"))
+    if wanted is not None and length != wanted:  # the server clipped the range: the object is short
+        raise IntegrityError(f"{rel}: server returned {length} bytes of a {wanted}-byte range", hint=CORRUPT_HINT)
+    if length < 0:
+        return memoryview(response.read())
+    buf = into if into is not None and len(into) >= length else bytearray(length)
+    view = memoryview(buf)[:length]
+    got = 0
+    readinto = direct_readinto(response)
+    try:
+        while got < length and (n := readinto(view[got:])):
+            got += n
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise Transient(f"read failed after {got} of {length} bytes ({exc})") from None
+    if got != length:
+        raise Transient(f"connection closed after {got} of {length} bytes")
+    return view
+
+
+def finish(response: urllib3.BaseHTTPResponse) -> None:
+    """Give the connection back for reuse only if its body was read to the end; else close it
+    (a half-read body left on a pooled connection would be parsed as the next response)."""
+    raw = getattr(response, "_fp", None)
+    if raw is not None and not (isinstance(raw, http.client.HTTPResponse) and raw.isclosed()):
+        response.close()
+    response.release_conn()
+
+
+def direct_readinto(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview], int]:
+    """The socket-level readinto under urllib3's response when there is one.
+
+    urllib3's own readinto reads into a new bytes object and copies it: for large bodies that is an
+    extra copy plus fresh pages per call. http.client's receives into our buffer directly. Bodies
+    here are plain (S3 sends no Content-Encoding for our objects), so nothing is skipped.
+    """
+    raw = getattr(response, "_fp", None)
+    if isinstance(raw, http.client.HTTPResponse) and not response.headers.get("Content-Encoding"):
+        return raw.readinto
+    return response.readinto
+
+
+def http_error(base: str, rel: str, status: int, body: bytes, missing: str | None) -> Exception:
+    where = f"{base}/{rel}"
+    if status == 404:
+        needed = f" (needed for {missing})" if missing else ""
+        return NotFoundError(f"{where} is missing{needed}", hint="re-push the release to this store")
+    if status == 403:
+        return StoreError(f"access denied to {where}", hint=CREDENTIALS_HINT)
+    if status == 416:
+        return IntegrityError(f"{where} is shorter than its index says", hint=CORRUPT_HINT)
+    if status >= 500 or status == 429:
+        return Transient(f"HTTP {status}")
+    return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
+
+
+
+
+def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:
+    """The data plane's pool; honours AWS_CA_BUNDLE and HTTP(S)_PROXY/NO_PROXY as botocore does."""
+    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=10, read=120)}
+    if env.get("AWS_CA_BUNDLE"):
+        kwargs["ca_certs"] = env["AWS_CA_BUNDLE"]
+    scheme, host = "https", "s3.amazonaws.com"
+    if endpoint:
+        parsed = urllib.parse.urlsplit(endpoint)
+        scheme, host = parsed.scheme, parsed.hostname or ""
+    proxies = {k.lower().removesuffix("_proxy"): v for k, v in env.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
+    proxy = proxies.get(scheme)
+    if proxy and not urllib.request.proxy_bypass_environment(host, proxies):
+        return urllib3.ProxyManager(proxy, **kwargs)
+    return urllib3.PoolManager(**kwargs)
+
+
+def run_all(tasks: Sequence[Callable[[], _T]], jobs: int) -> list[_T]:
+    """Run tasks in a pool, results in order; the first failure cancels what has not started."""
+    if not tasks:
+        return []
+    if len(tasks) == 1:
+        return [tasks[0]()]
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
+        futures = [pool.submit(t) for t in tasks]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            for f in futures:
+                f.cancel()
+            raise failed.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
