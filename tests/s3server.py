@@ -107,8 +107,10 @@ class S3Server:
         (self.data_dir / "data").mkdir(exist_ok=True)
         log = self.log_path.open("ab")
         try:
-            # Own session: stop() can end the whole group, whatever weed forks.
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # Own session: stop() can end the whole group, whatever weed forks. Dies with us too.
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_parent_death_signal()
+            )
         finally:
             log.close()
         self.settings = S3Settings(f"http://127.0.0.1:{s3_port}", ACCESS_KEY, SECRET_KEY)
@@ -157,6 +159,18 @@ class S3Server:
         raise RuntimeError(f"weed mini not ready after {START_TIMEOUT_S:.0f}s ({last}):\n{self.log_tail()}")
 
 
+def _parent_death_signal():
+    """A preexec function: the child gets SIGTERM when the process that started it dies (Linux),
+    so a killed test run leaves no server behind. Resolved here: the child must not import."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def client_for(settings: S3Settings):
     import boto3
     from botocore.config import Config
@@ -183,7 +197,8 @@ def _identities() -> dict:
     }
 
 
-if __name__ == "__main__":  # manual use: python tests/s3server.py DATA_DIR  (Ctrl-C stops it)
+if __name__ == "__main__":  # manual use: python tests/s3server.py DATA_DIR  (Ctrl-C or SIGTERM stops it)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with S3Server(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/neffbuild-weed")) as s:
         print(json.dumps(s.env()), flush=True)
         try:

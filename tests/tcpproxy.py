@@ -4,6 +4,8 @@ Modes:
 - "pass": forward bytes unchanged.
 - "flip-body": flip the first body byte of PUTs whose path contains one of `paths` (a corrupting
   network path; the server must reject the upload by its checksum).
+- "cut-gets": end the first `cuts` GET responses for `paths` after 64 KiB of body (a dropped
+  connection; the client must retry and resume).
 - "ignore-preconditions": answer a 412 with an empty 200 (a server that ignores If-None-Match /
   If-Match; the real server still did not write, which the tests do not rely on).
 
@@ -19,11 +21,13 @@ from collections.abc import Sequence
 
 
 class TcpProxy:
-    def __init__(self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",)) -> None:
+    def __init__(self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",), cuts: int = 0) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
         self.mode = mode
         self.paths = tuple(p.encode() for p in paths)
         self.corrupted = 0
+        self.cuts = cuts
+        self._cuts_lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
@@ -63,14 +67,15 @@ class TcpProxy:
         except OSError:
             client.close()
             return
-        threading.Thread(target=self._responses, args=(upstream, client), daemon=True).start()
+        cut = threading.Event()  # set by the request side: cut this exchange's response short
+        threading.Thread(target=self._responses, args=(upstream, client, cut), daemon=True).start()
         try:
-            self._request(client, upstream)
+            self._request(client, upstream, cut)
         except OSError:
             upstream.close()
             client.close()
 
-    def _request(self, client: socket.socket, upstream: socket.socket) -> None:
+    def _request(self, client: socket.socket, upstream: socket.socket, cut: threading.Event) -> None:
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = client.recv(65536)
@@ -83,7 +88,13 @@ class TcpProxy:
         headers = [h for h in headers if not h.lower().startswith(b"connection:")] + [b"Connection: close"]
         length = next((int(h.split(b":", 1)[1]) for h in headers if h.lower().startswith(b"content-length:")), 0)
         method, path = first.split(b" ")[:2]
-        flip = self.mode == "flip-body" and method == b"PUT" and length > 0 and any(p in path for p in self.paths)
+        matches = any(p in path for p in self.paths)
+        flip = self.mode == "flip-body" and method == b"PUT" and length > 0 and matches
+        if self.mode == "cut-gets" and method == b"GET" and matches:
+            with self._cuts_lock:
+                if self.cuts > 0:
+                    self.cuts -= 1
+                    cut.set()
         upstream.sendall(b"\r\n".join([first, *headers]) + b"\r\n\r\n")
         remaining = length
         while remaining > 0:
@@ -98,14 +109,19 @@ class TcpProxy:
             upstream.sendall(part)
             remaining -= len(part)
 
-    def _responses(self, upstream: socket.socket, client: socket.socket) -> None:
+    def _responses(self, upstream: socket.socket, client: socket.socket, cut: threading.Event) -> None:
+        sent = 0
         try:
             while chunk := upstream.recv(65536):
+                if cut.is_set() and sent + len(chunk) > 65536:
+                    client.sendall(chunk[: max(0, 65536 - sent)])
+                    break  # closing both ends mid-body, as a dropped connection would
                 if self.mode == "ignore-preconditions" and chunk.startswith(b"HTTP/1.1 412 "):
                     # What a server without conditional writes answers: a plain success, no body.
                     client.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                     break
                 client.sendall(chunk)
+                sent += len(chunk)
         except OSError:
             pass
         finally:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_manifest
 from tests.test_e2e import replay
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]

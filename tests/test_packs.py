@@ -67,3 +67,11 @@ def test_two_targets_with_one_digest_share_a_piece() -> None:
     twins = targets_for(index, 1) + [BlobTarget(index.entries[1].digest, 10, Path("/cache/twin"))]
     [fetch] = packs.plan_ranges(index, twins)
     assert (fetch.start, fetch.end) == (10, 20) and [p.start for p in fetch.pieces] == [0, 0]
+
+
+def test_a_small_pull_is_split_across_connections() -> None:
+    assert packs.range_size(5 << 20, jobs=16) == 5 * 64 << 10  # 5 MiB over 16 connections
+    assert packs.range_size(1 << 30, jobs=16) == packs.RANGE_TARGET
+    assert packs.range_size(100, jobs=16) == packs.RANGE_MIN
+    index, _ = packs.encode_index(sources(*[100] * 10))
+    assert len(packs.plan_ranges(index, targets_for(index, *range(10)), size=300)) == 4

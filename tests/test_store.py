@@ -305,3 +305,19 @@ def _read(store: Store, key: str, env: dict[str, str]) -> bytes:
         return (Path(store.url) / key).read_bytes()
     bucket, _, prefix = store.url.removeprefix("s3://").partition("/")
     return s3_client(env).get_object(Bucket=bucket, Key=f"{prefix}/{key}" if prefix else key)["Body"].read()
+
+
+@pytest.mark.s3
+def test_s3_downloads_survive_dropped_connections(s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path, large_path: str) -> None:
+    from tests.tcpproxy import TcpProxy
+
+    store = open_store(s3_url, create=True, env=s3_env)
+    sources = small_and_large(tmp_path / "src", small=200)
+    store.put_blobs(sources, jobs=4)
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    with TcpProxy(port, mode="cut-gets", paths=("/blobs/", "/packs/"), cuts=3) as proxy:
+        via_proxy = open_store(s3_url, env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint})
+        targets = fetch_all(via_proxy, sources, tmp_path / "cache", jobs=4)
+        assert proxy.cuts == 0  # every planned cut happened
+    for s, t in zip(sources, targets, strict=True):
+        assert t.dest.read_bytes() == s.path.read_bytes(), t.dest

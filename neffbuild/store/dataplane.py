@@ -31,6 +31,8 @@ FETCH_ATTEMPTS = 4
 CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
 CREDENTIALS_HINT = "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
 _T = TypeVar("_T")
+# A body that stops short: urllib3's errors, http.client's IncompleteRead, socket errors and timeouts.
+_READ_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
 
 Presign = Callable[[str, str], str]  # (botocore method, key relative to the store) -> URL
 
@@ -68,14 +70,19 @@ def received(response: urllib3.BaseHTTPResponse, buf: bytearray) -> Iterator[mem
     """A response body as views of one reused buffer, each valid until the next is requested."""
     view = memoryview(buf)
     readinto = direct_readinto(response)
+    length = int(response.headers.get("Content-Length", "-1"))
+    got = 0
     while True:
         try:
             n = readinto(view)
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise Transient(f"read failed ({exc})") from None
+        except _READ_ERRORS as exc:
+            raise Transient(f"read failed after {got} bytes ({exc})") from None
         if not n:
-            return
+            break
+        got += n
         yield view[:n]
+    if 0 <= length != got:  # http.client reports a connection closed early as a plain end
+        raise Transient(f"connection closed after {got} of {length} bytes")
 
 
 class Body:
@@ -93,7 +100,7 @@ class Body:
             while got < len(view):
                 try:
                     n = self._readinto(view[got:])
-                except (urllib3.exceptions.HTTPError, OSError) as exc:
+                except _READ_ERRORS as exc:
                     raise Transient(f"read failed ({exc})") from None
                 if not n:
                     raise Transient("connection closed before the range ended")
@@ -214,7 +221,7 @@ def read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, 
     try:
         while got < length and (n := readinto(view[got:])):
             got += n
-    except (urllib3.exceptions.HTTPError, OSError) as exc:
+    except _READ_ERRORS as exc:
         raise Transient(f"read failed after {got} of {length} bytes ({exc})") from None
     if got != length:
         raise Transient(f"connection closed after {got} of {length} bytes")
@@ -255,8 +262,6 @@ def http_error(base: str, rel: str, status: int, body: bytes, missing: str | Non
     if status >= 500 or status == 429:
         return Transient(f"HTTP {status}")
     return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
-
-
 
 
 def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:

@@ -29,7 +29,8 @@ from neffbuild.store.base import BlobSource
 PACK_FORMAT = "neffbuild.pack/1"
 SMALL_BLOB = 8 << 20  # blobs below this size travel in packs; larger ones are objects of their own
 PACK_TARGET = 64 << 20  # close a pack once it holds this much
-RANGE_TARGET = 8 << 20  # one ranged GET of a pack covers about this much
+RANGE_TARGET = 8 << 20  # one ranged GET of a pack covers at most about this much
+RANGE_MIN = 256 << 10  # ... and at least this much, when a small pull is split across connections
 RANGE_GAP = 1 << 20  # read through holes up to this size rather than start another request
 
 
@@ -133,12 +134,18 @@ class RangeFetch:
     pieces: tuple[Piece, ...]
 
 
-def plan_ranges(index: PackIndex, targets: Sequence[BlobTarget]) -> list[RangeFetch]:
-    """Cover the wanted blobs of one pack with few ranged GETs of about RANGE_TARGET bytes.
+def range_size(wanted_bytes: int, jobs: int) -> int:
+    """Split a pull into about `jobs` ranges (one per connection), within [RANGE_MIN, RANGE_TARGET]."""
+    return max(RANGE_MIN, min(RANGE_TARGET, wanted_bytes // max(1, jobs)))
+
+
+def plan_ranges(index: PackIndex, targets: Sequence[BlobTarget], size: int | None = None) -> list[RangeFetch]:
+    """Cover the wanted blobs of one pack with few ranged GETs of about `size` bytes (RANGE_TARGET).
 
     Neighbouring blobs share a request; a hole smaller than RANGE_GAP is read through (cheaper
     than another request); several targets with one digest share one piece of the range.
     """
+    size = size or RANGE_TARGET
     where: Mapping[str, PackEntry] = {e.digest: e for e in index.entries}
     wanted = sorted(targets, key=lambda t: where[t.digest].offset)
     fetches: list[RangeFetch] = []
@@ -147,7 +154,7 @@ def plan_ranges(index: PackIndex, targets: Sequence[BlobTarget]) -> list[RangeFe
     for target in wanted:
         entry = where[target.digest]
         stop = entry.offset + entry.size
-        if pieces and (entry.offset - end > RANGE_GAP or stop - start > RANGE_TARGET):
+        if pieces and (entry.offset - end > RANGE_GAP or stop - start > size):
             fetches.append(RangeFetch(index.pack_id, start, end, tuple(pieces)))
             pieces = []
         if not pieces:

@@ -13,9 +13,11 @@ NEFFBUILD_S3_ALLOW_UNCONDITIONAL=1. Every upload carries a CRC32C the server che
 corrupted in transit are rejected there; every blob read is checked against its XXH3-128 when it
 lands (materialize.write_verified).
 
-botocore is the control plane (documents, listings, uploads). Blob and pack reads go through a plain
-urllib3 pool with presigned URLs: botocore costs milliseconds of Python per request, and a pull of
-large ranges is limited by how fast bytes are copied, so the data plane keeps Python out of the loop.
+botocore is the control plane (documents, listings, uploads). Blob and pack reads go through
+store/dataplane.py: presigned GETs on a plain urllib3 pool, each blob landed as its bytes arrive.
+How a pull is fetched (measured in bench/RESULTS.md): small blobs by streaming ranged GETs of their
+packs, split across about `jobs` connections; many large blobs by one streaming GET each; a few
+large blobs by parallel ranges, so a single big NEFF still gets several connections.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ import urllib3
 import xxhash
 from awscrt import checksums
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError, ProfileNotFound
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError, StoreError
@@ -267,8 +275,10 @@ class S3Store:
                 tasks.append(lambda t=t: self._stream_loose(t, chunks))
             else:
                 large.append(t)
+        size = packs.range_size(sum(t.size for ts in by_pack.values() for t in ts), jobs)
         for pack_id, wanted in by_pack.items():
-            tasks += [lambda f=f: self._stream_range(f, chunks) for f in packs.plan_ranges(self._packs[pack_id], wanted)]
+            fetches = packs.plan_ranges(self._packs[pack_id], wanted, size)
+            tasks += [lambda f=f: self._stream_range(f, chunks) for f in fetches]
         if len(large) >= STREAM_MIN:
             # Enough blobs to keep the connections busy: one GET each, received into a small buffer
             # and written in order (measured faster than ranges: no reordering, no big buffers).
