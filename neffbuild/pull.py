@@ -20,7 +20,7 @@ from filelock import FileLock
 from neffbuild.bundle import FileEntry, Release, TagRecord, parse
 from neffbuild.errors import IntegrityError, NotFoundError
 from neffbuild.hashing import hash_file, is_digest
-from neffbuild.materialize import INCOMPLETE_SUFFIX, BlobTarget, disk_error
+from neffbuild.materialize import INCOMPLETE_SUFFIX, BlobTarget, disk_error, sync_filesystem
 from neffbuild.store.base import Store
 
 STATE_DIR = ".neffbuild"  # inside the cache dir; compilers ignore unknown top-level dirs
@@ -85,8 +85,13 @@ def pull(store: Store, ref: str, cache_dir: Path, *, jobs: int = 16) -> PullRepo
         remove_stale_temp_files(cache_dir)
         state = _load_state(state_dir)
         missing = [f for f in resolved.release.files if not _is_present(cache_dir, f, state)]
-        targets = [BlobTarget(f.digest, f.size, cache_dir / f.path) for f in missing]
+        targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False) for f in missing]
         store.download_blobs(targets, jobs)
+        # One flush for all files, then the state file: the state is the commit point. A file
+        # renamed into place but lost to a power cut before this flush is not in the state, so
+        # the next pull re-hashes it and fetches it again.
+        if targets:
+            sync_filesystem(cache_dir)
         _save_state(state_dir, resolved, cache_dir)
     return PullReport(
         release_id=resolved.release_id,

@@ -72,7 +72,7 @@ def _stage_missing(files: Iterable[FileEntry], src: Store, dst: Store, staging: 
     """Bring the blobs dst lacks from src into staging (verified); the sources to upload."""
     sizes = {f.digest: f.size for f in files}
     missing = sorted(dst.missing_blobs(sizes))
-    targets = [BlobTarget(d, sizes[d], staging / d) for d in missing]
+    targets = [BlobTarget(d, sizes[d], staging / d, fsync=False) for d in missing]  # scratch copies
     src.download_blobs(targets, jobs)
     return [BlobSource(t.digest, t.size, t.dest) for t in targets]
 

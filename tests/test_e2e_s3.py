@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import write_manifest
 from tests.test_e2e import replay
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
@@ -43,3 +44,15 @@ def test_offline_build_pushed_to_s3_serves_a_fresh_host_with_zero_misses(
     pull_and_replay(cli, tiny_manifest, s3_url, s3_env, tmp_path)
     again = cli("push", TAG, "--from", str(built_store), "--to", s3_url, "--json", env=s3_env)
     assert json.loads(again.stdout)["bytes_uploaded"] == 0
+
+
+def test_fresh_build_publishes_straight_to_s3_and_replays_with_zero_misses(
+    tiny_model: Path, s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli
+) -> None:
+    # One shape keeps the compile short: here the S3 publish path of new units is under test.
+    manifest = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,))
+    built = cli("build", str(manifest), "--store", s3_url, "--json", env=s3_env)
+    assert built.returncode == 0, built.stderr
+    (outcome,) = json.loads(built.stdout)["outcomes"]
+    assert outcome["status"] == "built" and outcome["uploaded"] > 0 and outcome["compiles"] > 0
+    pull_and_replay(cli, manifest, s3_url, s3_env, tmp_path)
