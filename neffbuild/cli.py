@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -233,6 +234,9 @@ def schema() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The one exit point: typed errors become one line plus a hint and their exit code."""
+    # What start-up imported lives as long as the process: keep it out of every later garbage
+    # collection (those run often while thousands of small files land, and scanned it all).
+    gc.freeze()
     code = _run(lambda: cli.main(args=argv, prog_name="neffbuild", standalone_mode=False))
     sys.exit(code)
 

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
-
-from rich.console import Console as RichConsole
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rich.console import Console as RichConsole
+
     from neffbuild.build import BuildReport
+    from neffbuild.bundle import TagRecord
     from neffbuild.doctor import DoctorReport
     from neffbuild.plan import Plan
-    from neffbuild.bundle import TagRecord
     from neffbuild.pull import PullReport
     from neffbuild.transfer import PushResult
     from neffbuild.verify import ReplayReport, UnitFiles
@@ -49,11 +48,24 @@ def _size(n: int) -> str:
 
 
 class Console:
+    """What commands print. rich is imported only by output that needs it (tables, bars, colour):
+    `neffbuild pull` on instance boot prints plain lines and should not pay for it."""
+
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
-        self.out = RichConsole(highlight=False, soft_wrap=True)
-        self.err = RichConsole(stderr=True, highlight=False)
-        self.interactive = self.err.is_terminal and not os.environ.get("CI")
+        self.interactive = sys.stderr.isatty() and not os.environ.get("CI")
+
+    @functools.cached_property
+    def out(self) -> RichConsole:
+        from rich.console import Console as RichConsole
+
+        return RichConsole(highlight=False, soft_wrap=True)
+
+    @functools.cached_property
+    def err(self) -> RichConsole:
+        from rich.console import Console as RichConsole
+
+        return RichConsole(stderr=True, highlight=False)
 
     def _json(self, value: Any) -> None:
         sys.stdout.write(json.dumps(jsonable(value), indent=2) + "\n")
@@ -67,6 +79,14 @@ class Console:
         if not self.interactive:
             yield lambda unit_id, status: status != "compiling" and self.err.print(f"{unit_id}: {status}")
             return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
         columns = (TextColumn(f"{verb} {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=self.err, transient=True) as progress:
             task = progress.add_task("", total=total)
@@ -95,6 +115,8 @@ class Console:
                 }
             )
             return
+        from rich.table import Table
+
         table = Table(title=f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})")
         for column in ("unit", "key", "mode", "dtype", "device"):
             table.add_column(column)
@@ -110,6 +132,8 @@ class Console:
         if self.as_json:
             self._json(report)
             return
+        from rich.table import Table
+
         table = Table(title=f"{report.name} -> {report.store}")
         for column in ("unit", "status", "files", "size", "uploaded", "first call", "compiles"):
             table.add_column(column)
@@ -126,9 +150,10 @@ class Console:
         if self.as_json:
             self._json(report)
             return
-        self.err.print(
+        print(
             f"pulled {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
-            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s"
+            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s",
+            file=sys.stderr,
         )
         self.exports(report.exports)
 
@@ -155,12 +180,14 @@ class Console:
             self._json(exports)
             return
         for name, value in exports.items():
-            self.out.print(f"export {name}={shlex.quote(value)}")
+            print(f"export {name}={shlex.quote(value)}")
 
     def replay(self, report: ReplayReport) -> None:
         if self.as_json:
             self._json({"cache_dir": report.cache_dir, "misses": len(report.misses), "units": report.units})
             return
+        from rich.table import Table
+
         table = Table(title=f"replay against {report.cache_dir}")
         for column in ("unit", "result", "first call", "compiles", "files written"):
             table.add_column(column)

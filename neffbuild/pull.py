@@ -1,6 +1,6 @@
 """Materialise a release into a cache dir: only missing files move, every byte is verified.
 
-Each file lands through materialize.write_verified (unique temp file, hash while writing, rename),
+Each file lands through materialize.write_verified (a temp file, hashed while written, then named),
 so a crash or a bad object leaves the previous state, never half a file. A small state file
 remembers (size, mtime) of what we wrote, so a complete cache makes pull a no-op without
 re-reading gigabytes of NEFFs.
@@ -8,19 +8,24 @@ re-reading gigabytes of NEFFs.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-from filelock import FileLock
 
 from neffbuild.bundle import FileEntry, Release, TagRecord, parse
 from neffbuild.errors import IntegrityError, NotFoundError
 from neffbuild.hashing import hash_file, is_digest
-from neffbuild.materialize import INCOMPLETE_SUFFIX, BlobTarget, disk_error, sync_filesystem
+from neffbuild.materialize import (
+    INCOMPLETE_SUFFIX,
+    BlobTarget,
+    disk_error,
+    sync_filesystem,
+)
 from neffbuild.store.base import Store
 
 STATE_DIR = ".neffbuild"  # inside the cache dir; compilers ignore unknown top-level dirs
@@ -81,14 +86,14 @@ def pull(store: Store, ref: str, cache_dir: Path, *, jobs: int = 16) -> PullRepo
     except OSError as exc:
         raise disk_error(exc, state_dir) from None
     # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
-    with FileLock(str(state_dir / "pull.lock"), timeout=3600):
+    with _exclusive(state_dir / "pull.lock"):
         remove_stale_temp_files(cache_dir)
         state = _load_state(state_dir)
         missing = [f for f in resolved.release.files if not _is_present(cache_dir, f, state)]
         targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False) for f in missing]
         store.download_blobs(targets, jobs)
         # One flush for all files, then the state file: the state is the commit point. A file
-        # renamed into place but lost to a power cut before this flush is not in the state, so
+        # put in place but lost to a power cut before this flush is not in the state, so
         # the next pull re-hashes it and fetches it again.
         if targets:
             sync_filesystem(cache_dir)
@@ -104,6 +109,20 @@ def pull(store: Store, ref: str, cache_dir: Path, *, jobs: int = 16) -> PullRepo
         seconds=time.perf_counter() - started,
         exports=exports_for(resolved.release, cache_dir),
     )
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An advisory lock (flock) held while the block runs; the kernel drops it if we die."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise disk_error(exc, path) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temp_files(cache_dir: Path) -> int:

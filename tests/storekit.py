@@ -12,6 +12,7 @@ from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, Timi
 from neffbuild.hashing import hash_bytes, hash_file
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.store.base import BlobSource, Store, blob_key
+from tests.s3server import ACCESS_KEY, SECRET_KEY
 
 
 def write_files(root: Path, sizes: dict[str, int], *, seed: int = 0) -> list[BlobSource]:
@@ -58,8 +59,8 @@ def s3_client(env: dict[str, str]) -> Any:
     import boto3
 
     return boto3.client(
-        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"],
+        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env.get("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+        aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY", SECRET_KEY), region_name=env["AWS_REGION"],
     )  # fmt: skip
 
 

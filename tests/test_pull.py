@@ -12,11 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, dump
+from neffbuild.bundle import (
+    BundleRecord,
+    FileEntry,
+    Release,
+    ReleaseUnit,
+    Timings,
+    dump,
+    parse,
+)
 from neffbuild.errors import IntegrityError
 from neffbuild.hashing import hash_bytes, hash_file
+from neffbuild.materialize import INCOMPLETE_SUFFIX
 from neffbuild.publish import move_tag, publish_bundle, publish_release
-from neffbuild.pull import pull
+from neffbuild.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
 
@@ -113,6 +122,20 @@ def test_corrupt_store_object_fails_closed_naming_the_file(store: LocalStore, tm
     assert incomplete_files(cache) == []
 
 
+def files_being_written(pid: int, root: Path) -> list[str]:
+    """What the process holds open for writing under root (an unnamed temp file shows as
+    `<dir>/#<inode> (deleted)`, a named one as `*.incomplete`)."""
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(root)) and STATE_DIR not in target:
+            found.append(target)
+    return found
+
+
 def test_killed_pull_leaves_no_partial_file_and_the_next_pull_completes(store: LocalStore, tmp_path: Path) -> None:
     big = {"big/model.neff": os.urandom(1 << 20) * 384}  # 384 MiB: long enough to be caught mid-copy
     publish_files(store, big, tmp_path)
@@ -120,18 +143,31 @@ def test_killed_pull_leaves_no_partial_file_and_the_next_pull_completes(store: L
     proc = subprocess.Popen(
         [sys.executable, "-m", "neffbuild", "pull", "t", "--store", str(store.root), "--cache-dir", str(cache)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     deadline = time.monotonic() + 60
-    while not incomplete_files(cache) and proc.poll() is None and time.monotonic() < deadline:
+    while not files_being_written(proc.pid, cache) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert incomplete_files(cache), "the pull finished before it could be killed mid-copy"
+    assert files_being_written(proc.pid, cache), "the pull finished before it could be killed mid-copy"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (cache / "big/model.neff").exists()
+    assert [p for p in cache.rglob("*") if p.is_file() and STATE_DIR not in p.parts] == []
     report = pull(store, "t", cache)
     assert report.files_fetched == 1
     assert hash_file(cache / "big/model.neff").hex == hash_bytes(big["big/model.neff"])
     assert incomplete_files(cache) == []
+
+
+def test_temp_files_of_killed_pulls_are_removed(tmp_path: Path) -> None:
+    """Where unnamed files are not available, a killed pull leaves named `*.incomplete` files."""
+    cache = tmp_path / "cache"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    stale = cache / "a" / f".x.so.{dead.stdout.strip()}.0123456789{INCOMPLETE_SUFFIX}"
+    ours = cache / "a" / f".y.so.{os.getpid()}.0123456789{INCOMPLETE_SUFFIX}"  # a live pull's: kept
+    for path in (stale, ours):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+    assert remove_stale_temp_files(cache) == 1
+    assert not stale.exists() and ours.exists()
 
 
 def test_unknown_tag_and_missing_store_have_distinct_exit_codes(store: LocalStore, tmp_path: Path, cli) -> None:
@@ -171,7 +207,7 @@ def test_release_document_must_match_its_name(store: LocalStore, tmp_path: Path)
     doc = json.loads((store.root / "releases" / f"{release_id}.json").read_text())
     doc["env"]["EXTRA"] = "1"
     other = "f" * 32
-    store.put_doc("releases", other, dump(Release.model_validate(doc)))
+    store.put_doc("releases", other, dump(parse(Release, json.dumps(doc).encode(), "test")))
     with pytest.raises(IntegrityError, match="does not match its name"):
         pull(store, other, tmp_path / "c")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -30,19 +31,32 @@ from tests.storekit import (
 DOC = b'{"format":"x"}'
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+# "s3" signs its reads itself (static credentials in the environment: store/sigv4.py); "s3-profile"
+# takes credentials from a profile in a credentials file, so botocore resolves and signs them.
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("s3-profile", marks=pytest.mark.s3)])
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
 @pytest.fixture
-def env(kind: str, request: pytest.FixtureRequest) -> dict[str, str]:
-    return request.getfixturevalue("s3_env") if kind == "s3" else {}
+def env(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str]:
+    if kind == "local":
+        return {}
+    s3_env = request.getfixturevalue("s3_env")
+    if kind == "s3":
+        return s3_env
+    credentials = tmp_path / "aws-credentials"
+    credentials.write_text(
+        f"[neffbuild-test]\naws_access_key_id = {s3_env['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {s3_env['AWS_SECRET_ACCESS_KEY']}\n"
+    )
+    profile_env = {k: v for k, v in s3_env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    return {**profile_env, "AWS_PROFILE": "neffbuild-test", "AWS_SHARED_CREDENTIALS_FILE": str(credentials)}
 
 
 @pytest.fixture
 def store_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    return request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "store")
+    return str(tmp_path / "store") if kind == "local" else request.getfixturevalue("s3_url")
 
 
 @pytest.fixture
@@ -272,6 +286,34 @@ def test_s3_refuses_a_server_without_conditional_writes(s3_url: str, s3_env: dic
         allowed = open_store(s3_url, env={**env, "NEFFBUILD_S3_ALLOW_UNCONDITIONAL": "1"})
         assert allowed.put_doc("releases", "r", DOC)
     assert open_store(s3_url, env=s3_env).get_doc("releases", "r") == DOC
+
+
+@pytest.mark.s3
+def test_s3_reads_with_static_credentials_never_import_botocore(s3_url: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    store = open_store(s3_url, create=True, env=s3_env)
+    sources = small_and_large(tmp_path / "src", small=20)
+    store.put_blobs(sources, jobs=4)
+    store.put_doc("releases", "r", DOC)
+    assert store.swap_tag("t", DOC, None)
+    reader = f"""
+import os, sys
+from pathlib import Path
+from neffbuild.materialize import BlobTarget
+from neffbuild.store import open_store
+store = open_store({s3_url!r}, env=os.environ)
+assert store.read_tag("t")[0] == store.get_doc("releases", "r") == {DOC!r}
+assert list(store.list_docs("releases")) == ["r"]
+targets = [BlobTarget(d, n, Path({str(tmp_path)!r}) / "out" / d) for d, n in {[(s.digest, s.size) for s in sources]!r}]
+store.download_blobs(targets, 4)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("botocore", "boto3", "awscrt")))
+"""
+    done = subprocess.run([sys.executable, "-c", reader], env={**os.environ, **s3_env}, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(s.digest for s in sources)
 
 
 @pytest.mark.s3

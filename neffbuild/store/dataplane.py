@@ -1,15 +1,18 @@
-"""The read side of the S3 store: GET and HEAD over a plain urllib3 pool, on presigned URLs.
+"""The read side of the S3 store: GET, HEAD and listings over a plain urllib3 pool, on presigned URLs.
 
 botocore costs milliseconds of Python per request, and large bodies must not be copied more than
-needed, so reads bypass it: the store presigns each request (botocore signs, resolves endpoints and
-refreshes credentials) and this module moves the bytes, receiving them into reused buffers and
-handing them to materialize.write_verified as they arrive. Connection failures and 5xx are retried;
-404 and 403 become typed errors naming the object and what needed it.
+needed, so reads bypass it: the store presigns each request (store/sigv4.py, or botocore when only
+it can resolve the credentials or endpoint) and this module moves the bytes, receiving them into
+reused buffers and handing them to materialize.write_verified as they arrive. Connection failures
+and 5xx are retried; S3's error codes become typed errors naming the object and what needed it.
 """
 
 from __future__ import annotations
 
+import html
 import http.client
+import mmap
+import re
 import threading
 import time
 import urllib.parse
@@ -23,7 +26,7 @@ from typing import Any, TypeVar
 import urllib3
 
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
-from neffbuild.materialize import BlobTarget
+from neffbuild.materialize import BlobTarget, aligned_buffer
 
 PART = 8 << 20  # a large blob is fetched as parallel ranges of this size
 WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
@@ -34,7 +37,12 @@ _T = TypeVar("_T")
 # A body that stops short: urllib3's errors, http.client's IncompleteRead, socket errors and timeouts.
 _READ_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
 
-Presign = Callable[[str, str], str]  # (botocore method, key relative to the store) -> URL
+# (HTTP method, key relative to the store, query parameters) -> URL
+Presign = Callable[[str, str, Mapping[str, str]], str]
+Buffer = bytearray | mmap.mmap  # a reusable receive buffer
+_ERROR_CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
+_LIST_KEY = re.compile(rb"<Key>([^<]*)</Key>")
+_LIST_NEXT = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
 
 
 def ranges_in_order(
@@ -42,7 +50,7 @@ def ranges_in_order(
 ) -> Iterator[memoryview]:
     """The blob's bytes in order, fetched as parallel ranges with WINDOW of them in flight."""
 
-    def fetch(start: int) -> tuple[bytearray, memoryview]:
+    def fetch(start: int) -> tuple[Buffer, memoryview]:
         buf = buffers.take()
         try:
             return buf, data.get(key, start, min(start + PART, target.size), into=buf, missing=str(target.dest))
@@ -66,7 +74,7 @@ def ranges_in_order(
                 buffers.give(f.result()[0])
 
 
-def received(response: urllib3.BaseHTTPResponse, buf: bytearray) -> Iterator[memoryview]:
+def received(response: urllib3.BaseHTTPResponse, buf: Buffer) -> Iterator[memoryview]:
     """A response body as views of one reused buffer, each valid until the next is requested."""
     view = memoryview(buf)
     readinto = direct_readinto(response)
@@ -88,7 +96,7 @@ def received(response: urllib3.BaseHTTPResponse, buf: bytearray) -> Iterator[mem
 class Body:
     """Exact reads from a response body through one reused buffer (a pack range: blob after blob)."""
 
-    def __init__(self, response: urllib3.BaseHTTPResponse, buf: bytearray) -> None:
+    def __init__(self, response: urllib3.BaseHTTPResponse, buf: Buffer) -> None:
         self._readinto = direct_readinto(response)
         self._view = memoryview(buf)
 
@@ -115,23 +123,26 @@ class Body:
 
 class Buffers:
     """Buffers reused across requests: fresh memory costs page faults (and on a VM, host
-    allocations) that cost more than the copy itself; reuse keeps the data plane fast."""
+    allocations) that cost more than the copy itself; reuse keeps the data plane fast. They are
+    page-aligned, so that materialize can write them to disk with O_DIRECT."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._free: list[bytearray] = []
+        self._free: list[Buffer] = []
         self._lock = threading.Lock()
 
-    def take(self) -> bytearray:
+    def take(self) -> Buffer:
         with self._lock:
-            return self._free.pop() if self._free else bytearray(self.size)
+            if self._free:
+                return self._free.pop()
+        return aligned_buffer(self.size)
 
-    def give(self, buf: bytearray) -> None:
+    def give(self, buf: Buffer) -> None:
         with self._lock:
             self._free.append(buf)
 
     @contextmanager
-    def lend(self) -> Iterator[bytearray]:
+    def lend(self) -> Iterator[Buffer]:
         buf = self.take()
         try:
             yield buf
@@ -148,7 +159,7 @@ class DataPlane:
         self.pool = pool
 
     def get(
-        self, rel: str, start: int = 0, end: int | None = None, *, into: bytearray | None = None, missing: str | None = None
+        self, rel: str, start: int = 0, end: int | None = None, *, into: Buffer | None = None, missing: str | None = None
     ) -> memoryview:
         """Bytes [start, end) of an object (all of it if end is None), retried on transient failures.
 
@@ -168,12 +179,52 @@ class DataPlane:
     def stream(self, rel: str, start: int = 0, end: int | None = None, *, missing: str | None = None) -> urllib3.BaseHTTPResponse:
         return self.retried(rel, lambda: self._get(rel, start, end, missing))
 
+    def read(self, rel: str) -> tuple[bytes, str] | None:
+        """A small object's bytes and ETag, or None if there is no such key."""
+
+        def attempt() -> tuple[bytes, str] | None:
+            try:
+                response = self.pool.request("GET", self._presign("GET", rel, {}))
+            except urllib3.exceptions.HTTPError as exc:
+                raise unreachable(self.base, rel, exc) from None
+            if response.status == 200:
+                return response.data, response.headers.get("ETag", "")
+            if response.status == 404 and error_code(response.data) != "NoSuchBucket":
+                return None
+            raise http_error(self.base, rel, response.status, response.data, None)
+
+        return self.retried(rel, attempt)
+
+    def list(self, rel_prefix: str, store_prefix: str) -> list[str]:
+        """Keys under a prefix (ListObjectsV2, every page), relative to the store root."""
+        keys: list[str] = []
+        params = {"list-type": "2", "prefix": store_prefix + rel_prefix, "encoding-type": "url"}
+        while True:
+            page = self.retried(rel_prefix, lambda p=dict(params): self._list_page(rel_prefix, p))
+            encoded = b"<EncodingType>url</EncodingType>" in page  # a server may ignore encoding-type
+            for raw in _LIST_KEY.findall(page):
+                key = html.unescape(raw.decode())
+                keys.append((urllib.parse.unquote(key) if encoded else key)[len(store_prefix) :])
+            token = _LIST_NEXT.search(page)
+            if b"<IsTruncated>true</IsTruncated>" not in page or token is None:
+                return keys
+            params["continuation-token"] = html.unescape(token.group(1).decode())
+
+    def _list_page(self, rel_prefix: str, params: Mapping[str, str]) -> bytes:
+        try:
+            response = self.pool.request("GET", self._presign("GET", "", params))
+        except urllib3.exceptions.HTTPError as exc:
+            raise unreachable(self.base, rel_prefix, exc) from None
+        if response.status != 200:
+            raise http_error(self.base, rel_prefix, response.status, response.data, None)
+        return response.data
+
     def exists(self, rel: str) -> bool:
         def attempt() -> bool:
             try:
-                response = self.pool.request("HEAD", self._presign("head_object", rel))
+                response = self.pool.request("HEAD", self._presign("HEAD", rel, {}))
             except urllib3.exceptions.HTTPError as exc:
-                raise Transient(str(exc)) from None
+                raise unreachable(self.base, rel, exc) from None
             if response.status in (200, 404):
                 return response.status == 200
             raise http_error(self.base, rel, response.status, b"", None)
@@ -183,9 +234,9 @@ class DataPlane:
     def _get(self, rel: str, start: int, end: int | None, missing: str | None) -> urllib3.BaseHTTPResponse:
         headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
         try:
-            response = self.pool.request("GET", self._presign("get_object", rel), headers=headers, preload_content=False)
+            response = self.pool.request("GET", self._presign("GET", rel, {}), headers=headers, preload_content=False)
         except urllib3.exceptions.HTTPError as exc:
-            raise Transient(str(exc)) from None
+            raise unreachable(self.base, rel, exc) from None
         if response.status == (200 if end is None else 206):
             return response
         body = response.read()
@@ -198,7 +249,7 @@ class DataPlane:
                 return attempt()
             except Transient as exc:
                 if i + 1 == FETCH_ATTEMPTS:
-                    raise StoreError(f"{self.base}/{rel}: {exc}", hint="the endpoint keeps failing; retry later") from None
+                    raise StoreError(f"{self.base}/{rel}: {exc}", hint=exc.hint) from None
                 time.sleep(0.2 * 2**i)
         raise AssertionError("unreachable")
 
@@ -206,8 +257,24 @@ class DataPlane:
 class Transient(Exception):
     """A connection or server failure worth another try."""
 
+    def __init__(self, message: str, hint: str = "the endpoint keeps failing; retry later") -> None:
+        super().__init__(message)
+        self.hint = hint
 
-def read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, into: bytearray | None) -> memoryview:
+
+def unreachable(base: str, rel: str, exc: urllib3.exceptions.HTTPError) -> Transient:
+    if isinstance(exc, urllib3.exceptions.NewConnectionError | urllib3.exceptions.ConnectTimeoutError):
+        return Transient(f"cannot reach S3 ({exc})", hint="check --endpoint-url / AWS_ENDPOINT_URL and the network")
+    return Transient(str(exc))
+
+
+def error_code(body: bytes) -> str:
+    """S3's error code from an XML error body ("" if there is none)."""
+    found = _ERROR_CODE.search(body or b"")
+    return found.group(1).decode(errors="replace") if found else ""
+
+
+def read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, into: Buffer | None) -> memoryview:
     """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop)."""
     length = int(response.headers.get("Content-Length", "-1"))
     if wanted is not None and length != wanted:  # the server clipped the range: the object is short
@@ -251,12 +318,18 @@ def direct_readinto(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview]
 
 
 def http_error(base: str, rel: str, status: int, body: bytes, missing: str | None) -> Exception:
-    where = f"{base}/{rel}"
+    where = f"{base}/{rel}".rstrip("/")
+    code = error_code(body)
+    if code == "NoSuchBucket":
+        bucket = base.removeprefix("s3://").split("/", 1)[0]
+        return StoreError(f"bucket {bucket!r} does not exist", hint="create it (e.g. aws s3 mb), or publish to it (that creates it)")
+    if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException") or status in (301, 307):
+        return StoreError(f"{where}: the bucket is in another region ({code or status})", hint="set AWS_REGION to the bucket's region")
     if status == 404:
         needed = f" (needed for {missing})" if missing else ""
         return NotFoundError(f"{where} is missing{needed}", hint="re-push the release to this store")
     if status == 403:
-        return StoreError(f"access denied to {where}", hint=CREDENTIALS_HINT)
+        return StoreError(f"access denied to {where} ({code or status})", hint=CREDENTIALS_HINT)
     if status == 416:
         return IntegrityError(f"{where} is shorter than its index says", hint=CORRUPT_HINT)
     if status >= 500 or status == 429:

@@ -30,7 +30,7 @@ PACK_FORMAT = "neffbuild.pack/1"
 SMALL_BLOB = 8 << 20  # blobs below this size travel in packs; larger ones are objects of their own
 PACK_TARGET = 64 << 20  # close a pack once it holds this much
 RANGE_TARGET = 8 << 20  # one ranged GET of a pack covers at most about this much
-RANGE_MIN = 256 << 10  # ... and at least this much, when a small pull is split across connections
+RANGE_MIN = 1 << 20  # ... and at least this much: a connection (a thread) costs ~3 ms to start
 RANGE_GAP = 1 << 20  # read through holes up to this size rather than start another request
 
 

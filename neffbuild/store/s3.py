@@ -1,5 +1,5 @@
 """A store in an S3 bucket (AWS or any S3-compatible server): the only module that imports boto3's
-botocore (and awscrt, for CRC32C).
+botocore (and awscrt, for CRC32C), both on first use.
 
 Layout as in store/base.py under `s3://bucket/prefix/`, plus packs (store/packs.py): small blobs of
 one publish travel together in a pack object so that a pull makes a few large ranged GETs instead
@@ -13,8 +13,11 @@ NEFFBUILD_S3_ALLOW_UNCONDITIONAL=1. Every upload carries a CRC32C the server che
 corrupted in transit are rejected there; every blob read is checked against its XXH3-128 when it
 lands (materialize.write_verified).
 
-botocore is the control plane (documents, listings, uploads). Blob and pack reads go through
-store/dataplane.py: presigned GETs on a plain urllib3 pool, each blob landed as its bytes arrive.
+botocore writes (uploads, conditional puts, bucket creation) and is imported on first use only.
+Every read (documents, tags, listings, blobs, packs) goes through store/dataplane.py: presigned
+requests on a plain urllib3 pool, each blob landed as its bytes arrive. The URLs are signed by
+store/sigv4.py when the environment settles credentials and endpoint, else by botocore; so a pull
+with static credentials never imports botocore.
 How a pull is fetched (measured in bench/RESULTS.md): small blobs by streaming ranged GETs of their
 packs, split across about `jobs` connections; many large blobs by one streaming GET each; a few
 large blobs by parallel ranges, so a single big NEFF still gets several connections.
@@ -29,26 +32,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO
 
-import botocore.session
 import urllib3
 import xxhash
-from awscrt import checksums
-from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ProfileNotFound,
-)
-from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.hashing import CHUNK
 from neffbuild.materialize import BlobTarget, write_verified
-from neffbuild.store import dataplane, packs
+from neffbuild.store import dataplane, packs, sigv4
 from neffbuild.store.base import (
     MARKER,
     STORE_FORMAT,
@@ -67,7 +59,6 @@ SINGLE_PUT_MAX = 5 << 30  # S3's limit for one PUT
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403"}
 _CORRUPT = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch"}
 _LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +84,23 @@ class S3Location:
 
 
 class S3Store:
-    def __init__(self, location: S3Location, client: Any, pool: urllib3.PoolManager, *, allow_unconditional: bool = False) -> None:
+    def __init__(
+        self,
+        location: S3Location,
+        make_client: Callable[[], Any],
+        pool: urllib3.PoolManager,
+        *,
+        signer: sigv4.Signer | None = None,
+        allow_unconditional: bool = False,
+    ) -> None:
         self.location = location
-        self.client = client
+        self._make_client = make_client
+        self._client: Any = None
+        self._signer = signer
         self.data = dataplane.DataPlane(self._presign, location.url, pool)
         self.allow_unconditional = allow_unconditional
         self._lock = threading.Lock()
+        self._client_lock = threading.Lock()  # apart: _lock is held around writes that need the client
         self._probed = False
         self._packs: dict[str, packs.PackIndex] = {}
         self._packed: dict[str, tuple[packs.PackIndex, packs.PackEntry]] = {}
@@ -110,25 +112,21 @@ class S3Store:
         """Open s3://bucket/prefix with the standard AWS credential chain; env is the process environment."""
         location = S3Location.parse(url)
         endpoint = endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
-        with _translated(location, ""):
-            # botocore's session is boto3's credential chain (env, config files, SSO, instance role)
-            # without boto3's import cost, which every `neffbuild pull` pays.
-            session = botocore.session.Session(profile=None if env.get("AWS_ACCESS_KEY_ID") else env.get("AWS_PROFILE"))
-            client = session.create_client(
-                "s3",
-                region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
-                endpoint_url=endpoint,
-                aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
-                aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
-                aws_session_token=env.get("AWS_SESSION_TOKEN"),
-                config=_client_config(endpoint),
-            )
         store = cls(
-            location, client, dataplane.http_pool(endpoint, env),
+            location, lambda: _botocore_client(location, endpoint, env), dataplane.http_pool(endpoint, env),
+            signer=sigv4.signer_from_env(location.bucket, endpoint, env),
             allow_unconditional=env.get(ALLOW_UNCONDITIONAL_ENV) == "1",
         )  # fmt: skip
         store._open(create)
         return store
+
+    @property
+    def client(self) -> Any:
+        """botocore's S3 client, made on first use (writes, or reads it must sign)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
 
     @property
     def url(self) -> str:
@@ -153,7 +151,7 @@ class S3Store:
         with _translated(self.location, ""):
             try:
                 self.client.head_bucket(Bucket=self.location.bucket)
-            except ClientError as exc:
+            except _client_error() as exc:  # evaluated (and botocore imported) only on an error
                 if _code(exc) not in ("404", "NoSuchBucket", "NotFound"):
                     raise
                 self.client.create_bucket(Bucket=self.location.bucket, **_bucket_region(self.client))
@@ -204,15 +202,7 @@ class S3Store:
         yield from sorted(n for n in names if "/" not in n)
 
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
-        key = doc_key("tags", name)
-        with _translated(self.location, key):
-            try:
-                got = self.client.get_object(Bucket=self.location.bucket, Key=self.location.key(key))
-            except ClientError as exc:
-                if _code(exc) in ("NoSuchKey", "404"):
-                    return None
-                raise
-            return got["Body"].read(), got["ETag"]
+        return self.data.read(doc_key("tags", name))
 
     def swap_tag(self, name: str, data: bytes, expected: str | None) -> bool:
         self._ensure_conditional()
@@ -350,7 +340,7 @@ class S3Store:
     def _put(self, rel: str, body: Any, *, crc: int | None = None, length: int | None = None, **condition: str) -> bool:
         """PUT with a CRC32C the server verifies; False if a condition did not hold."""
         if crc is None:
-            crc = checksums.crc32c(body)
+            crc = _crc32c(body)
         with _translated(self.location, rel):
             try:
                 self.client.put_object(
@@ -358,7 +348,7 @@ class S3Store:
                     ContentLength=len(body) if length is None else length,
                     ChecksumCRC32C=base64.b64encode(crc.to_bytes(4, "big")).decode(), **condition,
                 )  # fmt: skip
-            except ClientError as exc:
+            except _client_error() as exc:  # evaluated (and botocore imported) only on an error
                 if _code(exc) in _LOST_RACE:
                     return False
                 raise
@@ -367,30 +357,26 @@ class S3Store:
     # -- reads ---------------------------------------------------------------------------------
 
     def get_object(self, rel: str) -> bytes | None:
-        with _translated(self.location, rel):
-            try:
-                return self.client.get_object(Bucket=self.location.bucket, Key=self.location.key(rel))["Body"].read()
-            except ClientError as exc:
-                if _code(exc) in ("NoSuchKey", "404"):
-                    return None
-                raise
+        got = self.data.read(rel)
+        return None if got is None else got[0]
 
     def _list(self, rel_prefix: str) -> list[str]:
         """Keys under a prefix, relative to the store root."""
-        out: list[str] = []
-        with _translated(self.location, rel_prefix):
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.location.bucket, Prefix=self.location.key(rel_prefix)
-            )
-            for page in pages:
-                out += [o["Key"][len(self.location.prefix) :] for o in page.get("Contents", ())]
-        return out
+        return self.data.list(rel_prefix, self.location.prefix)
 
-    def _presign(self, method: str, rel: str) -> str:
+    def _presign(self, method: str, rel: str, params: Mapping[str, str]) -> str:
+        """A URL for a read: rel "" with params is a listing of the bucket."""
+        key = self.location.key(rel) if rel else ""
+        if self._signer is not None:
+            return self._signer.presign(method, key, params)
+        if params:  # the only read with parameters
+            operation, args = "list_objects_v2", {"Prefix": params["prefix"], "EncodingType": "url"}
+            if "continuation-token" in params:
+                args["ContinuationToken"] = params["continuation-token"]
+        else:
+            operation, args = ("head_object" if method == "HEAD" else "get_object"), {"Key": key}
         with _translated(self.location, rel):
-            return self.client.generate_presigned_url(
-                method, Params={"Bucket": self.location.bucket, "Key": self.location.key(rel)}, ExpiresIn=3600
-            )
+            return self.client.generate_presigned_url(operation, Params={"Bucket": self.location.bucket, **args}, ExpiresIn=3600)
 
     def _refresh_packs(self) -> None:
         """Load the indexes of packs written since we last looked (they never change)."""
@@ -455,9 +441,39 @@ class S3Store:
         self.data.retried(key, attempt)
 
 
+def _botocore_client(location: S3Location, endpoint: str | None, env: Mapping[str, str]) -> Any:
+    """An S3 client on botocore's session: boto3's credential chain (env, config files, SSO,
+    instance role) without boto3's import cost."""
+    import botocore.session
+
+    with _translated(location, ""):
+        session = botocore.session.Session(profile=None if env.get("AWS_ACCESS_KEY_ID") else env.get("AWS_PROFILE"))
+        for variable, name in (("config_file", "AWS_CONFIG_FILE"), ("credentials_file", "AWS_SHARED_CREDENTIALS_FILE")):
+            if env.get(name):  # botocore reads os.environ; the env we were given wins
+                session.set_config_variable(variable, env[name])
+        return session.create_client(
+            "s3",
+            region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+            endpoint_url=endpoint,
+            aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            aws_session_token=env.get("AWS_SESSION_TOKEN"),
+            config=_client_config(endpoint),
+        )
+
+
 @contextmanager
 def _translated(location: S3Location, rel: str) -> Iterator[None]:
     """botocore's exceptions become our typed errors, one line each, naming the object."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ProfileNotFound,
+    )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
     where = f"{location.url}/{rel}".rstrip("/")
     try:
         yield
@@ -491,11 +507,13 @@ def _translated(location: S3Location, rel: str) -> Iterator[None]:
         raise StoreError(f"{where}: {exc}") from None
 
 
-def _code(exc: ClientError) -> str:
+def _code(exc: Any) -> str:  # a botocore ClientError
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
-def _client_config(endpoint: str | None) -> Config:
+def _client_config(endpoint: str | None) -> Any:
+    from botocore.config import Config
+
     return Config(
         signature_version="s3v4",
         retries={"mode": "standard", "max_attempts": 5},
@@ -535,7 +553,7 @@ def _crc32c_of_file(source: BlobSource) -> int:
     with source.path.open("rb") as f:
         while chunk := f.read(CHUNK):
             hasher.update(chunk)
-            crc = checksums.crc32c(chunk, crc)
+            crc = _crc32c(chunk, crc)
             size += len(chunk)
     if size != source.size or hasher.hexdigest() != source.digest:
         raise _changed(source)
@@ -564,3 +582,13 @@ def _json_format(data: bytes) -> object:
     return raw.get("format") if isinstance(raw, dict) else None
 
 
+def _client_error() -> type[Exception]:
+    from botocore.exceptions import ClientError
+
+    return ClientError
+
+
+def _crc32c(data: Any, crc: int = 0) -> int:
+    from awscrt import checksums  # only uploads need it
+
+    return checksums.crc32c(data, crc)
