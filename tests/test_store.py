@@ -288,6 +288,17 @@ def test_s3_refuses_a_server_without_conditional_writes(s3_url: str, s3_env: dic
     assert open_store(s3_url, env=s3_env).get_doc("releases", "r") == DOC
 
 
+def test_listings_follow_every_page(kind: str, store: Store) -> None:
+    if kind == "local":
+        pytest.skip("pages are S3's")
+    names = [f"r{i}" for i in range(5)]
+    for name in names:
+        store.put_doc("releases", name, DOC)
+    keys = store.data.list("releases/", store.location.prefix, page_size=2)  # type: ignore[attr-defined]
+    assert keys == [f"releases/{n}.json" for n in names]
+    assert list(store.list_docs("releases")) == names
+
+
 @pytest.mark.s3
 def test_s3_reads_with_static_credentials_never_import_botocore(s3_url: str, s3_env: dict[str, str], tmp_path: Path) -> None:
     import subprocess

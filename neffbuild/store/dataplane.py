@@ -183,10 +183,7 @@ class DataPlane:
         """A small object's bytes and ETag, or None if there is no such key."""
 
         def attempt() -> tuple[bytes, str] | None:
-            try:
-                response = self.pool.request("GET", self._presign("GET", rel, {}))
-            except urllib3.exceptions.HTTPError as exc:
-                raise unreachable(self.base, rel, exc) from None
+            response = self._request("GET", rel)
             if response.status == 200:
                 return response.data, response.headers.get("ETag", "")
             if response.status == 404 and error_code(response.data) != "NoSuchBucket":
@@ -195,10 +192,12 @@ class DataPlane:
 
         return self.retried(rel, attempt)
 
-    def list(self, rel_prefix: str, store_prefix: str) -> list[str]:
+    def list(self, rel_prefix: str, store_prefix: str, *, page_size: int | None = None) -> list[str]:
         """Keys under a prefix (ListObjectsV2, every page), relative to the store root."""
         keys: list[str] = []
         params = {"list-type": "2", "prefix": store_prefix + rel_prefix, "encoding-type": "url"}
+        if page_size is not None:  # the server's default (1,000) otherwise
+            params["max-keys"] = str(page_size)
         while True:
             page = self.retried(rel_prefix, lambda p=dict(params): self._list_page(rel_prefix, p))
             encoded = b"<EncodingType>url</EncodingType>" in page  # a server may ignore encoding-type
@@ -211,32 +210,32 @@ class DataPlane:
             params["continuation-token"] = html.unescape(token.group(1).decode())
 
     def _list_page(self, rel_prefix: str, params: Mapping[str, str]) -> bytes:
-        try:
-            response = self.pool.request("GET", self._presign("GET", "", params))
-        except urllib3.exceptions.HTTPError as exc:
-            raise unreachable(self.base, rel_prefix, exc) from None
+        response = self._request("GET", "", params, named=rel_prefix)
         if response.status != 200:
             raise http_error(self.base, rel_prefix, response.status, response.data, None)
         return response.data
 
     def exists(self, rel: str) -> bool:
         def attempt() -> bool:
-            try:
-                response = self.pool.request("HEAD", self._presign("HEAD", rel, {}))
-            except urllib3.exceptions.HTTPError as exc:
-                raise unreachable(self.base, rel, exc) from None
+            response = self._request("HEAD", rel)
             if response.status in (200, 404):
                 return response.status == 200
             raise http_error(self.base, rel, response.status, b"", None)
 
         return self.retried(rel, attempt)
 
+    def _request(
+        self, method: str, rel: str, params: Mapping[str, str] | None = None, *, named: str | None = None, **kwargs: Any
+    ) -> urllib3.BaseHTTPResponse:
+        """One presigned request; a connection failure is Transient (named: what to call it then)."""
+        try:
+            return self.pool.request(method, self._presign(method, rel, params or {}), **kwargs)
+        except urllib3.exceptions.HTTPError as exc:
+            raise unreachable(self.base, rel if named is None else named, exc) from None
+
     def _get(self, rel: str, start: int, end: int | None, missing: str | None) -> urllib3.BaseHTTPResponse:
         headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
-        try:
-            response = self.pool.request("GET", self._presign("GET", rel, {}), headers=headers, preload_content=False)
-        except urllib3.exceptions.HTTPError as exc:
-            raise unreachable(self.base, rel, exc) from None
+        response = self._request("GET", rel, headers=headers, preload_content=False)
         if response.status == (200 if end is None else 206):
             return response
         body = response.read()

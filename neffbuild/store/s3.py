@@ -373,6 +373,8 @@ class S3Store:
             operation, args = "list_objects_v2", {"Prefix": params["prefix"], "EncodingType": "url"}
             if "continuation-token" in params:
                 args["ContinuationToken"] = params["continuation-token"]
+            if "max-keys" in params:
+                args["MaxKeys"] = int(params["max-keys"])
         else:
             operation, args = ("head_object" if method == "HEAD" else "get_object"), {"Key": key}
         with _translated(self.location, rel):

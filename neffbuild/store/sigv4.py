@@ -19,6 +19,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 ALGORITHM = "AWS4-HMAC-SHA256"
 # Regions of the commercial partition (amazonaws.com): others (China, GovCloud, ISO) use botocore.
@@ -118,8 +119,6 @@ def signer_from_env(bucket: str, endpoint_url: str | None, env: Mapping[str, str
 
 
 def _config_file_has_content(env: Mapping[str, str]) -> bool:
-    from pathlib import Path
-
     path = Path(env.get("AWS_CONFIG_FILE") or Path(env.get("HOME") or Path.home()) / ".aws" / "config").expanduser()
     try:
         return path.is_file() and path.stat().st_size > 0
