@@ -16,12 +16,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from filelock import FileLock
-
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
+from neffbuild.locks import exclusive
 from neffbuild.materialize import BlobTarget, disk_error, write_verified
 from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
 from neffbuild.store.base import MARKER, STORE_FORMAT, BlobSource, DocKind, blob_key, doc_key
+
+TAG_LOCK_TIMEOUT_S = 60
 
 
 class LocalStore:
@@ -119,7 +120,7 @@ class LocalStore:
         # compare below is what makes the swap conditional.
         lock_dir = self.root / "locks"
         _guard(lambda: lock_dir.mkdir(exist_ok=True), lock_dir)
-        with FileLock(str(lock_dir / f"tag-{name}.lock"), timeout=60):
+        with exclusive(lock_dir / f"tag-{name}.lock", timeout=TAG_LOCK_TIMEOUT_S, what=f"tag {name}'s lock"):
             current = self.read_tag(name)
             if (current[1] if current else None) != expected:
                 return False
