@@ -20,7 +20,7 @@ import functools
 import mmap
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +63,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
         try:
             hasher = xxhash.xxh3_128()
             size = 0
-            for chunk in chunks:
+            for chunk in _bounded(chunks, target, origin):
                 hasher.update(chunk)
                 direct = _write_all(fd, chunk, direct)
                 size += len(chunk)
@@ -84,6 +84,20 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
     finally:
         if named is not None and not landed:
             named.unlink(missing_ok=True)
+
+
+def _bounded(chunks: Iterable[bytes | memoryview], target: BlobTarget, origin: str) -> Iterator[bytes | memoryview]:
+    """The chunks, stopped as soon as they exceed the size the release declares: a source that
+    never ends (a FIFO, /dev/zero, a body without a length) fails here, not on a full disk."""
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > target.size:  # checked before it is written: nothing past the size is kept
+            raise IntegrityError(
+                f"{target.dest}: content from {origin} is longer than the {target.size} bytes the release expects",
+                hint="the store object is corrupt: rebuild or re-push the release; nothing was written",
+            )
+        yield chunk
 
 
 def _open_temp(dest: Path, *, direct: bool) -> tuple[int, Path | None, bool]:

@@ -29,6 +29,7 @@ def publish_release(store: Store, release: Release) -> str:
     for unit in release.units:
         if store.get_doc("bundles", unit.key) is None:
             raise NotFoundError(f"release {release.name}: bundle of {unit.unit_id} ({unit.key}) is not in {store.url}")
+    store.put_locator(release.release_id, {f.digest for f in release.files})  # before the release that it serves
     store.put_doc("releases", release.release_id, dump(release))
     return release.release_id
 

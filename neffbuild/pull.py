@@ -91,7 +91,7 @@ def pull(store: Store, ref: str, cache_dir: Path, *, jobs: int = 16) -> PullRepo
         state = _load_state(state_dir)
         missing = [f for f in resolved.release.files if not _is_present(cache_dir, f, state)]
         targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False) for f in missing]
-        store.download_blobs(targets, jobs)
+        store.download_blobs(targets, jobs, release=resolved.release_id)
         # One flush for all files, then the state file: the state is the commit point. A file
         # put in place but lost to a power cut before this flush is not in the state, so
         # the next pull re-hashes it and fetches it again.

@@ -45,13 +45,13 @@ def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path 
             if dst.get_doc("bundles", unit.key) is not None:
                 continue  # written after its blobs: nothing of this bundle is missing
             record = _bundle(src, unit.key)
-            sources = _stage_missing(record.files, src, dst, staging, jobs)
+            sources = _stage_missing(record.files, src, dst, staging, jobs, resolved.release_id)
             uploaded += publish_bundle(dst, record, sources, jobs)
             blobs += len(sources)
             copied += 1
             _clear(sources)
         # Normally every release file came from a bundle; a hand-made release may list others.
-        extra = _stage_missing(release.files, src, dst, staging, jobs)
+        extra = _stage_missing(release.files, src, dst, staging, jobs, resolved.release_id)
         uploaded += dst.put_blobs(extra, jobs)
         blobs += len(extra)
     publish_release(dst, release)
@@ -68,12 +68,12 @@ def _bundle(store: Store, key: str) -> BundleRecord:
     return parse(BundleRecord, data, f"{store.url}/bundles/{key}.json")
 
 
-def _stage_missing(files: Iterable[FileEntry], src: Store, dst: Store, staging: Path, jobs: int) -> list[BlobSource]:
+def _stage_missing(files: Iterable[FileEntry], src: Store, dst: Store, staging: Path, jobs: int, release_id: str) -> list[BlobSource]:
     """Bring the blobs dst lacks from src into staging (verified); the sources to upload."""
     sizes = {f.digest: f.size for f in files}
     missing = sorted(dst.missing_blobs(sizes))
     targets = [BlobTarget(d, sizes[d], staging / d, fsync=False) for d in missing]  # scratch copies
-    src.download_blobs(targets, jobs)
+    src.download_blobs(targets, jobs, release=release_id)
     return [BlobSource(t.digest, t.size, t.dest) for t in targets]
 
 

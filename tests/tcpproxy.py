@@ -8,6 +8,9 @@ Modes:
   connection; the client must retry and resume).
 - "ignore-preconditions": answer a 412 with an empty 200 (a server that ignores If-None-Match /
   If-Match; the real server still did not write, which the tests do not rely on).
+- "endless": successful GET responses for `paths` lose their Content-Length and, after the real
+  body, go on with zero bytes until the client hangs up (or `endless_cap` bytes): a body that
+  never ends. `extra_sent` counts the bytes sent past the real bodies.
 
 Each request is forwarded with `Connection: close`, so a connection carries one exchange and the
 proxy needs no HTTP framing beyond the request's Content-Length. It serves until stop().
@@ -21,13 +24,17 @@ from collections.abc import Sequence
 
 
 class TcpProxy:
-    def __init__(self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",), cuts: int = 0) -> None:
+    def __init__(
+        self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",), cuts: int = 0, endless_cap: int = 1 << 30
+    ) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
         self.mode = mode
         self.paths = tuple(p.encode() for p in paths)
         self.corrupted = 0
         self.cuts = cuts
         self._cuts_lock = threading.Lock()
+        self.endless_cap = endless_cap
+        self.extra_sent = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
@@ -68,14 +75,15 @@ class TcpProxy:
             client.close()
             return
         cut = threading.Event()  # set by the request side: cut this exchange's response short
-        threading.Thread(target=self._responses, args=(upstream, client, cut), daemon=True).start()
+        endless = threading.Event()  # set by the request side: make this exchange's body endless
+        threading.Thread(target=self._responses, args=(upstream, client, cut, endless), daemon=True).start()
         try:
-            self._request(client, upstream, cut)
+            self._request(client, upstream, cut, endless)
         except OSError:
             upstream.close()
             client.close()
 
-    def _request(self, client: socket.socket, upstream: socket.socket, cut: threading.Event) -> None:
+    def _request(self, client: socket.socket, upstream: socket.socket, cut: threading.Event, endless: threading.Event) -> None:
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = client.recv(65536)
@@ -95,6 +103,8 @@ class TcpProxy:
                 if self.cuts > 0:
                     self.cuts -= 1
                     cut.set()
+        if self.mode == "endless" and method == b"GET" and matches:
+            endless.set()
         upstream.sendall(b"\r\n".join([first, *headers]) + b"\r\n\r\n")
         remaining = length
         while remaining > 0:
@@ -109,10 +119,14 @@ class TcpProxy:
             upstream.sendall(part)
             remaining -= len(part)
 
-    def _responses(self, upstream: socket.socket, client: socket.socket, cut: threading.Event) -> None:
+    def _responses(self, upstream: socket.socket, client: socket.socket, cut: threading.Event, endless: threading.Event) -> None:
         sent = 0
         try:
-            while chunk := upstream.recv(65536):
+            chunk = upstream.recv(65536)  # the response starts after the request was read: events are set
+            if endless.is_set():
+                self._endless(upstream, client, chunk)
+                return
+            while chunk:
                 if cut.is_set() and sent + len(chunk) > 65536:
                     client.sendall(chunk[: max(0, 65536 - sent)])
                     break  # closing both ends mid-body, as a dropped connection would
@@ -122,8 +136,33 @@ class TcpProxy:
                     break
                 client.sendall(chunk)
                 sent += len(chunk)
+                chunk = upstream.recv(65536)
         except OSError:
             pass
         finally:
             upstream.close()
             client.close()
+
+    def _endless(self, upstream: socket.socket, client: socket.socket, data: bytes) -> None:
+        """Forward one response without its Content-Length, then keep the body going (a 2xx only)."""
+        while b"\r\n\r\n" not in data:
+            chunk = upstream.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        first, *headers = head.split(b"\r\n")
+        if not first.split(b" ")[1].startswith(b"2"):
+            client.sendall(data)
+            while chunk := upstream.recv(65536):
+                client.sendall(chunk)
+            return
+        headers = [h for h in headers if not h.lower().startswith(b"content-length:")]
+        client.sendall(b"\r\n".join([first, *headers]) + b"\r\n\r\n" + body)
+        while chunk := upstream.recv(65536):
+            client.sendall(chunk)
+        filler = bytes(65536)
+        while self.extra_sent < self.endless_cap:  # until the client hangs up: sendall raises
+            client.sendall(filler)
+            with self._cuts_lock:
+                self.extra_sent += len(filler)

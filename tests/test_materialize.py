@@ -100,3 +100,21 @@ def test_unwritable_directory_is_a_disk_error(tmp_path: Path, temp_kind: str) ->
     locked.mkdir(mode=0o500)
     with pytest.raises(DiskError):
         write_verified(target_for(b"x", locked / "x"), [b"x"], origin="test")
+
+
+def test_a_source_that_never_ends_stops_one_chunk_past_the_declared_size(tmp_path: Path, temp_kind: str) -> None:
+    data = os.urandom(10_000)
+    dest = tmp_path / "d" / "x.so"
+    pulled = []
+
+    def endless():  # the right bytes, then zeros for ever (a body without an end)
+        yield data
+        while True:
+            pulled.append(1)
+            yield bytes(4096)
+
+    with pytest.raises(IntegrityError, match="longer than the 10000 bytes") as err:
+        write_verified(target_for(data, dest), endless(), origin="s3://b/blobs/x")
+    assert str(dest) in err.value.message and "s3://b/blobs/x" in err.value.message
+    assert len(pulled) == 1  # one chunk more proved it too long
+    assert leftovers(tmp_path, dest) == [] and not dest.exists()

@@ -1,13 +1,16 @@
-"""Pack planning and index encoding (pure; the S3 tests cover the I/O)."""
+"""Pack planning, index and locator encoding and their strict decoders (pure; the S3 tests cover the I/O)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from neffbuild.errors import IntegrityError
-from neffbuild.hashing import hash_bytes
+from neffbuild.hashing import hash_bytes, is_digest
 from neffbuild.materialize import BlobTarget
 from neffbuild.store import packs
 from neffbuild.store.base import BlobSource
@@ -76,3 +79,141 @@ def test_a_small_pull_is_split_across_connections() -> None:
     assert packs.range_size(100, jobs=16) == packs.RANGE_MIN
     index, _ = packs.encode_index(sources(*[100] * 10))
     assert len(packs.plan_ranges(index, targets_for(index, *range(10)), size=300)) == 4
+
+
+# ---- decoding what a store holds: strict, typed, never a crash -------------------------------------
+
+WHERE = "s3://bucket/p/packs/x.idx.json"
+
+
+def assert_integrity_error_naming(exc: IntegrityError, where: str) -> None:
+    """A refusal as the CLI prints it: exit 4, one printable line naming the object, a hint."""
+    assert exc.exit_code == 4 and where in exc.message and exc.hint
+    assert "\n" not in exc.message and len(exc.message) < 600
+    exc.message.encode("utf-8")  # no lone surrogate reaches the terminal
+
+
+def named(data: bytes) -> tuple[str, bytes]:
+    """An index under the name an attacker gives it: its own digest, so the parser is reached."""
+    return hash_bytes(data), data
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"", b"null", b"[]", b"3", b"garbage", b"\x1f\x8b\x08\x00gzip", b"[" * 100_000, b'{"a":' * 50_000,
+        b'{"format": "\\ud800", "size": 0, "entries": []}',
+        b'{"format": "neffbuild.pack/1", "size": 0, "entries": [], "extra": 1}',
+        b'{"format": "neffbuild.pack/1", "size": "0", "entries": []}',
+        b'{"format": "neffbuild.pack/1", "size": 0.0, "entries": []}',
+        b'{"format": "neffbuild.pack/1", "size": true, "entries": []}',
+        b'{"format": "neffbuild.pack/1", "size": 1e400, "entries": []}',
+        b'{"format": "neffbuild.pack/1", "size": 1, "entries": [["' + b"a" * 32 + b'", 0, true]]}',
+        b'{"format": "neffbuild.pack/1", "size": 1, "entries": [["' + b"a" * 32 + b'", 0.0, 1]]}',
+        b'{"format": "neffbuild.pack/1", "size": 1, "entries": [["' + b"A" * 32 + b'", 0, 1]]}',
+        b'{"format": "neffbuild.pack/1", "size": 1, "entries": [["\\ud800' + b"a" * 31 + b'", 0, 1]]}',
+        b'{"format": "neffbuild.pack/1", "size": 2, "entries": [["' + b"a" * 32 + b'", 1, 1]]}',
+        b'{"format": "neffbuild.pack/1", "size": 1, "entries": {"' + b"a" * 32 + b'": [0, 1]}}',
+        b'{"format": "neffbuild.pack/1", "size": 1, "entries": [["' + b"a" * 32 + b'", 0, 1, 2]]}',
+        b'{"format": "neffbuild.pack/1", "size": 5, "entries": [["' + b"a" * 32 + b'", 0, 1]]}',
+        b'{"format": "neffbuild.pack/1", "size": Infinity, "entries": []}',
+        '{"format": "neffbuild.pack/1\udc80", "size": 0, "entries": []}'.encode("utf-8", "surrogatepass"),
+    ],
+    ids=lambda d: repr(d[:40]),
+)
+def test_a_malformed_index_is_an_integrity_error_naming_it(data: bytes) -> None:
+    pack_id, data = named(data)
+    with pytest.raises(IntegrityError) as err:
+        packs.decode_index(pack_id, data, WHERE)
+    assert_integrity_error_naming(err.value, WHERE)
+
+
+def test_an_index_is_read_strictly_and_refused_when_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    index, data = packs.encode_index(sources(3, 4))
+    assert packs.decode_index(index.pack_id, data, WHERE) == index
+    monkeypatch.setattr(packs, "INDEX_MAX", len(data) - 1)
+    with pytest.raises(IntegrityError, match="over"):
+        packs.decode_index(index.pack_id, data, WHERE)
+
+
+def test_a_locator_round_trips_and_must_name_its_release() -> None:
+    a, b, c = (hash_bytes(x) for x in (b"a", b"b", b"c"))
+    pack = hash_bytes(b"pack")
+    release = hash_bytes(b"release")
+    data = packs.encode_locator(release, {a: pack, b: pack}, [c])
+    assert packs.decode_locator(release, data, "loc") == packs.Locator(release, {pack: frozenset({a, b})}, frozenset({c}))
+    with pytest.raises(IntegrityError, match="locates release") as err:
+        packs.decode_locator(hash_bytes(b"other"), data, "s3://b/locators/x.json")
+    assert_integrity_error_naming(err.value, "s3://b/locators/x.json")
+
+
+# ---- property tests: no input gets past the decoders as anything but a typed refusal ------------
+# 2,000 examples each, in CI; together about FUZZ_SECONDS on this suite's 2-core machine.
+
+_text = st.text(st.characters(codec=None), max_size=8)  # lone surrogates included
+_scalars = st.none() | st.booleans() | st.integers() | st.floats() | _text
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3), max_leaves=6)
+_digests = st.sampled_from([hash_bytes(bytes([i])) for i in range(4)]) | st.text("0123456789abcdefABCDEF", min_size=31, max_size=33)
+
+
+def _dumped(value: object, raw: bool) -> bytes:
+    """JSON as a store might hold it: escaped, or with raw (even lone-surrogate) UTF-8."""
+    return json.dumps(value, ensure_ascii=not raw).encode("utf-8", "surrogatepass")
+
+
+_entries = st.lists(st.tuples(_digests, st.integers(-1, 70), st.integers(-1, 70)).map(list) | _json, max_size=5)
+_index_like = st.fixed_dictionaries(
+    {"format": st.just(packs.PACK_FORMAT) | _json, "size": st.integers(-1, 200) | _json, "entries": _entries | _json},
+    optional={"extra": _json},
+)
+_consistent_index = st.lists(st.integers(0, 50), max_size=6).map(lambda sizes: packs.encode_index(sources(*sizes))[1])
+_deep = st.tuples(st.sampled_from([b"[", b'{"a":', b'{"entries":[']), st.integers(1, 3_000)).map(lambda t: t[0] * t[1])
+INDEX_INPUTS = st.one_of(
+    st.binary(max_size=300),
+    _deep,
+    st.tuples(_json | _index_like, st.booleans()).map(lambda t: _dumped(*t)),
+    st.tuples(_index_like, st.booleans()).map(lambda t: _dumped(*t)),
+    _consistent_index,
+    st.tuples(_consistent_index, st.integers(0, 10_000), st.integers(0, 255)).map(
+        lambda t: t[0][: t[1] % (len(t[0]) + 1)] + bytes([t[2]]) + t[0][t[1] % (len(t[0]) + 1) + 1 :]
+    ),  # one byte changed
+)
+FUZZ = settings(max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+@FUZZ
+@given(INDEX_INPUTS)
+def test_fuzz_pack_index_decoder(data: bytes) -> None:
+    pack_id, data = named(data)
+    try:
+        index = packs.decode_index(pack_id, data, WHERE)
+    except IntegrityError as exc:
+        assert_integrity_error_naming(exc, WHERE)
+        return
+    assert index.pack_id == pack_id and all(is_digest(e.digest) for e in index.entries)
+    assert [e.offset for e in index.entries] == [sum(e.size for e in index.entries[:i]) for i in range(len(index.entries))]
+    assert index.size == sum(e.size for e in index.entries)
+
+
+_locator_like = st.fixed_dictionaries(
+    {
+        "format": st.just(packs.LOCATOR_FORMAT) | _json,
+        "release": st.just(hash_bytes(b"r")) | _json,
+        "packs": st.dictionaries(_digests, st.lists(_digests, max_size=3) | _json, max_size=3) | _json,
+        "loose": st.lists(_digests, max_size=3) | _json,
+    },
+    optional={"extra": _json},
+)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200), _deep, st.tuples(_locator_like | _json, st.booleans()).map(lambda t: _dumped(*t))))
+def test_fuzz_locator_decoder(data: bytes) -> None:
+    where = "s3://bucket/p/locators/r.json"
+    try:
+        locator = packs.decode_locator(hash_bytes(b"r"), data, where)
+    except IntegrityError as exc:
+        assert_integrity_error_naming(exc, where)
+        return
+    assert all(is_digest(p) and all(is_digest(d) for d in ds) for p, ds in locator.packs.items())
+    assert all(is_digest(d) for d in locator.loose)

@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from neffbuild.errors import IntegrityError, NotFoundError, StoreError
+from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.hashing import hash_bytes
 from neffbuild.materialize import BlobTarget
 from neffbuild.store import open_store
 from neffbuild.store.base import (
     MARKER,
+    MARKER_MAX,
     STORE_FORMAT,
     BlobSource,
     Store,
     blob_key,
+    check_marker,
     doc_key,
 )
 from tests.storekit import (
     corrupt_blob,
     keys_of,
+    publish_release_of,
     s3_client,
     small_and_large,
     write_files,
@@ -175,8 +181,9 @@ def test_a_source_that_does_not_match_its_digest_is_not_stored(store: Store, tmp
     small, large = write_files(tmp_path / "src", {"small.bin": 5000, "large.bin": 9 << 20})
     for s in (small, large):
         lying = BlobSource(hash_bytes(b"other bytes"), s.size, s.path)
-        with pytest.raises(IntegrityError, match="changed while publishing"):
+        with pytest.raises(IntegrityError, match="changed while publishing") as err:
             store.put_blobs([lying], jobs=2)
+        assert str(s.path) in err.value.message and f"{store.url}/" in err.value.message  # the file and the store object
         assert store.missing_blobs({lying.digest}) == {lying.digest}
 
 
@@ -353,6 +360,17 @@ def test_s3_create_makes_the_bucket_and_refuses_a_foreign_prefix(s3_env: dict[st
         open_store(f"s3://{bucket}/other", create=True, env=s3_env)
 
 
+def _write(store: Store, key: str, data: bytes, env: dict[str, str]) -> None:
+    """Replace a store object out of band (a damaged or hostile store)."""
+    if not store.url.startswith("s3://"):
+        path = Path(store.url) / key
+        path.unlink(missing_ok=True)
+        path.write_bytes(data)
+        return
+    bucket, _, prefix = store.url.removeprefix("s3://").partition("/")
+    s3_client(env).put_object(Bucket=bucket, Key=f"{prefix}/{key}" if prefix else key, Body=data)
+
+
 def _read(store: Store, key: str, env: dict[str, str]) -> bytes:
     if not store.url.startswith("s3://"):
         return (Path(store.url) / key).read_bytes()
@@ -374,3 +392,78 @@ def test_s3_downloads_survive_dropped_connections(s3_url: str, s3_env: dict[str,
         assert proxy.cuts == 0  # every planned cut happened
     for s, t in zip(sources, targets, strict=True):
         assert t.dest.read_bytes() == s.path.read_bytes(), t.dest
+
+
+# ---- the marker: anything but ours is a one-line StoreError naming it ---------------------------
+
+_GZIPPED = gzip.compress(json.dumps({"format": STORE_FORMAT}).encode())
+BAD_MARKERS = {
+    "empty": b"", "null": b"null", "list": b"[]", "number": b"3", "garbage": b"garbage\x00\xff", "gzip": _GZIPPED,
+    "deep": b"[" * 100_000, "escaped-surrogate": b'{"format": "\\ud800"}', "raw-surrogate": b'{"format": "\xed\xa0\x80"}',
+    "no-format": b'{"a": 1}', "other-format": b'{"format": "neffbuild.store/9"}',
+    "huge": json.dumps({"format": STORE_FORMAT, "pad": "x" * (MARKER_MAX + 1)}).encode(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("content", BAD_MARKERS.values(), ids=BAD_MARKERS.keys())
+def test_a_damaged_marker_is_a_store_error_naming_it(store: Store, store_url: str, env: dict[str, str], content: bytes) -> None:
+    _write(store, MARKER, content, env)
+    with pytest.raises(StoreError) as err:
+        open_store(store_url, env=env)
+    assert_one_line(err.value, f"{store.url}/{MARKER}", exit_code=3)
+    assert "format" in f"{err.value.message} {err.value.hint}"
+
+
+def assert_one_line(exc: NeffbuildError, names: str, *, exit_code: int) -> None:
+    """A refusal as the CLI prints it: its exit code, one printable line naming the object, a hint."""
+    assert exc.exit_code == exit_code and names in exc.message and exc.hint, exc.message
+    assert "\n" not in exc.message and len(exc.message) < 600
+    exc.message.encode("utf-8")  # no lone surrogate reaches the terminal
+
+
+_text = st.text(st.characters(codec=None), max_size=8)  # lone surrogates included
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | _text | st.just(STORE_FORMAT),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text | st.just("format"), inner, max_size=3),
+    max_leaves=6,
+)
+_markers = st.one_of(
+    st.binary(max_size=200),
+    st.tuples(st.sampled_from([b"[", b'{"format":']), st.integers(1, 3000)).map(lambda t: t[0] * t[1]),
+    st.tuples(_json, st.booleans()).map(lambda t: json.dumps(t[0], ensure_ascii=t[1]).encode("utf-8", "surrogatepass")),
+    st.dictionaries(st.just("format") | _text, _json | st.just(STORE_FORMAT), max_size=3).map(lambda d: json.dumps(d).encode()),
+)
+
+
+# 2,000 examples in CI: about 5 s on the suite's 2-core machine.
+@settings(max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(_markers)
+def test_fuzz_store_marker_parser(data: bytes) -> None:
+    try:
+        check_marker(data, "s3://bucket/p/neffbuild-store.json")
+    except StoreError as exc:
+        assert_one_line(exc, "s3://bucket/p/neffbuild-store.json", exit_code=3)
+        return
+    raw = json.loads(data)
+    assert isinstance(raw, dict) and raw["format"] == STORE_FORMAT
+
+
+# ---- locators: which packs hold a release's blobs ------------------------------------------------
+
+
+def test_a_published_release_has_a_locator_where_the_store_packs(store: Store, env: dict[str, str], tmp_path: Path) -> None:
+    from neffbuild.store import packs
+
+    sources = small_and_large(tmp_path / "src", small=30)
+    release_id = publish_release_of(store, tmp_path / "src", sources)
+    keys = keys_of(store, env)
+    if not store.url.startswith("s3://"):
+        assert not [k for k in keys if k.startswith(("locators/", "packs/"))]  # every blob is a file of its own
+        return
+    locator = packs.decode_locator(release_id, _read(store, packs.locator_key(release_id), env), "locator")
+    small = {s.digest for s in sources if s.size < packs.SMALL_BLOB}
+    [(pack_id, held)] = locator.packs.items()
+    assert held == small and locator.loose == {s.digest for s in sources} - small
+    assert packs.index_key(pack_id) in keys
+    publish_release_of(store, tmp_path / "src", sources)  # an unchanged re-publish writes nothing
+    assert keys_of(store, env) == keys

@@ -11,25 +11,40 @@ The layout below is a contract shared by all stores and asserted by tests:
     packs/<p>.pack              S3 store only: small blobs (< 8 MiB) of one upload laid end to end (immutable)
     packs/<p>.idx.json          its index {"format": "neffbuild.pack/1", "size", "entries": [[digest, offset, size]]},
                                 written after the pack; p = XXH3-128 of the index bytes (see store/packs.py)
+    locators/<release id>.json  S3 store only: where a release's blobs lie, {"format": "neffbuild.locator/1",
+                                "release", "packs": {p: [digest, ...]}, "loose": [digest, ...]} (immutable),
+                                written after its blobs and before the release; a pull of the release
+                                reads the indexes of these packs only (see store/packs.py)
 
 A blob is present if blobs/<d[:2]>/<d> exists or a present pack index lists it; missing_blobs
-answers for both. Publishing writes blobs, then bundles, then the release, then the tag, so a
-reader never finds a document that points at something absent.
+answers for both. Publishing writes blobs, then bundles, then the locator, then the release, then
+the tag, so a reader never finds a document that points at something absent. A release without a
+locator (published before locators existed) is found through every pack index, skipping damaged
+ones: an index that does not hash to its name only matters to a pull that needs one of its blobs.
+
+Every read is bounded: a blob by its size in the release (one byte more proves it too long), a
+document by DOC_MAX, the marker by MARKER_MAX; a local store opens only regular files, and never
+blocks opening one (a FIFO is refused, not waited on).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol, runtime_checkable
 
+from neffbuild.errors import StoreError
 from neffbuild.materialize import BlobTarget
 
 DocKind = Literal["bundles", "releases", "tags"]
 STORE_FORMAT = "neffbuild.store/1"
 MARKER = "neffbuild-store.json"
+MARKER_MAX = 64 << 10  # the marker is a few dozen bytes; a larger one is not ours
+DOC_MAX = 256 << 20  # no document is read past this (a release of a million files is ~150 MB)
+MARKER_HINT = f'not a neffbuild store, or its marker is damaged: it must hold {{"format": "{STORE_FORMAT}"}}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +64,30 @@ def doc_key(kind: DocKind, name: str) -> str:
     return f"{kind}/{name}.json"
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """A value from a store, quoted for a one-line message: escaped (no newline or lone surrogate
+    reaches the terminal) and cut short (a hostile value may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def check_marker(data: bytes, where: str) -> None:
+    """Accept a store marker's bytes, or refuse them with a StoreError naming it (where)."""
+    if len(data) > MARKER_MAX:
+        raise StoreError(f"{where}: over {MARKER_MAX} bytes, not a store marker", hint=MARKER_HINT)
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise StoreError(f"{where}: not a JSON store marker ({type(exc).__name__})", hint=MARKER_HINT) from None
+    if not isinstance(raw, dict) or "format" not in raw:
+        raise StoreError(f"{where}: not a store marker (expected an object with a format, got {shown(raw)})", hint=MARKER_HINT)
+    if raw["format"] != STORE_FORMAT:
+        raise StoreError(
+            f"{where}: store format {shown(raw['format'])}, expected {STORE_FORMAT!r}",
+            hint="written by another neffbuild version: use that version, or another store",
+        )
+
+
 @runtime_checkable
 class Store(Protocol):
     """What the core needs from storage; nothing else may touch a store's backing medium."""
@@ -65,8 +104,15 @@ class Store(Protocol):
     def put_blobs(self, sources: Sequence[BlobSource], jobs: int) -> int:
         """Publish the sources the store lacks (in parallel, packed or not); return bytes uploaded."""
 
-    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int) -> None:
-        """Bring each blob to its target path through materialize.write_verified (atomic, checked)."""
+    def put_locator(self, release_id: str, digests: Collection[str]) -> None:
+        """Before a release is written: record where its blobs lie, unless recorded already, so that
+        a pull of it reads only what it needs (S3: locators/<release id>.json; a local store has no packs)."""
+
+    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int, *, release: str | None = None) -> None:
+        """Bring each blob to its target path through materialize.write_verified (atomic, checked).
+
+        `release`: the release the targets belong to, if any; its locator then says where they lie.
+        """
 
     def open_blob(self, digest: str) -> AbstractContextManager[BinaryIO]:
         """A readable stream of the blob; NotFoundError if absent."""
@@ -75,7 +121,7 @@ class Store(Protocol):
         """Write an immutable document if absent; True if written, False if it already existed."""
 
     def get_doc(self, kind: DocKind, name: str) -> bytes | None:
-        """The document's bytes, or None if absent."""
+        """The document's bytes (IntegrityError past DOC_MAX), or None if absent."""
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         """Names (without .json) of the documents of a kind."""

@@ -5,6 +5,8 @@ needed, so reads bypass it: the store presigns each request (store/sigv4.py, or 
 it can resolve the credentials or endpoint) and this module moves the bytes, receiving them into
 reused buffers and handing them to materialize.write_verified as they arrive. Connection failures
 and 5xx are retried; S3's error codes become typed errors naming the object and what needed it.
+No read trusts the server to end a body: each stops at the size it expects (a blob's, a range's)
+or at a limit (documents, indexes, listings, error bodies), whatever Content-Length says.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import urllib3
 
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.materialize import BlobTarget, aligned_buffer
+from neffbuild.store.base import DOC_MAX
 
 PART = 8 << 20  # a large blob is fetched as parallel ranges of this size
 WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
 FETCH_ATTEMPTS = 4
+ERROR_BODY_MAX = 64 << 10  # an S3 error body is a few hundred bytes; only its <Code> is read
+LIST_PAGE_MAX = 64 << 20  # a page of 1,000 keys is ~300 KB
 CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
 CREDENTIALS_HINT = "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
 _T = TypeVar("_T")
@@ -53,7 +58,7 @@ def ranges_in_order(
     def fetch(start: int) -> tuple[Buffer, memoryview]:
         buf = buffers.take()
         try:
-            return buf, data.get(key, start, min(start + PART, target.size), into=buf, missing=str(target.dest))
+            return buf, data.get(key, start, min(start + PART, target.size), into=buf, needed=str(target.dest))
         except BaseException:
             buffers.give(buf)
             raise
@@ -78,7 +83,7 @@ def received(response: urllib3.BaseHTTPResponse, buf: Buffer) -> Iterator[memory
     """A response body as views of one reused buffer, each valid until the next is requested."""
     view = memoryview(buf)
     readinto = direct_readinto(response)
-    length = int(response.headers.get("Content-Length", "-1"))
+    length = content_length(response)
     got = 0
     while True:
         try:
@@ -89,7 +94,7 @@ def received(response: urllib3.BaseHTTPResponse, buf: Buffer) -> Iterator[memory
             break
         got += n
         yield view[:n]
-    if 0 <= length != got:  # http.client reports a connection closed early as a plain end
+    if length is not None and length != got:  # http.client reports a connection closed early as a plain end
         raise Transient(f"connection closed after {got} of {length} bytes")
 
 
@@ -158,37 +163,58 @@ class DataPlane:
         self.base = base
         self.pool = pool
 
+    def where(self, rel: str) -> str:
+        return f"{self.base}/{rel}".rstrip("/")
+
     def get(
-        self, rel: str, start: int = 0, end: int | None = None, *, into: Buffer | None = None, missing: str | None = None
-    ) -> memoryview:
-        """Bytes [start, end) of an object (all of it if end is None), retried on transient failures.
+        self, rel: str, start: int = 0, end: int | None = None, *, into: Buffer | None = None, needed: str | None = None,
+        limit: int = DOC_MAX,
+    ) -> memoryview:  # fmt: skip
+        """Bytes [start, end) of an object (all of it, at most `limit` bytes, if end is None),
+        retried on transient failures.
 
         They land in `into` when it is large enough (the caller owns it until done with the view).
-        `missing` names what needed the object, for the error if it is absent.
+        `needed` names what needed the object (a cache file), for the errors.
         """
 
         def attempt() -> memoryview:
-            response = self._get(rel, start, end, missing)
+            response = self._get(rel, start, end, needed)
             try:
-                return read_body(response, rel, None if end is None else end - start, into)
+                return read_body(response, self.where(rel), None if end is None else end - start, into, needed=needed, limit=limit)
             finally:
                 finish(response)
 
         return self.retried(rel, attempt)
 
-    def stream(self, rel: str, start: int = 0, end: int | None = None, *, missing: str | None = None) -> urllib3.BaseHTTPResponse:
-        return self.retried(rel, lambda: self._get(rel, start, end, missing))
+    def stream(self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None) -> urllib3.BaseHTTPResponse:
+        """An open response for [start, end) (the whole object if end is None); the caller reads
+        what it expects of it and no more, then finish()es it."""
 
-    def read(self, rel: str) -> tuple[bytes, str] | None:
-        """A small object's bytes and ETag, or None if there is no such key."""
+        def attempt() -> urllib3.BaseHTTPResponse:
+            response = self._get(rel, start, end, needed)
+            length = content_length(response)
+            if end is not None and length is not None and length != end - start:
+                finish(response)
+                raise short_range(self.where(rel), length, end - start, needed)
+            return response
+
+        return self.retried(rel, attempt)
+
+    def read(self, rel: str, *, limit: int = DOC_MAX) -> tuple[bytes, str] | None:
+        """A small object's bytes and ETag, or None if there is no such key. At most limit + 1
+        bytes are read: one more than limit proves the object too long (the caller decides)."""
 
         def attempt() -> tuple[bytes, str] | None:
-            response = self._request("GET", rel)
-            if response.status == 200:
-                return response.data, response.headers.get("ETag", "")
-            if response.status == 404 and error_code(response.data) != "NoSuchBucket":
+            response = self._request("GET", rel, preload_content=False)
+            try:
+                if response.status == 200:
+                    return read_at_most(response, limit), response.headers.get("ETag", "")
+                body = read_error_body(response)
+            finally:
+                finish(response)
+            if response.status == 404 and error_code(body) != "NoSuchBucket":
                 return None
-            raise http_error(self.base, rel, response.status, response.data, None)
+            raise http_error(self.base, rel, response.status, body, None)
 
         return self.retried(rel, attempt)
 
@@ -202,18 +228,24 @@ class DataPlane:
             page = self.retried(rel_prefix, lambda p=dict(params): self._list_page(rel_prefix, p))
             encoded = b"<EncodingType>url</EncodingType>" in page  # a server may ignore encoding-type
             for raw in _LIST_KEY.findall(page):
-                key = html.unescape(raw.decode())
+                key = html.unescape(raw.decode(errors="replace"))
                 keys.append((urllib.parse.unquote(key) if encoded else key)[len(store_prefix) :])
             token = _LIST_NEXT.search(page)
             if b"<IsTruncated>true</IsTruncated>" not in page or token is None:
                 return keys
-            params["continuation-token"] = html.unescape(token.group(1).decode())
+            params["continuation-token"] = html.unescape(token.group(1).decode(errors="replace"))
 
     def _list_page(self, rel_prefix: str, params: Mapping[str, str]) -> bytes:
-        response = self._request("GET", "", params, named=rel_prefix)
-        if response.status != 200:
-            raise http_error(self.base, rel_prefix, response.status, response.data, None)
-        return response.data
+        response = self._request("GET", "", params, named=rel_prefix, preload_content=False)
+        try:
+            if response.status != 200:
+                raise http_error(self.base, rel_prefix, response.status, read_error_body(response), None)
+            page = read_at_most(response, LIST_PAGE_MAX)
+        finally:
+            finish(response)
+        if len(page) > LIST_PAGE_MAX:
+            raise StoreError(f"{self.where(rel_prefix)}: a listing page over {LIST_PAGE_MAX} bytes", hint="the endpoint is not an S3 server")
+        return page
 
     def exists(self, rel: str) -> bool:
         def attempt() -> bool:
@@ -233,14 +265,16 @@ class DataPlane:
         except urllib3.exceptions.HTTPError as exc:
             raise unreachable(self.base, rel if named is None else named, exc) from None
 
-    def _get(self, rel: str, start: int, end: int | None, missing: str | None) -> urllib3.BaseHTTPResponse:
+    def _get(self, rel: str, start: int, end: int | None, needed: str | None) -> urllib3.BaseHTTPResponse:
         headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
         response = self._request("GET", rel, headers=headers, preload_content=False)
         if response.status == (200 if end is None else 206):
             return response
-        body = response.read()
-        response.release_conn()
-        raise http_error(self.base, rel, response.status, body, missing)
+        try:
+            body = read_error_body(response)
+        finally:
+            finish(response)
+        raise http_error(self.base, rel, response.status, body, needed)
 
     def retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
         for i in range(FETCH_ATTEMPTS):
@@ -273,13 +307,24 @@ def error_code(body: bytes) -> str:
     return found.group(1).decode(errors="replace") if found else ""
 
 
-def read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, into: Buffer | None) -> memoryview:
-    """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop)."""
-    length = int(response.headers.get("Content-Length", "-1"))
+def read_body(
+    response: urllib3.BaseHTTPResponse, where: str, wanted: int | None, into: Buffer | None, *, needed: str | None, limit: int
+) -> memoryview:
+    """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop).
+
+    wanted: the length of the range asked for (the server must say it sends exactly that); without
+    a range, the body may be at most `limit` bytes, whatever Content-Length says or omits.
+    """
+    length = content_length(response)
     if wanted is not None and length != wanted:  # the server clipped the range: the object is short
-        raise IntegrityError(f"{rel}: server returned {length} bytes of a {wanted}-byte range", hint=CORRUPT_HINT)
-    if length < 0:
-        return memoryview(response.read())
+        raise short_range(where, length, wanted, needed)
+    if length is None:  # no length given: read to the end, but not past the limit
+        data = read_at_most(response, limit)
+        if len(data) > limit:
+            raise too_long(where, limit, needed)
+        return memoryview(data)
+    if length > limit and wanted is None:
+        raise too_long(where, limit, needed)
     buf = into if into is not None and len(into) >= length else bytearray(length)
     view = memoryview(buf)[:length]
     got = 0
@@ -292,6 +337,48 @@ def read_body(response: urllib3.BaseHTTPResponse, rel: str, wanted: int | None, 
     if got != length:
         raise Transient(f"connection closed after {got} of {length} bytes")
     return view
+
+
+def read_at_most(response: urllib3.BaseHTTPResponse, limit: int) -> bytes:
+    """At most limit + 1 bytes of a body: one byte more than limit proves it too long."""
+    data = bytearray()
+    try:
+        while len(data) <= limit and (chunk := response.read(min(1 << 20, limit + 1 - len(data)))):
+            data += chunk
+    except _READ_ERRORS as exc:
+        raise Transient(f"read failed after {len(data)} bytes ({exc})") from None
+    return bytes(data)
+
+
+def read_error_body(response: urllib3.BaseHTTPResponse) -> bytes:
+    """The start of an error response's body (its <Code>), or b"" if it cannot be read."""
+    try:
+        return read_at_most(response, ERROR_BODY_MAX)
+    except Transient:
+        return b""
+
+
+def content_length(response: urllib3.BaseHTTPResponse) -> int | None:
+    """The Content-Length the server declared, or None if absent or not a plain number."""
+    value = response.headers.get("Content-Length", "").strip()
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 19 else None
+
+
+def needed_for(needed: str | None) -> str:
+    return f" (needed for {needed})" if needed else ""
+
+
+def short_range(where: str, length: int | None, wanted: int, needed: str | None) -> IntegrityError:
+    sent = "no length" if length is None else f"{length} bytes"
+    return IntegrityError(
+        f"{where}: the server sent {sent} for a {wanted}-byte range: the object is not as long as its index or release says"
+        f"{needed_for(needed)}",
+        hint=CORRUPT_HINT,
+    )
+
+
+def too_long(where: str, limit: int, needed: str | None) -> IntegrityError:
+    return IntegrityError(f"{where}: longer than {limit} bytes, more than such an object holds{needed_for(needed)}", hint=CORRUPT_HINT)
 
 
 def finish(response: urllib3.BaseHTTPResponse) -> None:
@@ -316,7 +403,7 @@ def direct_readinto(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview]
     return response.readinto
 
 
-def http_error(base: str, rel: str, status: int, body: bytes, missing: str | None) -> Exception:
+def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None) -> Exception:
     where = f"{base}/{rel}".rstrip("/")
     code = error_code(body)
     if code == "NoSuchBucket":
@@ -325,12 +412,11 @@ def http_error(base: str, rel: str, status: int, body: bytes, missing: str | Non
     if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException") or status in (301, 307):
         return StoreError(f"{where}: the bucket is in another region ({code or status})", hint="set AWS_REGION to the bucket's region")
     if status == 404:
-        needed = f" (needed for {missing})" if missing else ""
-        return NotFoundError(f"{where} is missing{needed}", hint="re-push the release to this store")
+        return NotFoundError(f"{where} is missing{needed_for(needed)}", hint="re-push the release to this store")
     if status == 403:
         return StoreError(f"access denied to {where} ({code or status})", hint=CREDENTIALS_HINT)
     if status == 416:
-        return IntegrityError(f"{where} is shorter than its index says", hint=CORRUPT_HINT)
+        return IntegrityError(f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT)
     if status >= 500 or status == 429:
         return Transient(f"HTTP {status}")
     return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")

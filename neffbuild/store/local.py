@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import uuid
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,32 +21,52 @@ from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.locks import exclusive
 from neffbuild.materialize import BlobTarget, disk_error, write_verified
 from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
-from neffbuild.store.base import MARKER, STORE_FORMAT, BlobSource, DocKind, blob_key, doc_key
+from neffbuild.store.base import (
+    DOC_MAX,
+    MARKER,
+    MARKER_HINT,
+    MARKER_MAX,
+    STORE_FORMAT,
+    BlobSource,
+    DocKind,
+    blob_key,
+    check_marker,
+    doc_key,
+)
 
 TAG_LOCK_TIMEOUT_S = 60
 
 
 class LocalStore:
     def __init__(self, root: Path, *, create: bool = False) -> None:
-        self.root = root.expanduser().resolve()
+        try:
+            self.root = root.expanduser().resolve()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+            raise StoreError(f"store {root}: cannot resolve the path ({exc})", hint="check --store / NEFFBUILD_STORE") from None
         marker = self.root / MARKER
-        if not marker.is_file():
-            if not create:
-                raise StoreError(
-                    f"no neffbuild store at {self.root}",
-                    hint="build into it first, or pass --store / set NEFFBUILD_STORE",
-                )
-            if self.root.exists() and any(self.root.iterdir()):
-                raise StoreError(
-                    f"{self.root} is not empty and not a neffbuild store",
-                    hint="choose an empty or new directory for --store",
-                )
-            _guard(lambda: self.root.mkdir(parents=True, exist_ok=True), self.root)
-            self._write_new(MARKER, json.dumps({"format": STORE_FORMAT}).encode())
-        else:
-            found = json.loads(marker.read_bytes()).get("format")
-            if found != STORE_FORMAT:
-                raise StoreError(f"{self.root}: store format {found!r}, expected {STORE_FORMAT!r}")
+        data = self._read_marker(marker)
+        if data is not None:
+            check_marker(data, str(marker))
+            return
+        if not create:
+            raise StoreError(f"no neffbuild store at {self.root}", hint="build into it first, or pass --store / set NEFFBUILD_STORE")
+        if not _is_empty_or_absent(self.root):
+            raise StoreError(f"{self.root} is not empty and not a neffbuild store", hint="choose an empty or new directory for --store")
+        _guard(lambda: self.root.mkdir(parents=True, exist_ok=True), self.root)
+        self._write_new(MARKER, json.dumps({"format": STORE_FORMAT}).encode())
+
+    @staticmethod
+    def _read_marker(marker: Path) -> bytes | None:
+        """The marker's bytes (at most MARKER_MAX + 1), or None if there is none."""
+        try:
+            with _open_regular(marker) as f:
+                return f.read(MARKER_MAX + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except _NotRegular as exc:
+            raise StoreError(f"{marker}: a {exc.kind}, not a store marker", hint=MARKER_HINT) from None
+        except OSError as exc:
+            raise disk_error(exc, marker) from None
 
     @property
     def url(self) -> str:
@@ -63,7 +84,9 @@ class LocalStore:
             with source.open("rb") as src, tmp.open("xb") as dst:
                 got = copy_hashing(src, dst)
             if got.hex != digest:
-                raise IntegrityError(f"{source}: changed while publishing (digest {got.hex}, expected {digest})")
+                raise IntegrityError(
+                    f"{source}: changed while publishing to {target} (digest {got.hex}, expected {digest})", hint="rebuild, then publish"
+                )
             tmp.chmod(0o444)  # verified objects are read-only, as in dvc's object database
             self._link_new(tmp, target)
             return got.size
@@ -78,20 +101,35 @@ class LocalStore:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             return sum(pool.map(lambda s: self.put_blob(s.digest, s.path), todo))
 
-    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int) -> None:
+    def put_locator(self, release_id: str, digests: Collection[str]) -> None:
+        """Nothing to record: every blob is a file of its own, found by its name."""
+
+    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int, *, release: str | None = None) -> None:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             list(pool.map(self._download_one, targets))
 
     def _download_one(self, target: BlobTarget) -> None:
-        with self.open_blob(target.digest) as stream:
-            write_verified(target, iter(lambda: stream.read(CHUNK), b""), origin=f"{self.url}/{blob_key(target.digest)}")
+        origin = f"{self.url}/{blob_key(target.digest)}"
+        try:
+            stream = _open_regular(self.root / blob_key(target.digest))
+        except FileNotFoundError:
+            raise NotFoundError(f"blob {target.digest} missing from store {self.url} (needed for {target.dest})", hint="re-push the release") from None
+        except _NotRegular as exc:
+            raise IntegrityError(f"{target.dest}: {origin} is a {exc.kind}, not a regular file", hint=CORRUPT_HINT) from None
+        except OSError as exc:
+            raise StoreError(f"{origin}: cannot read it ({exc.strerror or exc}) (needed for {target.dest})", hint="check the store's permissions") from None
+        with stream:
+            write_verified(target, _chunks(stream, target.size + 1, origin), origin=origin)
 
     @contextmanager
     def open_blob(self, digest: str) -> Iterator[BinaryIO]:
+        where = f"{self.url}/{blob_key(digest)}"
         try:
-            stream = (self.root / blob_key(digest)).open("rb")
+            stream = _open_regular(self.root / blob_key(digest))
         except FileNotFoundError:
             raise NotFoundError(f"blob {digest} missing from store {self.url}", hint="re-push the release") from None
+        except _NotRegular as exc:
+            raise IntegrityError(f"{where} is a {exc.kind}, not a regular file", hint=CORRUPT_HINT) from None
         with stream:
             yield stream
 
@@ -99,10 +137,19 @@ class LocalStore:
         return self._write_new(doc_key(kind, name), data)
 
     def get_doc(self, kind: DocKind, name: str) -> bytes | None:
+        path = self.root / doc_key(kind, name)
         try:
-            return (self.root / doc_key(kind, name)).read_bytes()
-        except FileNotFoundError:
+            with _open_regular(path) as f:
+                data = f.read(DOC_MAX + 1)
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except _NotRegular as exc:
+            raise IntegrityError(f"{path} is a {exc.kind}, not a document", hint=CORRUPT_HINT) from None
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions") from None
+        if len(data) > DOC_MAX:
+            raise IntegrityError(f"{path}: over {DOC_MAX} bytes, not a document", hint=CORRUPT_HINT)
+        return data
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         folder = self.root / kind
@@ -158,8 +205,65 @@ class LocalStore:
         return True
 
     def _tmp_path(self, target: Path) -> Path:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
         return target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.incomplete"
+
+
+CORRUPT_HINT = "the store is damaged: restore the object, or push the release into a new store"
+
+
+class _NotRegular(Exception):
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """path opened for reading if it is a regular file (symlinks followed), else _NotRegular.
+
+    O_NONBLOCK: opening a FIFO with no writer then returns at once instead of waiting for one
+    (and a device is not waited on either); fstat then tells what was opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _NotRegular(_KINDS.get(stat.S_IFMT(mode), "special file"))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+_KINDS = {
+    stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket", stat.S_IFDIR: "directory",
+}  # fmt: skip
+
+
+def _chunks(stream: BinaryIO, limit: int, origin: str) -> Iterator[bytes]:
+    """At most limit bytes of stream, in chunks (a file that keeps growing is not read forever)."""
+    while limit > 0:
+        try:
+            chunk = stream.read(min(CHUNK, limit))
+        except OSError as exc:
+            raise StoreError(f"{origin}: read failed ({exc.strerror or exc})", hint="check the store's filesystem") from None
+        if not chunk:
+            return
+        limit -= len(chunk)
+        yield chunk
+
+
+def _is_empty_or_absent(root: Path) -> bool:
+    try:
+        with os.scandir(root) as entries:
+            return next(entries, None) is None
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        raise StoreError(f"{root} is not a directory", hint="choose a directory for --store") from None
+    except OSError as exc:
+        raise disk_error(exc, root) from None
 
 
 def _guard(action, path: Path) -> None:

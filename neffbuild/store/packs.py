@@ -12,6 +12,16 @@ content digests laid end to end), so the pair is content-addressed and never rew
 written after the pack: a present index means a complete pack. Every blob read out of a pack is still
 checked against its own digest when it lands (materialize.write_verified).
 
+A release's locator says which packs hold its blobs (and which blobs are objects of their own):
+
+    locators/<release id>.json   {"format": "neffbuild.locator/1", "release": id,
+                                  "packs": {p: [digest, ...]}, "loose": [digest, ...]}
+
+so a pull reads the indexes of those packs only: neither a listing of every pack nor an index of
+another release (damaged or not) stands in its way. It is written once, after the release's blobs
+and before the release; it can only point at complete packs, and whatever it says is checked
+(the indexes against their names, the blobs against their digests).
+
 This module is pure planning and encoding; store/s3.py does the I/O.
 """
 
@@ -20,13 +30,18 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from neffbuild.errors import IntegrityError
 from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.materialize import BlobTarget
-from neffbuild.store.base import BlobSource
+from neffbuild.store.base import BlobSource, shown
 
 PACK_FORMAT = "neffbuild.pack/1"
+LOCATOR_FORMAT = "neffbuild.locator/1"
+INDEX_MAX = 128 << 20  # an index is ~80 bytes per blob; no pack holds a million blobs
+LOCATOR_MAX = 256 << 20  # ~40 bytes per blob of a release
+DAMAGED_HINT = "the store object is damaged: restore it from a copy of the store, or rebuild the release into a new store"
 SMALL_BLOB = 8 << 20  # blobs below this size travel in packs; larger ones are objects of their own
 PACK_TARGET = 64 << 20  # close a pack once it holds this much
 RANGE_TARGET = 8 << 20  # one ranged GET of a pack covers at most about this much
@@ -91,27 +106,98 @@ def encode_index(sources: Sequence[BlobSource]) -> tuple[PackIndex, bytes]:
     return PackIndex(hash_bytes(data), offset, tuple(entries)), data
 
 
-def decode_index(pack_id: str, data: bytes) -> PackIndex:
-    """Parse a stored index; its name is its digest, so any change to it is caught here."""
-    where = index_key(pack_id)
+def decode_index(pack_id: str, data: bytes, where: str | None = None) -> PackIndex:
+    """Parse a stored index strictly; its name is its digest, so any change to it is caught here.
+
+    Whoever writes to the store chooses that name, so the parser still trusts nothing: anything
+    but a well-formed index is an IntegrityError naming it (where: its URL), never another error.
+    """
+    where = where or index_key(pack_id)
+    if len(data) > INDEX_MAX:
+        raise _damaged(where, f"over {INDEX_MAX} bytes")
     if hash_bytes(data) != pack_id:
-        raise IntegrityError(f"{where}: content does not match its name", hint="the pack index is corrupt; re-push the release")
+        raise _damaged(where, "content does not match its name")
+    raw = _json_object(data, where, ("format", "size", "entries"))
+    if raw["format"] != PACK_FORMAT:
+        raise IntegrityError(f"{where}: format {shown(raw['format'])}, expected {PACK_FORMAT!r}", hint="written by a newer neffbuild: upgrade")
+    size, items = raw["size"], raw["entries"]
+    if not _is_count(size) or not isinstance(items, list):
+        raise _damaged(where, "size must be a count and entries a list")
+    entries, end = [], 0
+    for i, item in enumerate(items):  # blobs lie end to end, inside the pack
+        if not (isinstance(item, list) and len(item) == 3 and _is_digest(item[0]) and _is_count(item[1]) and item[1] == end and _is_count(item[2])):
+            raise _damaged(where, f"entry {i} is not [digest, {end}, size]: {shown(item)}")
+        entries.append(PackEntry(item[0], end, item[2]))
+        end += item[2]
+    if end != size:
+        raise _damaged(where, f"entries cover {end} bytes, pack has {size}")
+    return PackIndex(pack_id, size, tuple(entries))
+
+
+@dataclass(frozen=True, slots=True)
+class Locator:
+    """Where a release's blobs lie: packed (pack id -> digests) or as objects of their own."""
+
+    release_id: str
+    packs: Mapping[str, frozenset[str]]
+    loose: frozenset[str]
+
+
+def locator_key(release_id: str) -> str:
+    return f"locators/{release_id}.json"
+
+
+def encode_locator(release_id: str, packed: Mapping[str, str], loose: Iterable[str]) -> bytes:
+    """The stored bytes of a release's locator; packed maps digest -> pack id."""
+    by_pack: dict[str, list[str]] = {}
+    for digest, pack_id in sorted(packed.items()):
+        by_pack.setdefault(pack_id, []).append(digest)
+    return canonical_json({"format": LOCATOR_FORMAT, "release": release_id, "packs": by_pack, "loose": sorted(loose)})
+
+
+def decode_locator(release_id: str, data: bytes, where: str) -> Locator:
+    """Parse a stored locator strictly; IntegrityError (naming it) unless well-formed and for release_id."""
+    if len(data) > LOCATOR_MAX:
+        raise _damaged(where, f"over {LOCATOR_MAX} bytes")
+    raw = _json_object(data, where, ("format", "release", "packs", "loose"))
+    if raw["format"] != LOCATOR_FORMAT:
+        raise IntegrityError(f"{where}: format {shown(raw['format'])}, expected {LOCATOR_FORMAT!r}", hint="written by a newer neffbuild: upgrade")
+    if raw["release"] != release_id:
+        raise _damaged(where, f"it locates release {shown(raw['release'])}")
+    found, loose = raw["packs"], raw["loose"]
+    if not isinstance(found, dict) or not all(_is_digest(p) and _are_digests(ds) for p, ds in found.items()):
+        raise _damaged(where, "packs must map pack ids to lists of digests")
+    if not _are_digests(loose):
+        raise _damaged(where, "loose must be a list of digests")
+    return Locator(release_id, {p: frozenset(ds) for p, ds in found.items()}, frozenset(loose))
+
+
+def _json_object(data: bytes, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """data as a JSON object with exactly these keys, or an IntegrityError naming where."""
     try:
         raw = json.loads(data)
-        if raw.get("format") != PACK_FORMAT:
-            raise IntegrityError(f"{where}: format {raw.get('format')!r}, expected {PACK_FORMAT!r}", hint="upgrade neffbuild")
-        entries = tuple(PackEntry(str(d), int(o), int(n)) for d, o, n in raw["entries"])
-        size = int(raw["size"])
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise IntegrityError(f"{where}: malformed pack index ({exc})", hint="re-push the release") from None
-    end = 0
-    for e in entries:  # blobs lie end to end, inside the pack
-        if e.offset != end or e.size < 0 or not is_digest(e.digest):
-            raise IntegrityError(f"{where}: malformed entry for {e.digest}", hint="re-push the release")
-        end += e.size
-    if end != size:
-        raise IntegrityError(f"{where}: entries cover {end} bytes, pack has {size}", hint="re-push the release")
-    return PackIndex(pack_id, size, entries)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; nesting: RecursionError
+        raise _damaged(where, f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(raw, dict) or sorted(raw) != sorted(keys):
+        got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise _damaged(where, f"expected an object with keys {', '.join(keys)}, got {shown(got)}")
+    return raw
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0  # not bool, not float: no coercion
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and is_digest(value)
+
+
+def _are_digests(value: object) -> bool:
+    return isinstance(value, list) and all(_is_digest(d) for d in value)
+
+
+def _damaged(where: str, problem: str) -> IntegrityError:
+    return IntegrityError(f"{where}: {problem}", hint=DAMAGED_HINT)
 
 
 @dataclass(frozen=True, slots=True)

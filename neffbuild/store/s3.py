@@ -20,7 +20,10 @@ store/sigv4.py when the environment settles credentials and endpoint, else by bo
 with static credentials never imports botocore.
 How a pull is fetched (measured in bench/RESULTS.md): small blobs by streaming ranged GETs of their
 packs, split across about `jobs` connections; many large blobs by one streaming GET each; a few
-large blobs by parallel ranges, so a single big NEFF still gets several connections.
+large blobs by parallel ranges, so a single big NEFF still gets several connections. Which packs
+hold a release's blobs comes from its locator (store/packs.py), so a pull reads only their
+indexes; a release published before locators existed is found through every index, and a
+damaged one only fails the pulls that need one of its blobs.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ from neffbuild.hashing import CHUNK
 from neffbuild.materialize import BlobTarget, write_verified
 from neffbuild.store import dataplane, packs, sigv4
 from neffbuild.store.base import (
+    DOC_MAX,
     MARKER,
+    MARKER_MAX,
     STORE_FORMAT,
     BlobSource,
     DocKind,
     blob_key,
+    check_marker,
     doc_key,
 )
 
@@ -59,6 +65,7 @@ SINGLE_PUT_MAX = 5 << 30  # S3's limit for one PUT
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403"}
 _CORRUPT = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch"}
 _LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
+Where = tuple[packs.PackIndex, packs.PackEntry]  # where a packed blob lies
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +110,9 @@ class S3Store:
         self._client_lock = threading.Lock()  # apart: _lock is held around writes that need the client
         self._probed = False
         self._packs: dict[str, packs.PackIndex] = {}
-        self._packed: dict[str, tuple[packs.PackIndex, packs.PackEntry]] = {}
+        self._packed: dict[str, Where] = {}
+        self._damaged: dict[str, NeffbuildError] = {}  # pack id -> why its index cannot be used
+        self._loose: set[str] = set()  # digests seen stored as objects of their own
 
     @classmethod
     def from_url(
@@ -137,15 +146,13 @@ class S3Store:
     def _open(self, create: bool) -> None:
         if create:
             self._ensure_bucket()
-        marker = self.get_object(MARKER)
+        marker = self.get_object(MARKER, limit=MARKER_MAX)
         if marker is None and create:
             self._create()
-            marker = self.get_object(MARKER)
+            marker = self.get_object(MARKER, limit=MARKER_MAX)
         if marker is None:
             raise StoreError(f"no neffbuild store at {self.url}", hint="publish or push into it first (that creates it), or check the URL")
-        found = _json_format(marker)
-        if found != STORE_FORMAT:
-            raise StoreError(f"{self.url}: store format {found!r}, expected {STORE_FORMAT!r}")
+        check_marker(marker, f"{self.url}/{MARKER}")
 
     def _ensure_bucket(self) -> None:
         with _translated(self.location, ""):
@@ -172,7 +179,7 @@ class S3Store:
         with self._lock:
             if self._probed:
                 return
-            marker = self.get_object(MARKER) or b""
+            marker = self.get_object(MARKER, limit=MARKER_MAX) or b""
             try:
                 honoured = not self._put(MARKER, marker, IfNoneMatch="*") and not self._put(MARKER, marker, IfMatch='"0"')
             except StoreError as exc:  # some servers refuse the headers outright
@@ -195,14 +202,21 @@ class S3Store:
         return self._put_new(doc_key(kind, name), data)
 
     def get_doc(self, kind: DocKind, name: str) -> bytes | None:
-        return self.get_object(doc_key(kind, name))
+        got = self.data.read(doc_key(kind, name))
+        return None if got is None else self._within_limit(doc_key(kind, name), got[0])
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         names = [rel[len(kind) + 1 : -len(".json")] for rel in self._list(f"{kind}/") if rel.endswith(".json")]
         yield from sorted(n for n in names if "/" not in n)
 
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
-        return self.data.read(doc_key("tags", name))
+        got = self.data.read(doc_key("tags", name))
+        return None if got is None else (self._within_limit(doc_key("tags", name), got[0]), got[1])
+
+    def _within_limit(self, rel: str, data: bytes) -> bytes:
+        if len(data) > DOC_MAX:
+            raise IntegrityError(f"{self.data.where(rel)}: over {DOC_MAX} bytes, not a document", hint=dataplane.CORRUPT_HINT)
+        return data
 
     def swap_tag(self, name: str, data: bytes, expected: str | None) -> bool:
         self._ensure_conditional()
@@ -246,12 +260,25 @@ class S3Store:
         tasks += [lambda s=s: self._upload_loose(s) for s in large]
         return sum(dataplane.run_all(tasks, jobs))
 
-    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int) -> None:
+    def put_locator(self, release_id: str, digests: Collection[str]) -> None:
+        key = packs.locator_key(release_id)
+        if self.data.exists(key):
+            return  # written by an earlier publish of this release: it still holds (packs never change)
+        self._ensure_conditional()
+        self._refresh_packs()
+        packed = {d: self._packed[d][0].pack_id for d in digests if d in self._packed}
+        unpacked = set(digests) - packed.keys()
+        # A blob that is neither packed nor loose (absent, or only in a damaged pack) is left out:
+        # a pull then looks for it through every index, and fails naming what it found damaged.
+        loose = unpacked - self._absent_loose(unpacked - self._loose)
+        self._put_new(key, packs.encode_locator(release_id, packed, loose))
+
+    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int, *, release: str | None = None) -> None:
         if not targets:
             return
-        self._refresh_packs()
         jobs = max(1, jobs)
         unique, copies = _split_duplicates(targets)
+        packed = self._locate([t for t in unique if t.size], release)
         chunks = dataplane.Buffers(STREAM_CHUNK)
         tasks: list[Callable[[], None]] = []
         by_pack: dict[str, list[BlobTarget]] = {}
@@ -259,15 +286,15 @@ class S3Store:
         for t in unique:
             if t.size == 0:  # nothing to fetch; write_verified still checks the digest
                 tasks.append(lambda t=t: write_verified(t, [], origin=f"{self.url} (empty blob)"))
-            elif t.digest in self._packed:
-                by_pack.setdefault(self._packed[t.digest][0].pack_id, []).append(t)
+            elif t.digest in packed:
+                by_pack.setdefault(packed[t.digest][0].pack_id, []).append(t)
             elif t.size <= dataplane.PART:
                 tasks.append(lambda t=t: self._stream_loose(t, chunks))
             else:
                 large.append(t)
         size = packs.range_size(sum(t.size for ts in by_pack.values() for t in ts), jobs)
         for pack_id, wanted in by_pack.items():
-            fetches = packs.plan_ranges(self._packs[pack_id], wanted, size)
+            fetches = packs.plan_ranges(packed[wanted[0].digest][0], wanted, size)
             tasks += [lambda f=f: self._stream_range(f, chunks) for f in fetches]
         if len(large) >= STREAM_MIN:
             # Enough blobs to keep the connections busy: one GET each, received into a small buffer
@@ -278,6 +305,86 @@ class S3Store:
         for first, twin in copies:  # one blob at several paths: fetched once, landed again locally
             with first.dest.open("rb") as landed:
                 write_verified(twin, iter(lambda: landed.read(CHUNK), b""), origin=str(first.dest))
+
+    def _locate(self, targets: Sequence[BlobTarget], release: str | None) -> dict[str, Where]:
+        """Where the targets' blobs lie in packs (a target not found: an object of its own).
+
+        Through the release's locator when it has one: only the indexes of packs holding targets
+        are read, and one of them damaged fails the pull, naming it and the file that needed it.
+        Targets it does not cover are looked up in every index, skipping damaged ones.
+        """
+        wanted = {t.digest: t for t in targets}
+        found: dict[str, Where] = {}
+        unknown = set(wanted)
+        locator = self._locator(release) if release else None
+        if locator is not None:
+            found = self._through_locator(locator, wanted)
+            unknown -= found.keys() | locator.loose
+        if unknown:
+            self._refresh_packs()
+            found |= {d: self._packed[d] for d in unknown if d in self._packed}
+            self._check_not_hidden([wanted[d] for d in sorted(unknown - found.keys())])
+        return found
+
+    def _locator(self, release_id: str) -> packs.Locator | None:
+        """The release's locator; None if there is none or it is damaged (it is only a shortcut:
+        without it, the pull looks through every index, as for releases published before locators)."""
+        key = packs.locator_key(release_id)
+        got = self.data.read(key, limit=packs.LOCATOR_MAX)
+        if got is None:
+            return None
+        try:
+            return packs.decode_locator(release_id, got[0], self.data.where(key))
+        except IntegrityError:
+            return None
+
+    def _through_locator(self, locator: packs.Locator, wanted: Mapping[str, BlobTarget]) -> dict[str, Where]:
+        needed = {p: sorted(ds & wanted.keys()) for p, ds in locator.packs.items() if ds & wanted.keys()}
+        ids = sorted(needed)
+        indexes = dataplane.run_all([lambda p=p: self._index(p, wanted[needed[p][0]].dest) for p in ids], 16)
+        found = {}
+        for index in indexes:
+            entries = {e.digest: e for e in index.entries}
+            for digest in needed[index.pack_id]:
+                if digest not in entries:
+                    raise IntegrityError(
+                        f"{wanted[digest].dest}: {self.data.where(packs.locator_key(locator.release_id))} places its blob "
+                        f"{digest} in {self.data.where(packs.index_key(index.pack_id))}, which does not list it",
+                        hint=packs.DAMAGED_HINT,
+                    )
+                found[digest] = (index, entries[digest])
+        return found
+
+    def _index(self, pack_id: str, needed: Path) -> packs.PackIndex:
+        """A pack's index, read and checked once; a damaged one names the file that needed it."""
+        with self._lock:
+            if pack_id in self._packs:
+                return self._packs[pack_id]
+        key = packs.index_key(pack_id)
+        data = self.data.get(key, needed=str(needed), limit=packs.INDEX_MAX)
+        try:
+            index = packs.decode_index(pack_id, bytes(data), self.data.where(key))
+        except IntegrityError as exc:
+            raise IntegrityError(f"{exc.message}{dataplane.needed_for(str(needed))}", hint=exc.hint) from None
+        with self._lock:
+            self._remember(index)
+        return index
+
+    def _check_not_hidden(self, targets: Sequence[BlobTarget]) -> None:
+        """Targets found in no readable index are expected as objects of their own; when an index
+        was skipped as damaged, check that they are, or fail naming it (it may hold them)."""
+        if not targets or not self._damaged:
+            return
+        present = dataplane.run_all([lambda t=t: self.data.exists(blob_key(t.digest)) for t in targets], 16)
+        hidden = [t for t, ok in zip(targets, present, strict=True) if not ok]
+        if hidden:
+            problem = self._damaged[min(self._damaged)]
+            more = f" (and {len(self._damaged) - 1} more damaged)" if len(self._damaged) > 1 else ""
+            raise IntegrityError(
+                f"{hidden[0].dest}: blob {hidden[0].digest} is in no readable pack index of {self.url} and not stored on its own; "
+                f"damaged: {problem}{more}",
+                hint=packs.DAMAGED_HINT,
+            )
 
     def _run_with_ranges(self, large: list[BlobTarget], tasks: list[Callable[[], None]], jobs: int) -> None:
         """Run tasks, and fetch a few large blobs as parallel ranges so one big file still gets
@@ -303,7 +410,7 @@ class S3Store:
         self._refresh_packs()
         where = self._packed.get(digest)
         if where is None:
-            response = self.data.stream(blob_key(digest), missing=f"blob {digest}")
+            response = self.data.stream(blob_key(digest), needed=f"blob {digest}")
         else:
             index, entry = where
             response = self.data.stream(packs.pack_key(index.pack_id), entry.offset, entry.offset + entry.size)
@@ -319,19 +426,26 @@ class S3Store:
         body = bytearray(index.size)
         view = memoryview(body)
         for source, entry in zip(group, index.entries, strict=True):
-            _read_exact(source, view[entry.offset : entry.offset + entry.size])
-        written = self._put_new(packs.pack_key(index.pack_id), body)
-        self._put_new(packs.index_key(index.pack_id), index_bytes)  # after the pack: an index means a whole pack
+            _read_exact(source, view[entry.offset : entry.offset + entry.size], self.data.where(packs.pack_key(index.pack_id)))
+        # A pack whose index was found damaged is written again: its name fixes its bytes, so
+        # replacing it with them is safe, and a conditional write would keep the damage.
+        condition = {} if index.pack_id in self._damaged else {"IfNoneMatch": "*"}
+        written = self._put(packs.pack_key(index.pack_id), body, **condition)
+        self._put(packs.index_key(index.pack_id), index_bytes, **condition)  # after the pack: an index means a whole pack
         with self._lock:
+            self._damaged.pop(index.pack_id, None)
             self._remember(index)
         return index.size if written else 0
 
     def _upload_loose(self, source: BlobSource) -> int:
         if source.size > SINGLE_PUT_MAX:
             raise StoreError(f"{source.path}: {source.size} bytes is over S3's single-upload limit", hint="files over 5 GiB are not supported yet")
-        crc = _crc32c_of_file(source)  # also checks the file still has the digest we publish it under
+        key = blob_key(source.digest)
+        crc = _crc32c_of_file(source, self.data.where(key))  # also checks the file still has the digest we publish it under
         with source.path.open("rb") as body:
-            written = self._put(blob_key(source.digest), body, IfNoneMatch="*", crc=crc, length=source.size)
+            written = self._put(key, body, IfNoneMatch="*", crc=crc, length=source.size)
+        with self._lock:
+            self._loose.add(source.digest)
         return source.size if written else 0
 
     def _put_new(self, rel: str, data: bytes | bytearray) -> bool:
@@ -356,8 +470,9 @@ class S3Store:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def get_object(self, rel: str) -> bytes | None:
-        got = self.data.read(rel)
+    def get_object(self, rel: str, *, limit: int = DOC_MAX) -> bytes | None:
+        """An object's bytes (at most limit + 1), or None if absent."""
+        got = self.data.read(rel, limit=limit)
         return None if got is None else got[0]
 
     def _list(self, rel_prefix: str) -> list[str]:
@@ -381,13 +496,28 @@ class S3Store:
             return self.client.generate_presigned_url(operation, Params={"Bucket": self.location.bucket, **args}, ExpiresIn=3600)
 
     def _refresh_packs(self) -> None:
-        """Load the indexes of packs written since we last looked (they never change)."""
+        """Load the indexes of packs written since we last looked (they never change).
+
+        A damaged or vanished index is set aside, not raised: it concerns only whoever needs one
+        of its blobs (missing_blobs then reports them missing, a pull names it: _check_not_hidden).
+        """
         ids = {packs.pack_id_of_index_key(rel) for rel in self._list("packs/")} - {None}
-        new = sorted(i for i in ids if i not in self._packs)
-        loaded = dataplane.run_all([lambda i=i: packs.decode_index(i, bytes(self.data.get(packs.index_key(i)))) for i in new], 16)
+        new = sorted(i for i in ids if i not in self._packs and i not in self._damaged)
+        loaded = dataplane.run_all([lambda i=i: self._try_index(i) for i in new], 16)
         with self._lock:
-            for index in loaded:
-                self._remember(index)
+            for pack_id, got in zip(new, loaded, strict=True):
+                if isinstance(got, packs.PackIndex):
+                    self._remember(got)
+                else:
+                    self._damaged[pack_id] = got
+
+    def _try_index(self, pack_id: str) -> packs.PackIndex | NeffbuildError:
+        key = packs.index_key(pack_id)
+        try:
+            data = self.data.get(key, limit=packs.INDEX_MAX)
+            return packs.decode_index(pack_id, bytes(data), self.data.where(key))
+        except (IntegrityError, NotFoundError) as exc:
+            return exc
 
     def _remember(self, index: packs.PackIndex) -> None:
         self._packs[index.pack_id] = index
@@ -398,10 +528,13 @@ class S3Store:
         """Blobs not stored as objects of their own: HEAD a few, list the shards of many."""
         if len(digests) <= HEAD_LIMIT:
             present = dataplane.run_all([lambda d=d: self.data.exists(blob_key(d)) for d in sorted(digests)], 16)
-            return {d for d, ok in zip(sorted(digests), present, strict=True) if not ok}
-        shards = sorted({d[:2] for d in digests})
-        listed = dataplane.run_all([lambda s=s: self._list(f"blobs/{s}/") for s in shards], 16)
-        have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys}
+            have = {d for d, ok in zip(sorted(digests), present, strict=True) if ok}
+        else:
+            shards = sorted({d[:2] for d in digests})
+            listed = dataplane.run_all([lambda s=s: self._list(f"blobs/{s}/") for s in shards], 16)
+            have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys} & digests
+        with self._lock:
+            self._loose |= have
         return digests - have
 
     def _stream_loose(self, target: BlobTarget, chunks: dataplane.Buffers) -> None:
@@ -409,7 +542,7 @@ class S3Store:
         key = blob_key(target.digest)
 
         def attempt() -> None:  # write_verified leaves nothing behind when a try fails
-            response = self.data.stream(key, missing=str(target.dest))
+            response = self.data.stream(key, needed=str(target.dest))
             try:
                 with chunks.lend() as buf:
                     write_verified(target, dataplane.received(response, buf), origin=f"{self.url}/{key}")
@@ -427,7 +560,7 @@ class S3Store:
             nonlocal landed
             pieces = fetch.pieces[landed:]
             pos = fetch.start + pieces[0].start
-            response = self.data.stream(key, pos, fetch.end, missing=str(pieces[0].target.dest))
+            response = self.data.stream(key, pos, fetch.end, needed=str(pieces[0].target.dest))
             try:
                 with chunks.lend() as buf:
                     body = dataplane.Body(response, buf)
@@ -533,24 +666,24 @@ def _bucket_region(client: Any) -> dict[str, Any]:
     return {} if region in (None, "us-east-1") else {"CreateBucketConfiguration": {"LocationConstraint": region}}
 
 
-def _read_exact(source: BlobSource, into: memoryview) -> None:
-    """Read a source file into a slice of a pack, checking it is still what we publish."""
+def _read_exact(source: BlobSource, into: memoryview, where: str) -> None:
+    """Read a source file into a slice of a pack (where: its URL), checking it is still what we publish."""
     with source.path.open("rb") as f:
         got = 0
         while got < len(into) and (n := f.readinto(into[got:])):
             got += n
         grew = f.read(1)
     if got != source.size or grew or xxhash.xxh3_128_hexdigest(into) != source.digest:
-        raise _changed(source)
+        raise _changed(source, where)
 
 
-def _changed(source: BlobSource) -> IntegrityError:
+def _changed(source: BlobSource, where: str) -> IntegrityError:
     return IntegrityError(
-        f"{source.path}: changed while publishing (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish"
+        f"{source.path}: changed while publishing to {where} (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish"
     )
 
 
-def _crc32c_of_file(source: BlobSource) -> int:
+def _crc32c_of_file(source: BlobSource, where: str) -> int:
     hasher, crc, size = xxhash.xxh3_128(), 0, 0
     with source.path.open("rb") as f:
         while chunk := f.read(CHUNK):
@@ -558,7 +691,7 @@ def _crc32c_of_file(source: BlobSource) -> int:
             crc = _crc32c(chunk, crc)
             size += len(chunk)
     if size != source.size or hasher.hexdigest() != source.digest:
-        raise _changed(source)
+        raise _changed(source, where)
     return crc
 
 
@@ -572,16 +705,6 @@ def _split_duplicates(targets: Sequence[BlobTarget]) -> tuple[list[BlobTarget], 
         else:
             first[t.digest] = t
     return list(first.values()), twins
-
-
-def _json_format(data: bytes) -> object:
-    import json
-
-    try:
-        raw = json.loads(data)
-    except ValueError:
-        return None
-    return raw.get("format") if isinstance(raw, dict) else None
 
 
 def _client_error() -> type[Exception]:
