@@ -10,6 +10,7 @@ import pytest
 import tomllib
 
 from neffbuild.errors import ManifestError
+from tests.conftest import write_model_index
 from neffbuild.manifest import load_manifest, manifest_json_schema
 
 GOOD = """
@@ -36,7 +37,7 @@ def model_dir(tmp_path: Path) -> Path:
     """Just enough of a local diffusers model for validation: the index and a VAE config."""
     root = tmp_path / "model"
     (root / "vae").mkdir(parents=True)
-    (root / "model_index.json").write_text('{"_class_name": "Flux2KleinPipeline"}')
+    write_model_index(root)
     (root / "vae" / "config.json").write_text(json.dumps({"block_out_channels": [4, 4, 4, 4]}))
     return root
 
@@ -62,7 +63,7 @@ BAD_CASES = {
     "missing pipeline": (('pipeline = "Flux2KleinPipeline"\n', ""), ["model[klein].pipeline", "required key is missing"]),
     "shape not a multiple of 16": (("height = 128", "height = 120"), ["model[klein].shapes.height", "120", "multiple of 16", "try 128"]),
     "duplicate shape": (("width = [128, 256]", "width = [128, 128]"), ["model[klein].shapes", "128x128x1", "twice"]),
-    "zero batch": (("batch = [1, 2]", "batch = 0"), ["model[klein].shapes", "batch", "greater than 0"]),
+    "zero batch": (("batch = [1, 2]", "batch = 0"), ["model[klein].shapes.batch", "greater than or equal to 1"]),
     "owned env var": (('OMP_NUM_THREADS = "2"', 'TORCHINDUCTOR_CACHE_DIR = "/x"'), ["model[klein].env", "TORCHINDUCTOR_CACHE_DIR", "set by neffbuild"]),
     "owned call arg": (("num_inference_steps = 2", "height = 64"), ["model[klein].call", "height"]),
     "device does not suit backend": (('mode = "full"', 'mode = "full"\ndevice = "neuron"'), ["model[klein]", "device 'neuron'", "inductor"]),

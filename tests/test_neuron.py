@@ -27,6 +27,7 @@ from neffbuild.backends.neuron import (
 )
 from neffbuild.backends.worker import import_seams, writes_result
 from neffbuild.errors import ManifestError
+from tests.conftest import write_model_index
 from neffbuild.manifest import ModelEntry, ShapeSet, load_manifest
 from neffbuild.plan import make_plan
 
@@ -117,7 +118,7 @@ def test_real_facts_do_not_need_torch_neuronx():
 
 def write_model(root: Path, class_name: str, heads: int | None) -> None:
     (root / "transformer").mkdir(parents=True)
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    write_model_index(root)
     config = {"_class_name": class_name, **({"num_attention_heads": heads} if heads else {})}
     (root / "transformer" / "config.json").write_text(json.dumps(config))
 
@@ -149,7 +150,7 @@ def test_tensor_parallel_is_validated_from_the_local_config(tmp_path, class_name
     write_model(tmp_path / "m", class_name, heads)
     loaded = load_manifest(manifest(tmp_path, model_toml("./m", "Flux2KleinPipeline", tp)))
     problems = NeuronBackend().validate(loaded.manifest.models[0], loaded)
-    assert (problems == []) if problem is None else any(problem in p for p in problems)
+    assert (problems == []) if problem is None else any(problem in str(p) for p in problems)
 
 
 def test_hub_models_are_validated_by_pipeline(tmp_path):
@@ -157,13 +158,13 @@ def test_hub_models_are_validated_by_pipeline(tmp_path):
     flux = load_manifest(manifest(tmp_path, model_toml("black-forest-labs/FLUX.1-dev", "FluxPipeline", 2, extra)))
     assert NeuronBackend().validate(flux.manifest.models[0], flux) == []
     sd3 = load_manifest(manifest(tmp_path, model_toml("stabilityai/sd3", "StableDiffusion3Pipeline", 2, extra)))
-    assert "cannot confirm" in NeuronBackend().validate(sd3.manifest.models[0], sd3)[0]
+    assert "cannot confirm" in str(NeuronBackend().validate(sd3.manifest.models[0], sd3)[0])
 
 
 def test_plan_refuses_an_invalid_tensor_parallel_degree(tmp_path):
     write_model(tmp_path / "m", "Flux2Transformer2DModel", 2)
     loaded = load_manifest(manifest(tmp_path, model_toml("./m", "Flux2KleinPipeline", 4)))
-    with pytest.raises(ManifestError, match=r"model\[m\]: tensor_parallel: 4 does not divide"):
+    with pytest.raises(ManifestError, match=r"model\[m\]\.tensor_parallel: 4 does not divide"):
         make_plan(loaded, {})
 
 
