@@ -149,6 +149,16 @@ class ModelEntry(_Strict):
                 raise ValueError(f"{name} is set by neffbuild per build unit; remove it")
         return env
 
+    @field_validator("call", mode="before")
+    @classmethod
+    def _call_integers(cls, call: Any) -> Any:
+        # Checked before the union: an integer too large for an int would pass as a float.
+        for name, value in call.items() if isinstance(call, dict) else ():
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT:
+                    raise ValueError(f"{_short(name)[1:-1]}: integer past 64 bits (got {_short(item)})")
+        return call
+
     @field_validator("call")
     @classmethod
     def _call_keys(cls, call: dict[str, Any]) -> dict[str, Any]:
