@@ -156,7 +156,7 @@ class ModelEntry(_Strict):
         for name, value in call.items() if isinstance(call, dict) else ():
             for item in value if isinstance(value, list) else [value]:
                 if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT:
-                    raise ValueError(f"{_short(name)[1:-1]}: integer past 64 bits (got {_short(item)})")
+                    raise ValueError(f"{_key(name)}: integer past 64 bits (got {_short(item)})")
         return call
 
     @field_validator("call")
@@ -201,21 +201,23 @@ class ModelEntry(_Strict):
                 f"components: {methods[0]!r} names a method, but mode 'regional' compiles a component's repeated "
                 "blocks; list the component alone, or use mode 'full'"
             )
+        problem = self._call_size_problem()
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def _call_size_problem(self) -> str | None:
         prompts = self.prompts_per_call
         negative = self.call.get("negative_prompt")
         if isinstance(negative, list) and len(negative) != prompts:
-            raise ValueError(f"call.negative_prompt has {len(negative)} entries for {prompts} prompts; give as many")
+            return f"call.negative_prompt has {len(negative)} entries for {prompts} prompts; give as many"
         sets = self.shapes if isinstance(self.shapes, list) else [self.shapes]
         if sum(s.size for s in sets) > MAX_UNITS:
-            raise ValueError(f"shapes expand to more than {MAX_UNITS} units; split the entry")
-        for shape_set in sets:
-            batches = shape_set.batch if isinstance(shape_set.batch, list) else [shape_set.batch]
-            if max(batches) * prompts > MAX_IMAGES:
-                raise ValueError(
-                    f"batch {max(batches)} x {prompts} prompts is {max(batches) * prompts} images per call "
-                    f"(at most {MAX_IMAGES})"
-                )
-        return self
+            return f"shapes expand to more than {MAX_UNITS} units; split the entry"
+        batch = max(max(s.batch) if isinstance(s.batch, list) else s.batch for s in sets)
+        if batch * prompts > MAX_IMAGES:
+            return f"batch {batch} x {prompts} prompts is {batch * prompts} images per call (at most {MAX_IMAGES})"
+        return None
 
     @property
     def prompts_per_call(self) -> int:
@@ -521,6 +523,11 @@ def _merge_union_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
             kept = [{**kept[0], "msg": ", or ".join([kept[0]["msg"], *rest])}]
         merged.extend(kept)
     return merged
+
+
+def _key(name: str) -> str:
+    """A key as written where it is a plain name, quoted and cut short otherwise."""
+    return name if _IDENTIFIER.match(name) and len(name) <= 60 else _short(name)
 
 
 def _is_scalar(value: Any) -> bool:
