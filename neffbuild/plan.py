@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends import get_backend
-from neffbuild.backends.base import Backend, Problem
+from neffbuild.backends.base import Backend
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.manifest import LoadedManifest, ModelEntry, Shape, is_local_model

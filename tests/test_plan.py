@@ -13,7 +13,7 @@ from neffbuild.backends.base import Backend, cpu_isa_flags
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.manifest import load_manifest
 from neffbuild.plan import check_buildable, make_plan, plan_document
-from tests.conftest import KLEIN_INDEX, write_manifest, write_model_index
+from tests.conftest import write_model_index
 
 FACTS = {
     "torch": "2.13.0+cpu",
