@@ -19,12 +19,12 @@ from pathlib import Path
 
 from neffbuild import __version__
 from neffbuild.backends import get_backend
-from neffbuild.backends.base import Backend
+from neffbuild.backends.base import Backend, components_without_graphs, no_graph_hint
 from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath, Timings, parse
 from neffbuild.errors import BuildError, ConflictError, NeffbuildError
 from neffbuild.hashing import hash_file
 from neffbuild.jobs import WorkerJob, run_worker
-from neffbuild.plan import BuildUnit, Plan
+from neffbuild.plan import BuildUnit, Plan, check_buildable
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.store.base import BlobSource, Store
 
@@ -68,6 +68,7 @@ def build(
     keep_work: bool = False,
     notify: Notify | None = None,
 ) -> BuildReport:
+    check_buildable(plan)
     backend = get_backend(plan.backend_name)
     notify = notify or (lambda unit_id, status: None)
     work_root = Path(tempfile.mkdtemp(prefix="neffbuild-work-", dir=work_dir))
@@ -115,6 +116,9 @@ def build_unit(unit: BuildUnit, backend: Backend, store: Store, env: Mapping[str
     result = run_worker(lambda job_file: backend.launch_command(unit.entry, job_file), job, worker_env, scratch)
     _check_fingerprint(unit, result.fingerprint)
     run = result.runs[0]
+    silent = components_without_graphs(unit.entry, run.counters)
+    if silent:
+        raise BuildError(f"{unit.unit_id}: component {silent[0]!r} produced no graph", hint=no_graph_hint(silent[0]))
     files = _hash_outputs(backend, cache_dir)
     if unit.entry.mode != "eager" and not files:
         raise BuildError(f"{unit.unit_id}: the warmup wrote no cache files", hint=f"is {backend.cache_env} honoured? see {scratch}/worker.log")

@@ -177,7 +177,7 @@ def env_command(ref: str, cache_dir: Path, store_url: str | None, as_json: bool)
 
 @cli.command()
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="Cache dir the server will use [default: the backend's variable, else the compiler's default].")
-@click.option("--backend", type=click.Choice(["neuron", "inductor"]), help="Backend to check for [default: the release's, else neuron].")
+@click.option("--backend", type=click.Choice(["neuron", "inductor"]), help="Backend to check for [default: the release's, else neuron where torch_neuronx is installed, else inductor].")
 @click.option("--release", "release_ref", metavar="FILE|TAG", help="Compare with a release: its JSON file, or a tag or release id in --store.")
 @store_option
 @json_option

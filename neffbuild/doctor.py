@@ -106,7 +106,7 @@ def run_doctor(
     release: Release | None = None,
     host: HostView = HostView(),
 ) -> DoctorReport:
-    name = _backend_name(backend, release)
+    name = _backend_name(backend, release, host)
     info = BACKEND_HOSTS[name]
     cache_env = get_backend(name).cache_env
     where = _cache_dir(cache_dir, env, cache_env, info)
@@ -121,8 +121,10 @@ def run_doctor(
     return DoctorReport(backend=name, cache_dir=where, checks=checks)
 
 
-def _backend_name(backend: str | None, release: Release | None) -> str:
-    name = backend or (release.backend if release else "neuron")
+def _backend_name(backend: str | None, release: Release | None, host: HostView) -> str:
+    """--backend, else the release's, else the one this host has: neuron where torch_neuronx is."""
+    here = "neuron" if host.module_available(BACKEND_HOSTS["neuron"].module) else "inductor"
+    name = backend or (release.backend if release else here)
     if release is not None and release.backend != name:
         raise InputError(f"--backend {name} but the release was built with {release.backend}", hint="drop --backend")
     if name not in BACKEND_HOSTS:

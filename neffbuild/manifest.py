@@ -1,7 +1,8 @@
 """Load a build manifest (TOML) into frozen, validated models.
 
 Strict on purpose: a typo in a CI manifest must fail the build, not silently fall back to a
-default and publish the wrong cache. Every problem names the file, the entry and the key.
+default and publish the wrong cache. Types are exact (no "128" or 128.0 for 128, no true for 1),
+sizes and counts are bounded, and every problem names the file, the entry and the key.
 """
 
 from __future__ import annotations
@@ -9,26 +10,51 @@ from __future__ import annotations
 import difflib
 import itertools
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from neffbuild.errors import ManifestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 BackendName = Literal["inductor", "neuron"]
 Mode = Literal["eager", "full", "regional"]
-Scalar = str | int | float | bool
-CallValue = Scalar | list[Scalar]
+
+# Limits (README, "Limits"): far above any real manifest, low enough that a typo such as an extra
+# zero, or a hostile file, fails here instead of in a worker or a key computation.
+MAX_SIDE = 16384  # pixels, height and width
+MAX_IMAGES = 256  # images per call: batch x prompts
+MAX_LIST = 256  # items in any list of the manifest
+MAX_UNITS = 1024  # units (shapes) per manifest
+MAX_TENSOR_PARALLEL = 128
+MAX_TEXT = 16384  # characters in one string value
+MAX_PATH = 4096  # characters in a model path or store URL (PATH_MAX)
+MAX_NAME_PART = 255  # bytes in one path component (NAME_MAX)
+MAX_DEPTH = 8  # nesting of tables and arrays; a real manifest needs 5
+MAX_INT = 2**63 - 1  # call argument integers (what TOML promises)
+
+Side = Annotated[int, Strict(), Field(ge=1, le=MAX_SIDE)]
+Batch = Annotated[int, Strict(), Field(ge=1, le=MAX_IMAGES)]
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+CallInt = Annotated[int, Strict(), Field(ge=-MAX_INT, le=MAX_INT)]
+CallFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+Scalar = Annotated[bool, Strict()] | CallInt | CallFloat | Text
+CallValue = Scalar | Annotated[list[Scalar], Field(max_length=MAX_LIST)]
 
 # Pipelines whose latent packing needs sizes divisible by vae_scale_factor * 2 (2x2 patches).
 _PATCHED_PIPELINES = re.compile(r"^(Flux|Flux2|Flux2Klein|QwenImage|Chroma)\w*Pipeline$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_VALID_DEVICES = {"inductor": {"cpu", "cuda"}, "neuron": {"neuron"}}
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_COMPONENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
+_VALID_DEVICES = {"inductor": ("cpu", "cuda"), "neuron": ("neuron",)}
 _CACHE_VARS_OWNED = {"TORCHINDUCTOR_CACHE_DIR", "TORCH_NEURONX_NEFF_CACHE_DIR", "TRITON_CACHE_DIR"}
+PROMPT_ARGS = re.compile(r"^(negative_)?prompt(_\d)?$")
+DEFAULT_PROMPT = "a photo of a cat"  # the warmup prompt when a manifest's call gives none
 
 
 class _Strict(BaseModel):
@@ -36,11 +62,12 @@ class _Strict(BaseModel):
 
 
 class Shape(_Strict):
-    """One static shape: the pipeline is compiled for exactly this height, width and batch."""
+    """One static shape: the pipeline is compiled for exactly this height, width and batch
+    (batch fills the call's num_images_per_prompt)."""
 
-    height: int = Field(gt=0)
-    width: int = Field(gt=0)
-    batch: int = Field(default=1, gt=0)
+    height: Side
+    width: Side
+    batch: Batch = 1
 
     @property
     def label(self) -> str:
@@ -50,9 +77,11 @@ class Shape(_Strict):
 class ShapeSet(_Strict):
     """A product of heights × widths × batches; each field takes one value or a list."""
 
-    height: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)]
-    width: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)]
-    batch: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] = 1
+    height: Side | Annotated[list[Side], Field(min_length=1, max_length=MAX_LIST)]
+    width: Side | Annotated[list[Side], Field(min_length=1, max_length=MAX_LIST)]
+    batch: Batch | Annotated[list[Batch], Field(min_length=1, max_length=MAX_LIST)] = Field(
+        default=1, description="num_images_per_prompt of the warmup call; images per call = batch x prompts."
+    )
 
     def expand(self) -> list[Shape]:
         def as_list(v: int | list[int]) -> list[int]:
@@ -63,50 +92,102 @@ class ShapeSet(_Strict):
             for h, w, b in itertools.product(as_list(self.height), as_list(self.width), as_list(self.batch))
         ]
 
+    @property
+    def size(self) -> int:
+        return math.prod(len(v) if isinstance(v, list) else 1 for v in (self.height, self.width, self.batch))
+
+
+def _default_device(data: dict[str, Any]) -> str:
+    return _VALID_DEVICES.get(data.get("backend", "inductor"), ("cpu",))[0]
+
 
 class ModelEntry(_Strict):
     """One model to compile: where it comes from, how it is compiled and for which shapes."""
 
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Entry name, unique in the manifest.")
-    model: str = Field(min_length=1, description="Local directory (relative to the manifest) or hub id.")
-    revision: str | None = Field(default=None, description="Hub revision; a commit sha keeps keys stable.")
-    pipeline: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="diffusers pipeline class name.")
+    id: str = Field(max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Entry name, unique in the manifest.")
+    model: str = Field(
+        min_length=1, max_length=MAX_PATH, description="Local directory (relative to the manifest) or hub id."
+    )
+    revision: str | None = Field(
+        default=None, max_length=200, pattern=r"^[A-Za-z0-9._/-]+$", description="Hub revision; a commit sha keeps keys stable."
+    )
+    pipeline: str = Field(max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="diffusers pipeline class name.")
     dtype: Dtype = "bfloat16"
     backend: BackendName = "inductor"
-    device: str = "cpu"
+    device: Literal["cpu", "cuda", "neuron"] = Field(
+        default_factory=_default_device, description="Default: cpu for the inductor backend, neuron for neuron."
+    )
     mode: Mode = "full"
-    components: tuple[str, ...] = ("transformer",)
-    tensor_parallel: int = Field(default=1, ge=1, description="Neuron only: processes per model (NeuronCores).")
-    shape_multiple: int | None = Field(default=None, gt=0, description="Override the pipeline's size divisor.")
-    shapes: ShapeSet | Annotated[list[ShapeSet], Field(min_length=1)] = Field(
+    components: Annotated[tuple[str, ...], Field(max_length=32)] = Field(
+        default=("transformer",),
+        description="Components to compile: a name ('transformer'), or a method of one ('vae.decode'), "
+        "the callable the pipeline actually calls.",
+    )
+    tensor_parallel: Annotated[int, Strict()] = Field(
+        default=1, ge=1, le=MAX_TENSOR_PARALLEL, description="Neuron only: processes per model (NeuronCores)."
+    )
+    shape_multiple: Annotated[int, Strict()] | None = Field(
+        default=None, gt=0, le=MAX_SIDE, description="Override the pipeline's size divisor."
+    )
+    shapes: ShapeSet | Annotated[list[ShapeSet], Field(min_length=1, max_length=MAX_LIST)] = Field(
         description="One table or a list of tables; each expands to height x width x batch."
     )
-    call: dict[str, CallValue] = Field(default_factory=dict, description="Extra pipeline call arguments.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment for build and serving.")
+    call: dict[str, CallValue] = Field(
+        default_factory=dict, max_length=MAX_LIST, description="Extra pipeline call arguments."
+    )
+    env: dict[str, Annotated[str, Field(max_length=MAX_TEXT)]] = Field(
+        default_factory=dict, max_length=MAX_LIST, description="Environment for build and serving."
+    )
 
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
         for name in env:
             if not _ENV_NAME.match(name):
-                raise ValueError(f"{name!r} is not an environment variable name")
+                raise ValueError(f"{_short(name)} is not an environment variable name")
             if name in _CACHE_VARS_OWNED:
                 raise ValueError(f"{name} is set by neffbuild per build unit; remove it")
         return env
 
+    @field_validator("call", mode="before")
+    @classmethod
+    def _call_integers(cls, call: Any) -> Any:
+        # Checked before the union: an integer too large for an int would pass as a float.
+        for name, value in call.items() if isinstance(call, dict) else ():
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT:
+                    raise ValueError(f"{_key(name)}: integer past 64 bits (got {_short(item)})")
+        return call
+
     @field_validator("call")
     @classmethod
-    def _call_keys(cls, call: dict[str, CallValue]) -> dict[str, CallValue]:
+    def _call_keys(cls, call: dict[str, Any]) -> dict[str, Any]:
+        for name in call:
+            if not _IDENTIFIER.match(name):
+                raise ValueError(f"{_short(name)} is not a parameter name")
         owned = {"height", "width", "num_images_per_prompt", "generator", "output_type"}
         clash = sorted(owned & call.keys())
         if clash:
             raise ValueError(f"{', '.join(clash)} come from shapes or neffbuild itself; remove from call")
+        for name, value in call.items():
+            if PROMPT_ARGS.match(name) and not (
+                isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
+            ):
+                raise ValueError(f"{name} must be a string or a non-empty list of strings")
         return call
+
+    @field_validator("components")
+    @classmethod
+    def _component_names(cls, components: tuple[str, ...]) -> tuple[str, ...]:
+        for name in components:
+            if not _COMPONENT.match(name):
+                raise ValueError(f"{_short(name)} is not a component ('vae') or a component method ('vae.decode')")
+        return components
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelEntry:
         if self.device not in _VALID_DEVICES[self.backend]:
-            allowed = ", ".join(sorted(_VALID_DEVICES[self.backend]))
+            allowed = ", ".join(_VALID_DEVICES[self.backend])
             raise ValueError(f"device {self.device!r} does not suit backend {self.backend!r} (use {allowed})")
         if self.tensor_parallel > 1 and self.backend != "neuron":
             raise ValueError("tensor_parallel > 1 needs backend = 'neuron'")
@@ -114,7 +195,47 @@ class ModelEntry(_Strict):
             raise ValueError("components has no effect in mode 'eager'; remove it")
         if len(set(self.components)) != len(self.components) or not self.components:
             raise ValueError("components must be a non-empty list without duplicates")
+        methods = [c for c in self.components if "." in c]
+        if self.mode == "regional" and methods:
+            raise ValueError(
+                f"components: {methods[0]!r} names a method, but mode 'regional' compiles a component's repeated "
+                "blocks; list the component alone, or use mode 'full'"
+            )
+        problem = self._call_size_problem()
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def _call_size_problem(self) -> str | None:
+        prompts = self.prompts_per_call
+        negative = self.call.get("negative_prompt")
+        if isinstance(negative, list) and len(negative) != prompts:
+            return f"call.negative_prompt has {len(negative)} entries for {prompts} prompts; give as many"
+        sets = self.shapes if isinstance(self.shapes, list) else [self.shapes]
+        if sum(s.size for s in sets) > MAX_UNITS:
+            return f"shapes expand to more than {MAX_UNITS} units; split the entry"
+        batch = max(max(s.batch) if isinstance(s.batch, list) else s.batch for s in sets)
+        if batch * prompts > MAX_IMAGES:
+            return f"batch {batch} x {prompts} prompts is {batch * prompts} images per call (at most {MAX_IMAGES})"
+        return None
+
+    @property
+    def prompts_per_call(self) -> int:
+        """A list of prompts multiplies the batch: the pipeline makes batch images per prompt."""
+        prompt = self.call.get("prompt")
+        return len(prompt) if isinstance(prompt, list) else 1
+
+    def call_arguments(self) -> dict[str, Any]:
+        """The warmup call's arguments from the manifest (shapes add height, width, batch)."""
+        return {"prompt": DEFAULT_PROMPT, **self.call}
+
+    def components_named(self) -> list[tuple[str, str | None]]:
+        """(component, method or None) per listed component: 'vae.decode' -> ('vae', 'decode')."""
+        return [(c.partition(".")[0], c.partition(".")[2] or None) for c in self.components]
+
+    def unit_label(self, shape: Shape) -> str:
+        """height x width x images per call (batch x prompts): the batch the compiled graphs see."""
+        return f"{shape.height}x{shape.width}x{shape.batch * self.prompts_per_call}"
 
     def expanded_shapes(self) -> list[Shape]:
         sets = self.shapes if isinstance(self.shapes, list) else [self.shapes]
@@ -124,16 +245,46 @@ class ModelEntry(_Strict):
 class Manifest(_Strict):
     """A whole manifest file: its name is the default tag the build moves."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Default tag for the build.")
-    description: str = ""
-    store: str | None = Field(default=None, description="Default store URL or directory.")
-    models: Annotated[list[ModelEntry], Field(min_length=1, alias="model")]
+    name: str = Field(max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Default tag for the build.")
+    description: str = Field(default="", max_length=MAX_TEXT)
+    store: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_PATH,
+        description="Default store: a directory (relative to the manifest) or s3://bucket/prefix.",
+    )
+    toolchain: dict[str, Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
+        default=None,
+        max_length=32,
+        description="The build host's toolchain (versions, target), for planning on another host: "
+        "e.g. neuron keys on a CI host without torch-neuronx.",
+    )
+    models: Annotated[list[ModelEntry], Field(min_length=1, max_length=MAX_LIST, alias="model")]
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, store: str | None) -> str | None:
+        if store is not None and "://" in store and not _S3_URL.match(store):
+            scheme = store.split("://", 1)[0]
+            if scheme == "s3":
+                raise ValueError(f"{_short(store)} is not s3://bucket[/prefix]")
+            raise ValueError(f"unsupported scheme {_short(scheme)} (use a directory path or s3://bucket/prefix)")
+        return store
+
+    @model_validator(mode="after")
+    def _unit_count(self) -> Manifest:
+        total = sum(len(e.expanded_shapes()) for e in self.models)
+        if total > MAX_UNITS:
+            raise ValueError(f"the entries expand to {total} units (at most {MAX_UNITS}); split the manifest")
+        return self
+
 
 class LoadedManifest(BaseModel):
-    """A validated manifest plus where it came from (paths resolve against its directory)."""
+    """A validated manifest plus where it came from. Paths resolve against its directory: the
+    store is resolved when loading (manifest.store is absolute, URLs unchanged); local model
+    paths by resolve_model."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -144,7 +295,7 @@ class LoadedManifest(BaseModel):
     def resolve_model(self, entry: ModelEntry) -> str:
         """A local model path made absolute against the manifest's directory; hub ids unchanged."""
         if is_local_model(entry.model):
-            return str((self.path.parent / entry.model).resolve())
+            return str((self.path.parent / Path(entry.model).expanduser()).resolve())
         return entry.model
 
 
@@ -154,25 +305,66 @@ def is_local_model(ref: str) -> bool:
 
 def load_manifest(path: Path) -> LoadedManifest:
     """Parse and validate a manifest; raise ManifestError listing every problem found."""
+    data = _read_toml(path)
+    if isinstance(data.get("model"), dict):
+        raise ManifestError(
+            f"{path}: model: a single [model] table; models are an array of tables",
+            hint="write [[model]] (two brackets) for each model, then [model.call] / [model.env] under it",
+        )
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(_describe(path, data, exc), hint=_hint(exc)) from None
+    base = path.resolve().parent
+    if manifest.store is not None and "://" not in manifest.store:
+        manifest = manifest.model_copy(update={"store": str(base / Path(manifest.store).expanduser())})
+    loaded = LoadedManifest(manifest=manifest, path=path.resolve(), source_digest=_digest(data))
+    problems = _cross_checks(loaded)
+    if problems:
+        raise ManifestError(_join(path, [p for p, _ in problems]), hint=problems[0][1] if len(problems) == 1 else "fix the entries named above")
+    return loaded
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
         raw_bytes = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{path}: no such manifest", hint="check the path, e.g. manifests/<name>.toml") from None
     except OSError as exc:
-        raise ManifestError(f"{path}: cannot read manifest ({exc.strerror})") from None
+        raise ManifestError(f"{path}: cannot read manifest ({exc.strerror or exc})") from None
     try:
         data = tomllib.loads(raw_bytes.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: not valid TOML: {exc}", hint="see https://toml.io for the syntax") from None
-    try:
-        manifest = Manifest.model_validate(data)
-    except ValidationError as exc:
-        raise ManifestError(_describe(path, data, exc), hint=_hint(exc)) from None
-    loaded = LoadedManifest(manifest=manifest, path=path.resolve(), source_digest=_digest(data))
-    problems = _cross_checks(loaded)
-    if problems:
-        raise ManifestError(_join(path, problems), hint="fix the entries named above")
-    return loaded
+    except RecursionError:
+        data = None
+    problem = _shape_problem(data)
+    if problem:
+        raise ManifestError(f"{path}: {problem}", hint=f"a manifest nests at most {MAX_DEPTH} levels and holds no NUL")
+    assert data is not None
+    return data
+
+
+def _shape_problem(data: Any) -> str | None:
+    """Depth and NUL check over the parsed document, without recursion (it may be hostile)."""
+    if data is None:
+        return f"nested deeper than {MAX_DEPTH} levels"
+    stack: list[tuple[Any, tuple[int | str, ...]]] = [(data, ())]
+    while stack:
+        node, loc = stack.pop()
+        if len(loc) > MAX_DEPTH:
+            return f"{_location(data, loc[:MAX_DEPTH])}: nested deeper than {MAX_DEPTH} levels"
+        items: list[tuple[int | str, Any]] = []
+        if isinstance(node, dict):
+            items = list(node.items())
+        elif isinstance(node, list):
+            items = list(enumerate(node))
+        for key, value in items:
+            if (isinstance(key, str) and "\0" in key) or (isinstance(value, str) and "\0" in value):
+                return f"{_location(data, (*loc, key))}: contains a NUL character"
+            if isinstance(value, (dict, list)):
+                stack.append((value, (*loc, key)))
+    return None
 
 
 def _digest(data: dict[str, Any]) -> str:
@@ -181,36 +373,91 @@ def _digest(data: dict[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(data, sort_keys=True, default=str).encode())
 
 
-def _cross_checks(loaded: LoadedManifest) -> list[str]:
-    problems: list[str] = []
+Problem = tuple[str, str]  # (message naming entry and key, hint)
+
+
+def _cross_checks(loaded: LoadedManifest) -> list[Problem]:
+    problems: list[Problem] = []
     seen_ids: set[str] = set()
     for entry in loaded.manifest.models:
         where = f"model[{entry.id}]"
         if entry.id in seen_ids:
-            problems.append(f"{where}.id: duplicate entry id {entry.id!r}")
+            problems.append((f"{where}.id: duplicate entry id {entry.id!r}", "give every entry its own id"))
         seen_ids.add(entry.id)
         if is_local_model(entry.model):
-            local = Path(loaded.resolve_model(entry))
-            if not (local / "model_index.json").is_file():
-                problems.append(
-                    f"{where}.model: {entry.model!r} resolves to {local}, which has no model_index.json"
-                )
+            problem = _local_model_problem(loaded, entry)
+            if problem:
+                problems.append(problem)
+                continue
         elif entry.revision is None:
-            problems.append(f"{where}.revision: hub model {entry.model!r} needs a revision (a commit sha)")
-        multiple = entry.shape_multiple or shape_multiple(entry, loaded)
-        seen_shapes: set[Shape] = set()
-        for shape in entry.expanded_shapes():
-            if shape in seen_shapes:
-                problems.append(f"{where}.shapes: shape {shape.label} is listed twice")
-            seen_shapes.add(shape)
-            for side in ("height", "width"):
-                value = getattr(shape, side)
-                if value % multiple:
-                    problems.append(
-                        f"{where}.shapes.{side}: {value} is not a multiple of {multiple} "
-                        f"({entry.pipeline}); try {max(multiple, round(value / multiple) * multiple)}"
-                    )
+            problems.append(
+                (f"{where}.revision: hub model {entry.model!r} needs a revision (a commit sha)", "pin it: revision = \"<sha>\"")
+            )
+        try:
+            multiple = entry.shape_multiple or shape_multiple(entry, loaded)
+        except ManifestError as exc:
+            problems.append((f"{where}.model: {exc.message}", exc.hint or ""))
+            continue
+        problems.extend(_shape_problems(entry, multiple))
     return problems
+
+
+def _local_model_problem(loaded: LoadedManifest, entry: ModelEntry) -> Problem | None:
+    where = f"model[{entry.id}].model"
+    if any(len(part.encode()) > MAX_NAME_PART for part in Path(entry.model).parts):
+        return (f"{where}: a path component of {_short(entry.model)} is longer than {MAX_NAME_PART} bytes", "check the path")
+    local = Path(loaded.resolve_model(entry))
+    try:
+        index_found = (local / "model_index.json").is_file()
+    except OSError as exc:
+        return (f"{where}: {_short(entry.model)}: {exc.strerror or exc}", "check the path")
+    if not index_found:
+        return (
+            f"{where}: {_short(entry.model)} resolves to {_short(str(local))}, which has no model_index.json",
+            "a local model is a diffusers pipeline directory (save_pretrained); paths are relative to the manifest",
+        )
+    try:
+        read_json_object(local / "model_index.json")
+    except ManifestError as exc:
+        return (f"{where}: {exc.message}", exc.hint or "")
+    return None
+
+
+def _shape_problems(entry: ModelEntry, multiple: int) -> list[Problem]:
+    where = f"model[{entry.id}]"
+    problems: list[Problem] = []
+    seen_shapes: set[Shape] = set()
+    for shape in entry.expanded_shapes():
+        if shape in seen_shapes:
+            problems.append((f"{where}.shapes: shape {shape.label} is listed twice", "list each shape once"))
+        seen_shapes.add(shape)
+        for side in ("height", "width"):
+            value = getattr(shape, side)
+            if value % multiple:
+                problems.append(
+                    (
+                        f"{where}.shapes.{side}: {value} is not a multiple of {multiple} "
+                        f"({entry.pipeline}); try {max(multiple, round(value / multiple) * multiple)}",
+                        f"{entry.pipeline} needs sizes divisible by {multiple} (shape_multiple overrides it)",
+                    )
+                )
+    return problems
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A model's JSON config, which must be an object; ManifestError naming the file otherwise."""
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read ({exc.strerror or exc})", hint="check the model directory") from None
+    except (ValueError, RecursionError) as exc:
+        reason = str(exc).splitlines()[0][:120] if not isinstance(exc, RecursionError) else "nested too deeply"
+        raise ManifestError(f"{path}: not valid JSON ({reason})", hint="the model directory is damaged: save it again") from None
+    if not isinstance(data, dict):
+        raise ManifestError(
+            f"{path}: not a JSON object (found {type(data).__name__})", hint="the model directory is damaged: save it again"
+        )
+    return data
 
 
 def shape_multiple(entry: ModelEntry, loaded: LoadedManifest) -> int:
@@ -218,30 +465,36 @@ def shape_multiple(entry: ModelEntry, loaded: LoadedManifest) -> int:
     vae_factor = 8
     if is_local_model(entry.model):
         vae_config = Path(loaded.resolve_model(entry)) / "vae" / "config.json"
-        try:
-            channels = json.loads(vae_config.read_text()).get("block_out_channels")
-            if isinstance(channels, list) and channels:
+        if vae_config.exists():
+            channels = read_json_object(vae_config).get("block_out_channels")
+            if channels is not None:
+                if not (isinstance(channels, list) and 1 <= len(channels) <= 8):
+                    raise ManifestError(
+                        f"{vae_config}: block_out_channels is not a list of 1 to 8 numbers",
+                        hint="the model directory is damaged: save it again",
+                    )
                 vae_factor = 2 ** (len(channels) - 1)
-        except (OSError, ValueError):
-            pass
     return vae_factor * 2 if _PATCHED_PIPELINES.match(entry.pipeline) else vae_factor
 
 
 def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     """Drop pydantic's union branch tags (`str`, `list[int]`, `ShapeSet`): not TOML keys."""
     tags = ("str", "int", "float", "bool", "ShapeSet")
-    return tuple(p for p in loc if not (isinstance(p, str) and (p in tags or p.startswith(("list[", "constrained-")))))
+    return tuple(
+        p for p in loc if not (isinstance(p, str) and (p in tags or p.startswith(("list[", "constrained-", "function-"))))
+    )
 
 
 def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
-    errors = [{**e, "loc": _clean_loc(e["loc"])} for e in exc.errors()]
+    # A default computed from another field (device from backend) says nothing of its own.
+    errors = [{**e, "loc": _clean_loc(e["loc"])} for e in exc.errors() if e["type"] != "default_factory_not_called"]
     # A union reports every branch; where one branch got further, the others are noise.
     errors = [
         e for e in errors
         if not any(o is not e and len(o["loc"]) > len(e["loc"]) and o["loc"][: len(e["loc"])] == e["loc"] for o in errors)
     ]
     problems = []
-    for err in errors:
+    for err in _merge_union_branches(errors):
         location = _location(data, err["loc"])
         message = err["msg"]
         if err["type"] == "extra_forbidden":
@@ -250,10 +503,45 @@ def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
             message = "required key is missing"
         elif message.startswith("Value error, "):
             message = message.removeprefix("Value error, ")
-        if err["type"] not in ("missing", "extra_forbidden") and "input" in err:
-            message += f" (got {err['input']!r})"
+        if err["type"] not in ("missing", "extra_forbidden") and "input" in err and _is_scalar(err["input"]):
+            message += f" (got {_short(err['input'])})"
         problems.append(f"{location}: {message}")
     return _join(path, problems)
+
+
+def _merge_union_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`height = 0` fails both branches of "a number or a list": report the bound, not "not a
+    list"; `height = "128"` fails both on type: one message naming both accepted types."""
+    by_loc: dict[tuple[int | str, ...], list[dict[str, Any]]] = {}
+    for err in errors:
+        by_loc.setdefault(err["loc"], []).append(err)
+    merged = []
+    for group in by_loc.values():
+        kept = [e for e in group if not e["type"].endswith("_type")] or group
+        if len(kept) > 1 and all(e["type"].endswith("_type") for e in kept):
+            rest = [e["msg"].removeprefix("Input should be ") for e in kept[1:]]
+            kept = [{**kept[0], "msg": ", or ".join([kept[0]["msg"], *rest])}]
+        merged.extend(kept)
+    return merged
+
+
+def _key(name: str) -> str:
+    """A key as written where it is a plain name, quoted and cut short otherwise."""
+    return name if _IDENTIFIER.match(name) and len(name) <= 60 else _short(name)
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool))
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A value as a user typed it, cut short: never a whole entry dumped as a Python dict."""
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return f"an array of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + "…" + text[-3:]
 
 
 def _join(path: Path, problems: list[str]) -> str:
@@ -271,12 +559,17 @@ def _location(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
         if isinstance(part, int):
             label = str(part)
             if isinstance(node, list) and part < len(node) and isinstance(node[part], dict):
-                label = str(node[part].get("id", part))
+                entry_id = node[part].get("id", part)
+                label = entry_id if isinstance(entry_id, str) and _ENTRY_ID.match(entry_id) else str(part)
             parts[-1] = f"{parts[-1]}[{label}]" if parts else f"[{label}]"
         else:
-            parts.append(str(part))
+            parts.append(str(part) if _ENTRY_KEY.match(str(part)) else _short(str(part), 40))
         node = node[part] if isinstance(node, (dict, list)) and _has(node, part) else None
     return ".".join(parts) if parts else "(top level)"
+
+
+_ENTRY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_ENTRY_KEY = re.compile(r"^[A-Za-z0-9_-]{1,60}$")
 
 
 def _has(node: dict[str, Any] | list[Any], part: int | str) -> bool:
@@ -316,7 +609,9 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 def _hint(exc: ValidationError) -> str:
     if any(e["type"] == "extra_forbidden" for e in exc.errors()):
         return "unknown keys are rejected so a typo cannot silently change a build; `neffbuild schema` prints every key"
-    return "`neffbuild schema` prints every key with its type"
+    if any(e["type"].endswith("_type") and isinstance(e.get("input"), (str, float, bool)) for e in exc.errors()):
+        return "types are exact: write 128, not \"128\" or 128.0, and true/false only where a switch is expected"
+    return "`neffbuild schema` prints every key with its type and limits"
 
 
 def manifest_json_schema() -> dict[str, Any]:

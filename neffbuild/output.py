@@ -102,19 +102,12 @@ class Console:
 
     def plan(self, plan: Plan) -> None:
         if self.as_json:
-            self._json(
-                {
-                    "manifest": plan.loaded.path,
-                    "name": plan.loaded.manifest.name,
-                    "backend": plan.backend_name,
-                    "env": plan.runtime_env,
-                    "units": [
-                        {"unit_id": u.unit_id, "key": u.key, "unit": u.normalized, "fingerprint": u.fingerprint}
-                        for u in plan.units
-                    ],
-                }
-            )
+            from neffbuild.plan import plan_document
+
+            self._json(plan_document(plan))
             return
+        for note in plan.notes:
+            print(f"note: {note}", file=sys.stderr)  # whole lines: CI logs are grepped
         from rich.table import Table
 
         table = Table(title=f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})")
@@ -127,6 +120,9 @@ class Console:
             self.out.print("fingerprint:")
             for k, v in plan.units[0].fingerprint.items():
                 self.out.print(f"  {k} = {v}")
+            left_out = sorted({name for u in plan.units for name in u.left_out})
+            if left_out:
+                self.out.print(f"left out of the keys (warmup only): {', '.join(left_out)}")
 
     def build(self, report: BuildReport) -> None:
         if self.as_json:

@@ -50,6 +50,24 @@ def write_manifest(path: Path, model_dir: Path, *, widths: tuple[int, ...] = (12
     return path
 
 
+# What scripts/make_tiny_pipeline.py writes to model_index.json: plan checks components against it.
+KLEIN_INDEX = {
+    "_class_name": "Flux2KleinPipeline",
+    "is_distilled": True,
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+    "tokenizer": ["transformers", "Qwen2Tokenizer"],
+    "transformer": ["diffusers", "Flux2Transformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKLFlux2"],
+}
+
+
+def write_model_index(root: Path, index: dict | None = None) -> None:
+    """A model directory with just its model_index.json: enough for planning, not for building."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "model_index.json").write_text(json.dumps(index or KLEIN_INDEX))
+
+
 @pytest.fixture(scope="session")
 def tiny_manifest(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
     return write_manifest(tmp_path_factory.mktemp("manifests") / "tiny.toml", tiny_model)

@@ -58,8 +58,24 @@ def persistent_host(**kw) -> HostView:
     return HostView(volatile_dirs=(), module_available=lambda name: True, **kw)
 
 
+def test_default_backend_is_the_releases_else_the_one_this_host_has(tmp_path):
+    neuron_host = HostView(module_available=lambda name: name == "torch_neuronx")
+    inductor_host = HostView(module_available=lambda name: name == "torch")
+    assert run_doctor(env={}, cache_dir=tmp_path, host=neuron_host).backend == "neuron"
+    assert run_doctor(env={}, cache_dir=tmp_path, host=inductor_host).backend == "inductor"
+    assert run_doctor(env={}, cache_dir=tmp_path, release=release({}), host=inductor_host).backend == "neuron"
+    here = "neuron" if _has_module("torch_neuronx") else "inductor"
+    assert run_doctor(env={}, cache_dir=tmp_path).backend == here
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def test_this_machine_fails_backend_devices_and_default_cache_dir():
-    report = run_doctor(env={})
+    report = run_doctor(env={}, backend="neuron")
     assert report.backend == "neuron" and report.cache_dir == Path("/tmp/neff_cache")
     if not by_name(report, "backend").status == "pass":  # torch-neuronx absent here
         assert "torch_neuronx" in by_name(report, "backend").detail and by_name(report, "backend").fix

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from neffbuild.backends.base import Backend, cpu_isa_flags
+from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.manifest import load_manifest
-from neffbuild.plan import make_plan
+from neffbuild.plan import check_buildable, make_plan, plan_document
+from tests.conftest import write_model_index
 
 FACTS = {
     "torch": "2.13.0+cpu",
@@ -54,7 +56,7 @@ def facts_provider(**changes: str):
 def manifest(tmp_path: Path) -> Path:
     model = tmp_path / "model"
     (model / "transformer").mkdir(parents=True)
-    (model / "model_index.json").write_text('{"_class_name": "Flux2KleinPipeline"}')
+    write_model_index(model)
     (model / "transformer" / "config.json").write_text('{"num_layers": 2}')
     (model / "transformer" / "weights.safetensors").write_bytes(b"\0" * 64)
     path = tmp_path / "m.toml"
@@ -111,14 +113,257 @@ def test_changed_shape_changes_only_that_units_key(manifest: Path) -> None:
     assert after["klein/128x384x1"] not in before.values()
 
 
-def test_changed_mode_and_call_change_keys(manifest: Path) -> None:
+def test_changed_mode_changes_keys(manifest: Path) -> None:
     before = set(keys(manifest).values())
     edit(manifest, 'dtype = "float32"', 'dtype = "float32"\nmode = "regional"')
-    regional = set(keys(manifest).values())
-    edit(manifest, "num_inference_steps = 2", "num_inference_steps = 4")
-    assert len(before | regional | set(keys(manifest).values())) == 6
+    assert before.isdisjoint(keys(manifest).values())
 
 
+def test_a_component_method_is_its_own_key(manifest: Path) -> None:
+    edit(manifest, 'dtype = "float32"', 'dtype = "float32"\ncomponents = ["transformer", "vae"]')
+    whole = set(keys(manifest).values())
+    edit(manifest, '"vae"]', '"vae.decode"]')
+    assert whole.isdisjoint(keys(manifest).values())
+
+
+# -- the key holds what changes a graph, and nothing else (warmup-only call arguments) -----------
+
+
+def test_warmup_only_arguments_keep_every_key(manifest: Path) -> None:
+    edit(manifest, "num_inference_steps = 2", 'num_inference_steps = 2\nprompt = "a photo of a cat"')
+    before = keys(manifest)
+    edit(manifest, "num_inference_steps = 2", "num_inference_steps = 28")
+    edit(manifest, 'prompt = "a photo of a cat"', 'prompt = "an oil painting of a lighthouse in a storm, at night"')
+    assert keys(manifest) == before
+    edit(manifest, "num_inference_steps = 28\n", "")  # the pipeline's default number of steps
+    assert keys(manifest) == before
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        'max_sequence_length = 128',  # the text sequence: every graph's shape
+        'guidance_scale = 1.0',  # toggles classifier-free guidance in pipelines that have it: doubles the batch
+        'text_encoder_out_layers = [1, 2]',  # the embedding width
+        'prompt = ["a cat", "a dog"]',  # two prompts: a batch of two
+    ],
+)
+def test_arguments_that_change_shapes_change_every_key(manifest: Path, change: str) -> None:
+    before = keys(manifest)
+    edit(manifest, "num_inference_steps = 2", f"num_inference_steps = 2\n{change}")
+    assert set(keys(manifest).values()).isdisjoint(before.values())
+
+
+def test_prompt_text_stays_in_the_key_where_the_pipeline_is_not_known_to_pad(tmp_path: Path) -> None:
+    # QwenImage tokenizes with padding=True (to the longest prompt) and drops the padding again:
+    # another text is another sequence length.
+    write_model_index(tmp_path / "model", {"_class_name": "QwenImagePipeline", "transformer": ["diffusers", "QwenImageTransformer2DModel"]})
+    path = tmp_path / "m.toml"
+    path.write_text(MANIFEST.replace("Flux2KleinPipeline", "QwenImagePipeline").replace("num_inference_steps = 2", 'prompt = "a cat"'))
+    before = keys(path)
+    edit(path, 'prompt = "a cat"', 'prompt = "a dog on a skateboard"')
+    assert set(keys(path).values()).isdisjoint(before.values())
+
+
+def test_plan_json_shows_what_the_key_leaves_out(manifest: Path, cli) -> None:
+    edit(manifest, "num_inference_steps = 2", 'num_inference_steps = 2\nprompt = ["a cat", "a dog"]\nmax_sequence_length = 64')
+    unit = plan_document(make_plan(load_manifest(manifest), {}, facts_provider()))["units"][0]
+    assert unit["left_out_of_key"] == {"num_inference_steps": 2, "prompt": ["a cat", "a dog"]}
+    assert unit["unit"]["call"] == {"max_sequence_length": 64, "prompt": ["<text>", "<text>"]}
+    text = cli("plan", str(manifest))
+    assert text.returncode == 0, text.stderr
+    assert "left out of the keys (warmup only): num_inference_steps, prompt" in text.stdout
+
+
+def test_padded_prompt_table_matches_the_installed_diffusers() -> None:
+    """Each pipeline listed as padding its prompts does so in every tokenizer call that feeds a
+    text encoder (the padding="longest" calls only compare lengths for a truncation warning)."""
+    import ast
+    import inspect
+    import textwrap
+
+    import diffusers
+
+    from neffbuild.backends.pipelines import PADDED_PROMPTS
+
+    for name, prompt_args in PADDED_PROMPTS.items():
+        cls = getattr(diffusers, name)
+        encoders = [m for m in dir(cls) if m.startswith("_get_") and m.endswith("prompt_embeds")]
+        assert encoders, name
+        for method in encoders:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method))))
+            feeding = [
+                node.value
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and "tokenizer" in ast.unparse(node.value.func).lower()
+                and not any("untruncated" in ast.unparse(t) for t in node.targets)
+            ]  # fmt: skip
+            calls = [c for c in feeding if any(k.arg == "padding" for k in c.keywords)]
+            assert calls, f"{name}.{method}: no tokenizer call found"
+            for call in calls:
+                padding = {k.arg: ast.unparse(k.value) for k in call.keywords}
+                assert padding["padding"] in ("'max_length'", '"max_length"'), f"{name}.{method}: {padding}"
+                assert padding.get("truncation") == "True", f"{name}.{method}: {padding}"
+        parameters = inspect.signature(cls.__call__).parameters
+        assert prompt_args <= set(parameters), name
+
+
+def test_a_prompt_list_multiplies_the_batch_in_the_unit_id_and_key(manifest: Path) -> None:
+    one = keys(manifest)
+    edit(manifest, "num_inference_steps = 2", 'num_inference_steps = 2\nprompt = ["a cat", "a dog"]')
+    edit(manifest, "width = [128, 256] }", "width = [128, 256], batch = [1, 2] }")
+    two = keys(manifest)
+    assert list(two) == ["klein/128x128x2", "klein/128x128x4", "klein/128x256x2", "klein/128x256x4"]
+    assert set(two.values()).isdisjoint(one.values())
+
+
+# -- checks before any worker starts ---------------------------------------------------------------
+
+PLAN_CHECKS = {
+    "pipeline class typo": (
+        ('pipeline = "Flux2KleinPipeline"', 'pipeline = "Flux2KlienPipeline"'),
+        ["model[klein].pipeline", "no pipeline 'Flux2KlienPipeline'", "did you mean 'Flux2KleinPipeline'"],
+    ),
+    "not a pipeline class": (('pipeline = "Flux2KleinPipeline"', 'pipeline = "AutoencoderKL"'), ["model[klein].pipeline", "not a pipeline class"]),
+    "component typo": (
+        ('dtype = "float32"', 'dtype = "float32"\ncomponents = ["transfomer"]'),
+        ["model[klein].components", "'transfomer' is not a component", "did you mean 'transformer'", "model_index.json lists"],
+    ),
+    "component method typo": (
+        ('dtype = "float32"', 'dtype = "float32"\ncomponents = ["vae.decod"]'),
+        ["model[klein].components", "AutoencoderKLFlux2 has no method 'decod'", "did you mean 'decode'"],
+    ),
+    "component that is no module": (
+        ('dtype = "float32"', 'dtype = "float32"\ncomponents = ["tokenizer"]'),
+        ["model[klein].components", "'tokenizer' is a Qwen2Tokenizer, not a torch module"],
+    ),
+    "regional without repeated blocks": (
+        ('dtype = "float32"', 'dtype = "float32"\nmode = "regional"\ncomponents = ["vae"]'),
+        ["model[klein].components", "declares no _repeated_blocks", "mode = 'full'"],
+    ),
+    "regional with a method": (
+        ('dtype = "float32"', 'dtype = "float32"\nmode = "regional"\ncomponents = ["vae.decode"]'),
+        ["model[klein]", "'vae.decode' names a method", "mode 'regional'"],
+    ),
+    "call argument typo": (
+        ("num_inference_steps = 2", "num_inference_step = 2"),
+        ["model[klein].call.num_inference_step", "no parameter 'num_inference_step'", "did you mean 'num_inference_steps'"],
+    ),
+    "cuda on a host without cuda": (('dtype = "float32"', 'dtype = "float32"\ndevice = "cuda"'), ["model[klein].device", "no CUDA device", "device = 'cpu'"]),
+    "neuron without torch-neuronx": (
+        ('dtype = "float32"', 'dtype = "float32"\nbackend = "neuron"'),
+        ["model[klein].backend", "torch-neuronx is not importable", "[toolchain]"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_CHECKS))
+def test_each_plan_check_is_one_line_exit_2_with_its_hint(case: str, manifest: Path) -> None:
+    (old, new), expected = PLAN_CHECKS[case]
+    if case == "cuda on a host without cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this host has CUDA")
+    if case == "neuron without torch-neuronx" and _has_module("torch_neuronx"):
+        pytest.skip("torch-neuronx is installed here")
+    edit(manifest, old, new)
+    with pytest.raises(ManifestError) as err:
+        make_plan(load_manifest(manifest), {}, facts_provider())
+    assert err.value.exit_code == 2 and err.value.hint
+    assert err.value.message.startswith(f"{manifest}: ") and "\n" not in err.value.message
+    for fragment in expected:
+        assert fragment in f"{err.value.message} {err.value.hint}", f"{fragment!r} not in {err.value.message!r} / {err.value.hint!r}"
+
+
+@pytest.mark.parametrize("case", ["pipeline class typo", "component method typo"])
+def test_build_stops_at_a_plan_check_before_any_worker_starts(case: str, manifest: Path, tmp_path: Path, cli) -> None:
+    (old, new), expected = PLAN_CHECKS[case]
+    edit(manifest, old, new)
+    store, work = tmp_path / "store", tmp_path / "work"
+    work.mkdir()
+    result = cli("build", str(manifest), "--store", str(store), "--work-dir", str(work))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.startswith(f"error: {manifest}: ")
+    assert all(fragment in result.stderr for fragment in expected), result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if not line.startswith("hint: ")]
+    assert len(error_lines) == 1 and "hint: " in result.stderr
+    assert not store.exists() and list(work.iterdir()) == []  # no store opened, no worker scratch
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_hub_models_say_what_could_not_be_checked(manifest: Path, cli) -> None:
+    edit(manifest, 'model = "./model"', 'model = "no-such-org/no-such-model"\nrevision = "0123abcd"')
+    result = cli("plan", str(manifest))
+    assert result.returncode == 0, result.stderr
+    assert "note: model[klein]: not checked before building: its components" in result.stderr
+
+
+def test_eager_on_inductor_says_nothing_is_cached_and_build_refuses(manifest: Path, tmp_path: Path, cli) -> None:
+    edit(manifest, 'dtype = "float32"', 'dtype = "float32"\nmode = "eager"')
+    plan = make_plan(load_manifest(manifest), {}, facts_provider())
+    assert any("mode 'eager' on the inductor backend compiles nothing, so nothing is cached" in n for n in plan.notes)
+    with pytest.raises(InputError, match="mode 'eager' on the inductor backend compiles nothing"):
+        check_buildable(plan)
+    built = cli("build", str(manifest), "--store", str(tmp_path / "store"))
+    assert built.returncode == 2 and "nothing to cache" in built.stderr, built.stderr
+
+
+# -- planning for another host: the [toolchain] table ---------------------------------------------
+
+TOOLCHAIN = """
+[toolchain]
+torch = "2.9.0"
+torch-neuronx = "2.9.0.2.11"
+neuronx-cc = "2.21.33"
+diffusers = "0.42.1"
+transformers = "4.57.1"
+python = "3.11"
+target = "trn2"
+"""
+
+
+def neuron_manifest(manifest: Path, toolchain: str = TOOLCHAIN) -> None:
+    edit(manifest, 'dtype = "float32"', 'dtype = "float32"\nbackend = "neuron"')
+    edit(manifest, "\n[[model]]", toolchain + "\n[[model]]")
+
+
+def test_toolchain_plans_neuron_keys_for_another_host(manifest: Path, cli) -> None:
+    if _has_module("torch_neuronx"):
+        pytest.skip("torch-neuronx is installed here")
+    neuron_manifest(manifest)
+    result = cli("plan", str(manifest), "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["host"] == "declared by [toolchain]"
+    assert any(n.startswith("planning for another host") and "neuronx-cc '2.21.33' (here 'absent')" in n for n in doc["notes"])
+    fingerprint = doc["units"][0]["fingerprint"]
+    assert fingerprint["neuronx-cc"] == "2.21.33" and fingerprint["neuron.target"] == "trn2" and fingerprint["device"] == "neuron"
+    assert "absent" not in json.dumps(doc["units"])
+    # The same table on another planning host gives the same keys: they come from the manifest.
+    plan = make_plan(load_manifest(manifest), {}, lambda backend, env, device: {"torch": "2.13.0", "neuronx-cc": "absent"})
+    assert [u.key for u in plan.units] == [u["key"] for u in doc["units"]]
+    with pytest.raises(EnvironmentMismatch, match=r"\[toolchain\] plans for another host"):
+        check_buildable(plan)
+
+
+def test_an_incomplete_toolchain_never_yields_absent_keys(manifest: Path) -> None:
+    neuron_manifest(manifest, TOOLCHAIN.replace('neuronx-cc = "2.21.33"\n', ""))
+    with pytest.raises(ManifestError, match=r"toolchain: \[toolchain\] declares no neuronx-cc") as err:
+        make_plan(load_manifest(manifest), {}, lambda backend, env, device: backend.collect_facts(env, device))
+    assert err.value.exit_code == 2 and "declare them" in (err.value.hint or "")
+
+
+def test_toolchain_names_are_checked(manifest: Path) -> None:
+    neuron_manifest(manifest, TOOLCHAIN.replace("neuronx-cc =", "neuronx_cc ="))
+    with pytest.raises(ManifestError, match="toolchain.neuronx_cc: not a fact of the neuron backend; did you mean 'neuronx-cc'"):
+        make_plan(load_manifest(manifest), {}, facts_provider())
 def test_changed_model_config_changes_keys_weights_do_not(manifest: Path, tmp_path: Path) -> None:
     before = keys(manifest)
     (tmp_path / "model" / "transformer" / "weights.safetensors").write_bytes(b"\1" * 64)

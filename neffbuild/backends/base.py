@@ -1,9 +1,13 @@
 """The interface between neffbuild's core and a compiler backend.
 
 The core (plan, build, pull, verify) never imports torch. A backend answers two kinds of
-questions: on the planning side, which files of its cache dir form a bundle and what in the
-environment keys them; inside a worker process (a fresh interpreter per build unit), how to load
-the pipeline, compile it and count compiles. Only the worker-side methods may import torch.
+questions: on the planning side, which files of its cache dir form a bundle, what in the
+environment keys them and whether this host can build them; inside a worker process (a fresh
+interpreter per build unit), how to load the pipeline, compile it and count compiles. Only the
+worker-side methods (and collect_facts) may import torch.
+
+Every listed component is compiled through a GraphCounter, so a build can prove that each one
+actually ran compiled (a VAE compiled as `vae` wraps forward, while pipelines call vae.decode).
 """
 
 from __future__ import annotations
@@ -12,15 +16,35 @@ import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from neffbuild.manifest import LoadedManifest, ModelEntry
 
+# torch._dynamo.utils.counters group the GraphCounters write; reported as "graphs.<component>".
+GRAPH_GROUP = "neffbuild.graphs"
+GRAPH_PREFIX = "graphs."
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something found before any worker starts: the entry's field, what is wrong, how to fix it."""
+
+    field: str
+    message: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
 
 class Backend(ABC):
     name: ClassVar[str]
     cache_env: ClassVar[str]  # the variable that points the compiler at its cache dir
+    # Facts a manifest's [toolchain] table may declare, to plan keys for a host other than this one.
+    fact_names: ClassVar[tuple[str, ...]]
+    caches_eager: ClassVar[bool] = False  # does mode "eager" leave anything in the cache dir?
 
     # -- planning side: no torch import here except inside collect_facts -----------------------
 
@@ -32,8 +56,18 @@ class Backend(ABC):
     def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
         """Everything outside the unit that changes the artifact or silently breaks a hit. Pure."""
 
-    def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[str]:
-        """Backend-specific problems with an entry, found before compiling (e.g. TP degree)."""
+    def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
+        """Backend-specific problems with an entry, found before compiling (e.g. TP degree). Pure."""
+        return []
+
+    def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
+        """Can this host build the entry: its compiler importable, its device present? With
+        `declared`, the manifest's [toolchain] describes another host and the compiler check is
+        skipped. Cheap: looks modules up, imports at most torch."""
+        return []
+
+    def unusable_facts(self, facts: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+        """Facts that would put a lie into every key (e.g. a compiler version 'absent')."""
         return []
 
     @abstractmethod
@@ -61,6 +95,18 @@ class Backend(ABC):
     def prepare_process(self, shape_count: int) -> None:
         """Process-wide settings before anything compiles."""
 
+    def run_device(self, entry: ModelEntry) -> str:
+        """The torch device the worker moves the pipeline to."""
+        return entry.device
+
+    @abstractmethod
+    def compiler(self) -> Any:
+        """The torch.compile backend (a callable) that compiles graphs, as torch.compile would use it."""
+
+    @property
+    def compiler_name(self) -> str:
+        return self.name
+
     def load_pipeline(self, entry: ModelEntry, model_ref: str) -> Any:
         """Load the pipeline the way serving does: the ordinary from_pretrained path."""
         import diffusers
@@ -74,9 +120,12 @@ class Backend(ABC):
             kwargs["revision"] = entry.revision
         return pipeline_class.from_pretrained(model_ref, **kwargs)
 
-    @abstractmethod
     def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
-        """Move the pipeline to its device and apply the compile mode; return what to call."""
+        """Move the pipeline to its device and compile the listed components; return what to call."""
+        pipe = pipe.to(self.run_device(entry))
+        if entry.mode != "eager":
+            compile_components(pipe, entry, self.compiler(), self.compiler_name)
+        return pipe
 
     @abstractmethod
     def counters(self) -> dict[str, int]:
@@ -104,3 +153,71 @@ def relevant_env(env: Mapping[str, str], names: tuple[str, ...], prefixes: tuple
         for k, v in sorted(env.items())
         if k not in skip and (k in names or k.startswith(prefixes))
     }
+
+
+class GraphCounter:
+    """A torch.compile backend that counts each graph Dynamo hands it, then compiles it with the
+    real compiler: proof that a listed component ran compiled. Compiler caches key on the graph,
+    not on the backend object, so what it writes serves a plain torch.compile (measured: a server
+    compiling with backend="inductor" hits every entry a build through it wrote)."""
+
+    def __init__(self, component: str, compiler: Any, compiler_name: str) -> None:
+        self.component = component
+        self.compiler = compiler
+        self.compiler_name = compiler_name  # Dynamo reads it as it would the backend's own name
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.utils import counters
+
+        counters[GRAPH_GROUP][self.component] += 1
+        return self.compiler(gm, example_inputs, **kwargs)
+
+
+def compile_components(pipe: Any, entry: ModelEntry, compiler: Any, compiler_name: str) -> None:
+    """Compile each listed component the way serving must: `name` compiles the module's forward
+    (`full`) or its repeated blocks (`regional`); `name.method` compiles that bound method."""
+    import torch
+
+    for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
+        component = getattr(pipe, name, None)
+        if component is None:
+            raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
+        options = {"backend": GraphCounter(spec, compiler, compiler_name), "fullgraph": True, "dynamic": False}
+        if method is not None:
+            bound = getattr(component, method, None)
+            if not callable(bound):
+                raise ValueError(f"{type(component).__name__} has no method {method!r}")
+            setattr(component, method, torch.compile(bound, **options))
+        elif entry.mode == "full":
+            component.compile(**options)
+        elif not getattr(component, "_repeated_blocks", None):
+            raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
+        else:
+            component.compile_repeated_blocks(**options)
+
+
+def graph_counters() -> dict[str, int]:
+    """Graphs handed to each component's GraphCounter in this process, as `graphs.<component>`."""
+    from torch._dynamo.utils import counters
+
+    return {f"{GRAPH_PREFIX}{name}": int(n) for name, n in counters[GRAPH_GROUP].items()}
+
+
+def components_without_graphs(entry: ModelEntry, counters: Mapping[str, int]) -> list[str]:
+    """Listed components that produced no graph during a warmup call: compiled, never run."""
+    if entry.mode == "eager":
+        return []
+    return [c for c in entry.components if counters.get(GRAPH_PREFIX + c, 0) <= 0]
+
+
+def no_graph_hint(component: str) -> str:
+    name, _, method = component.partition(".")
+    if method:
+        return (
+            f"the warmup call never called {component}, so nothing of it is cached: list the method the "
+            f"pipeline calls on {name}, or remove {component!r}"
+        )
+    return (
+        f"the warmup call never called {name}.forward, so it would run eager when serving: the pipeline "
+        f"calls a method of it instead (a VAE's decode, for one): list '{name}.decode' (or the method it calls)"
+    )

@@ -8,6 +8,7 @@ absolute include paths, so a Python environment at another prefix recompiles eve
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import re
@@ -19,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from neffbuild.backends.base import Backend, cpu_isa_flags, relevant_env
+from neffbuild.backends.base import Backend, Problem, cpu_isa_flags, graph_counters, relevant_env
 from neffbuild.manifest import ModelEntry
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
@@ -41,6 +42,10 @@ _MISS_COUNTERS = ("inductor.fxgraph_cache_miss", "aot_autograd.autograd_cache_mi
 class InductorBackend(Backend):
     name = "inductor"
     cache_env = "TORCHINDUCTOR_CACHE_DIR"
+    fact_names = (
+        "torch", "torch.git", "python", "python.prefix", "platform", "cpu.isa", "cpu.capability",
+        "threads.default", "cxx.default", "diffusers", "transformers", "triton", "cuda", "cuda.device",
+    )  # fmt: skip
 
     def collect_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
         import torch
@@ -77,6 +82,23 @@ class InductorBackend(Backend):
         fields.update(relevant_env(env, _ENV_NAMES + tuple(entry.env), _ENV_PREFIXES, _ENV_SKIP))
         return dict(sorted(fields.items()))
 
+    def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
+        if importlib.util.find_spec("torch") is None:
+            return [Problem("backend", f"torch is not importable in {sys.executable}", "pip install 'neffbuild[compile]'")]
+        if entry.device == "cuda" and not declared:
+            import torch
+
+            if not torch.cuda.is_available():
+                built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+                return [
+                    Problem(
+                        "device",
+                        f"'cuda', but this host has no CUDA device (torch {torch.__version__}, {built})",
+                        "plan and build on a host with a CUDA GPU, or use device = 'cpu'",
+                    )
+                ]
+        return []
+
     def worker_env(self, cache_dir: Path, scratch: Path) -> dict[str, str]:
         return {
             self.cache_env: str(cache_dir),
@@ -109,29 +131,28 @@ class InductorBackend(Backend):
         torch._dynamo.config.recompile_limit = limit
         torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * limit)
 
-    def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
-        pipe = pipe.to(entry.device)
-        if entry.mode == "eager":
-            return pipe
-        for name in entry.components:
-            component = getattr(pipe, name, None)
-            if component is None:
-                raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
-            if entry.mode == "full":
-                component.compile(fullgraph=True, dynamic=False)
-            else:
-                if not getattr(component, "_repeated_blocks", None):
-                    raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
-                component.compile_repeated_blocks(fullgraph=True, dynamic=False)
-        return pipe
+    def compiler(self) -> Any:
+        import torch
+
+        # What torch.compile(backend="inductor", dynamic=False) builds, so graphs compile (and key)
+        # exactly as a server's plain torch.compile does.
+        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        if wrapper is None:
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx
+        return wrapper(None, None, False)
 
     def counters(self) -> dict[str, int]:
         from torch._dynamo.utils import counters
 
         return {
-            f"{group}.{name}": int(value)
-            for group in ("inductor", "aot_autograd", "stats")
-            for name, value in counters[group].items()
+            **{
+                f"{group}.{name}": int(value)
+                for group in ("inductor", "aot_autograd", "stats")
+                for name, value in counters[group].items()
+            },
+            **graph_counters(),
         }
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:

@@ -33,7 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from neffbuild.backends.base import Backend
+from neffbuild.backends.base import Backend, Problem, graph_counters
 from neffbuild.manifest import LoadedManifest, ModelEntry, is_local_model
 
 COMPILE_BACKEND_ENV = "NEFFBUILD_NEURON_COMPILE_BACKEND"
@@ -95,6 +95,7 @@ _NEFF_COUNTERS = (
 # The native key omits the compiler version; these make ours carry it (and the framework's).
 _DISTRIBUTIONS = ("torch", "torch-neuronx", "neuronx-cc", "diffusers", "transformers")
 _VERSION_FIELDS = (*_DISTRIBUTIONS, "python")
+_REQUIRED_FACTS = (*_VERSION_FIELDS, "target")  # what a [toolchain] table must give
 
 VersionOf = Callable[[str], str | None]
 
@@ -120,6 +121,8 @@ def compile_target(family: str | None) -> str | None:
 class NeuronBackend(Backend):
     name = "neuron"
     cache_env = "TORCH_NEURONX_NEFF_CACHE_DIR"
+    fact_names = (*_VERSION_FIELDS, "target", "instance.type")
+    caches_eager = True  # eager mode compiles (and caches) each op on its first run
 
     def __init__(
         self,
@@ -140,10 +143,11 @@ class NeuronBackend(Backend):
         facts = {dist: self._version_of(dist) or ABSENT for dist in _DISTRIBUTIONS}
         facts["python"] = ".".join(platform.python_version_tuple()[:2])
         facts["instance.type"] = _read_text(self._product_name_file)
+        facts["target"] = compile_target(instance_family(facts["instance.type"])) or "unknown"
         return facts
 
     def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
-        target = env.get(TARGET_ENV) or compile_target(instance_family(facts.get("instance.type", ""))) or "unknown"
+        target = _target(facts, env)
         fields = {
             "backend": self.name,
             "device": entry.device,
@@ -159,7 +163,7 @@ class NeuronBackend(Backend):
         fields.update(_keyed_env(env, entry))
         return dict(sorted(fields.items()))
 
-    def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[str]:
+    def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
         if entry.tensor_parallel == 1:
             return []
         n = entry.tensor_parallel
@@ -168,22 +172,56 @@ class NeuronBackend(Backend):
         problems = []
         if isinstance(class_name, str) and class_name not in TP_TRANSFORMERS:
             problems.append(
-                f"tensor_parallel: {class_name} has no _tp_plan in diffusers; "
-                f"tensor parallel works for {', '.join(sorted(TP_TRANSFORMERS))} (use tensor_parallel = 1)"
+                Problem(
+                    "tensor_parallel",
+                    f"{class_name} has no _tp_plan in diffusers; "
+                    f"tensor parallel works for {', '.join(sorted(TP_TRANSFORMERS))}",
+                    "use tensor_parallel = 1",
+                )
             )
         elif class_name is None and not _TP_PIPELINES.match(entry.pipeline):
             problems.append(
-                f"tensor_parallel: cannot confirm that {entry.pipeline}'s transformer has a _tp_plan "
-                "(only Flux, Flux2 and QwenImage transformers do); use tensor_parallel = 1"
+                Problem(
+                    "tensor_parallel",
+                    f"cannot confirm that {entry.pipeline}'s transformer has a _tp_plan "
+                    "(only Flux, Flux2 and QwenImage transformers do)",
+                    "use tensor_parallel = 1",
+                )
             )
         heads = config.get("num_attention_heads")
-        if isinstance(heads, int) and heads % n:
-            divisors = [d for d in range(2, heads + 1) if heads % d == 0]
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and heads % n:
+            divisors = [d for d in range(2, min(heads, 4096) + 1) if heads % d == 0]
             problems.append(
-                f"tensor_parallel: {n} does not divide the transformer's num_attention_heads ({heads}); "
-                f"use one of {divisors or [1]}"
+                Problem(
+                    "tensor_parallel",
+                    f"{n} does not divide the transformer's num_attention_heads ({heads})",
+                    f"use one of {divisors or [1]}",
+                )
             )
         return problems
+
+    def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
+        if declared or env.get(COMPILE_BACKEND_ENV):
+            return []  # planning for the host [toolchain] declares, or a substitute compiles
+        if importlib.util.find_spec("torch_neuronx") is None:
+            return [
+                Problem(
+                    "backend",
+                    f"'neuron', but torch-neuronx is not importable in {sys.executable}: this host cannot "
+                    "compile for Neuron, and keys computed here would name neuronx-cc 'absent'",
+                    "plan on the Trainium build host, or declare that host's toolchain in a [toolchain] table "
+                    f"({', '.join(_REQUIRED_FACTS)}) to plan for it from here",
+                )
+            ]
+        return []
+
+    def unusable_facts(self, facts: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+        if env.get(COMPILE_BACKEND_ENV):
+            return []  # a substitute compiler: its keys carry its name and never match a real build
+        missing = [name for name in _DISTRIBUTIONS if facts.get(name, ABSENT) == ABSENT]
+        if _target(facts, env) == "unknown":
+            missing.append("target")
+        return missing
 
     def worker_env(self, cache_dir: Path, scratch: Path) -> dict[str, str]:
         return {
@@ -231,6 +269,18 @@ class NeuronBackend(Backend):
     def device(self) -> str:
         return self._env.get(DEVICE_ENV) or "neuron"
 
+    def run_device(self, entry: ModelEntry) -> str:
+        return self.device
+
+    def compiler(self) -> Any:
+        from torch._dynamo import lookup_backend
+
+        return lookup_backend(self.compile_backend)
+
+    @property
+    def compiler_name(self) -> str:
+        return self.compile_backend
+
     @property
     def compile_backend(self) -> str:
         return self._env.get(COMPILE_BACKEND_ENV) or "neuron"
@@ -270,23 +320,6 @@ class NeuronBackend(Backend):
         pipeline_class = getattr(diffusers, entry.pipeline)
         return pipeline_class.from_pretrained(model_ref, transformer=transformer, **kwargs)
 
-    def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
-        pipe = pipe.to(self.device)
-        if entry.mode == "eager":
-            return pipe  # each op compiles (and is cached) on its first run
-        for name in entry.components:
-            component = getattr(pipe, name, None)
-            if component is None:
-                raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
-            options = {"backend": self.compile_backend, "fullgraph": True, "dynamic": False}
-            if entry.mode == "full":
-                component.compile(**options)
-            elif not getattr(component, "_repeated_blocks", None):
-                raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
-            else:
-                component.compile_repeated_blocks(**options)
-        return pipe
-
     def counters(self) -> dict[str, int]:
         if self.compile_backend != "neuron":
             from torch._dynamo.utils import counters
@@ -294,11 +327,19 @@ class NeuronBackend(Backend):
             values = dict(counters[self.compile_backend])
         else:
             values = _neuron_counters()
-        return {f"neuron.{k}": int(v) for k, v in values.items()}
+        return {**{f"neuron.{k}": int(v) for k, v in values.items()}, **graph_counters()}
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         # neuronx-cc runs; a NEFF loaded from the persistent cache is a hit, not a compile.
         return delta.get(f"neuron.{TOTAL_COMPILATIONS}", 0)
+
+
+def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:
+    """The compile target: NEFFBUILD_NEURON_TARGET, else the declared or probed fact, else the
+    instance type's family."""
+    declared = facts.get("target")
+    probed = compile_target(instance_family(facts.get("instance.type", "")))
+    return env.get(TARGET_ENV) or (declared if declared and declared != "unknown" else None) or probed or "unknown"
 
 
 def _keyed_env(env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:

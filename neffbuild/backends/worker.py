@@ -20,7 +20,6 @@ from neffbuild.backends.base import Backend
 from neffbuild.jobs import ShapeRun, WorkerJob, WorkerResult, write_json_atomic
 from neffbuild.manifest import ModelEntry, Shape
 
-DEFAULT_PROMPT = "a photo of a cat"
 # Modules to import before the job runs (comma-separated). The seam through which tests register
 # a substitute compile backend (tests/neuron_double.py); future backends may load plugins so.
 WORKER_IMPORTS_ENV = "NEFFBUILD_WORKER_IMPORTS"
@@ -29,7 +28,7 @@ WORKER_IMPORTS_ENV = "NEFFBUILD_WORKER_IMPORTS"
 def call_kwargs(entry: ModelEntry, shape: Shape) -> dict[str, Any]:
     import torch
 
-    kwargs: dict[str, Any] = {"prompt": DEFAULT_PROMPT, **entry.call}
+    kwargs: dict[str, Any] = entry.call_arguments()
     kwargs.update(
         height=shape.height,
         width=shape.width,

@@ -1,0 +1,92 @@
+"""The inductor backend on real compiles: every listed component is proven compiled, and what
+the key leaves out really changes no graph. One shape, one build, shared by the tests here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from neffbuild.manifest import load_manifest
+from neffbuild.plan import make_plan
+from tests.conftest import write_manifest
+
+pytestmark = pytest.mark.slow
+
+COMPONENTS = 'components = ["transformer"]'
+
+
+def manifest_with(path: Path, model: Path, components: str, *, call: tuple[str, str] | None = None) -> Path:
+    written = write_manifest(path, model, widths=(128,))
+    text = written.read_text()
+    assert COMPONENTS in text, "the repo manifest's layout changed; update manifest_with"
+    text = text.replace(COMPONENTS, f"components = {components}")
+    if call:
+        assert call[0] in text
+        text = text.replace(*call)
+    written.write_text(text)
+    return written
+
+
+@dataclass(frozen=True)
+class Built:
+    manifest: Path
+    store: Path
+    report: dict
+
+
+@pytest.fixture(scope="module")
+def built_with_decode(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, cli) -> Built:
+    root = tmp_path_factory.mktemp("decode")
+    manifest = manifest_with(root / "decode.toml", tiny_model, '["transformer", "vae.decode"]')
+    result = cli("build", str(manifest), "--store", str(root / "store"), "--json")
+    assert result.returncode == 0, result.stderr
+    return Built(manifest, root / "store", json.loads(result.stdout))
+
+
+def replay(cli, manifest: Path, store: Path, cache: Path) -> tuple[int, dict]:
+    if not cache.exists():
+        pulled = cli("pull", "tiny-flux2-klein", "--store", str(store), "--cache-dir", str(cache))
+        assert pulled.returncode == 0, pulled.stderr
+    result = cli("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--json")
+    assert result.stdout, result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_a_method_component_records_graphs_and_replays_with_zero_compiles(built_with_decode: Built, tmp_path: Path, cli) -> None:
+    (outcome,) = built_with_decode.report["outcomes"]
+    assert outcome["status"] == "built" and outcome["compiles"] >= 2
+    bundle = json.loads((built_with_decode.store / "bundles" / f"{outcome['key']}.json").read_text())
+    assert bundle["counters"]["graphs.transformer"] >= 1 and bundle["counters"]["graphs.vae.decode"] >= 1
+    code, report = replay(cli, built_with_decode.manifest, built_with_decode.store, tmp_path / "cache")
+    assert code == 0, report
+    (unit,) = report["units"]
+    assert unit["compiles"] == 0 and unit["written"] == []
+    assert unit["counters"]["graphs.vae.decode"] >= 1  # decode ran compiled, from the cache
+
+
+def test_a_component_whose_forward_never_runs_fails_the_build_naming_it(tmp_path: Path, tiny_model: Path, cli) -> None:
+    manifest = manifest_with(tmp_path / "vae.toml", tiny_model, '["transformer", "vae"]')
+    result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--json")
+    assert result.returncode == 5, result.stderr
+    assert "component 'vae' produced no graph" in result.stderr and "list 'vae.decode'" in result.stderr
+    assert not (tmp_path / "store" / "tags").exists() or not list((tmp_path / "store" / "tags").iterdir())
+
+
+def test_other_steps_and_prompt_text_keep_the_keys_and_replay_with_zero_compiles(
+    built_with_decode: Built, tiny_model: Path, tmp_path: Path, cli
+) -> None:
+    changed = manifest_with(
+        tmp_path / "changed.toml",
+        tiny_model,
+        '["transformer", "vae.decode"]',
+        call=('prompt = "a photo of a cat"\nnum_inference_steps = 2', 'prompt = "a lighthouse in a storm at night, oil on canvas"\nnum_inference_steps = 3'),
+    )
+    before = make_plan(load_manifest(built_with_decode.manifest), {})
+    after = make_plan(load_manifest(changed), {})
+    assert [u.key for u in after.units] == [u.key for u in before.units]
+    code, report = replay(cli, changed, built_with_decode.store, tmp_path / "cache")
+    assert code == 0, report
+    assert all(u["compiles"] == 0 and u["written"] == [] for u in report["units"])
