@@ -77,12 +77,17 @@ def plan(manifest: Path, as_json: bool) -> None:
 @store_option
 @click.option("--tag", help="Tag to move when every unit is built [default: the manifest's name].")
 @jobs_option
-@click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False), help="Scratch space for compiles.")
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Scratch space for compiles (created if absent); failed units' logs go to its logs/ [default: temp dir; logs in .neffbuild/logs].",
+)
 @click.option("--keep-work", is_flag=True, help="Keep each unit's scratch dir (cache, job, log).")
 @json_option
 def build(manifest: Path, store_url: str | None, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool, as_json: bool) -> None:
     """Warmup-compile every unit of MANIFEST, publish bundles, then a release and its tag."""
     from neffbuild.build import build as run_build
+    from neffbuild.build import failure
     from neffbuild.manifest import load_manifest
     from neffbuild.plan import make_plan
     from neffbuild.store import open_store, resolve_store_url
@@ -92,13 +97,26 @@ def build(manifest: Path, store_url: str | None, tag: str | None, jobs: int | No
     store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), create=True, env=os.environ)
     console = Console(as_json)
     with console.units_progress("building", len(the_plan.units)) as notify:
-        report = run_build(the_plan, store, env=os.environ, tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, notify=notify)
+        report = run_build(
+            the_plan,
+            store,
+            env=os.environ,
+            tag=tag,
+            jobs=jobs or 1,
+            work_dir=work_dir,
+            keep_work=keep_work,
+            logs_dir=_logs_dir(work_dir),
+            notify=notify,
+        )
     console.build(report)
     if report.failed:
-        from neffbuild.errors import BuildError
+        raise failure(report)
 
-        first = report.failed[0]
-        raise BuildError(f"{len(report.failed)} of {len(report.outcomes)} units failed; first: {first.error}", hint="fix them and rerun: built units are kept")
+
+def _logs_dir(work_dir: Path | None) -> Path:
+    from neffbuild.jobs import DEFAULT_LOGS_DIR
+
+    return work_dir / "logs" if work_dir else DEFAULT_LOGS_DIR
 
 
 @cli.command()
@@ -246,7 +264,7 @@ def _run(invoke: Callable[[], Any]) -> int:
         result = invoke()
         return result if isinstance(result, int) else 0
     except NeffbuildError as exc:
-        _print_error(exc.message, exc.hint)
+        _print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
@@ -262,9 +280,13 @@ def _run(invoke: Callable[[], Any]) -> int:
         return 1
 
 
-def _print_error(message: str, hint: str | None) -> None:
+def _print_error(message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None) -> None:
     if _DEBUG["on"]:
         traceback.print_exc()
+        if debug_detail:
+            click.echo(f"the worker's traceback:\n{debug_detail.rstrip()}", err=True)
     click.secho(f"error: {message}", fg="red", err=True)
+    for line in details:
+        click.echo(line, err=True)
     if hint:
         click.echo(f"hint: {hint}", err=True)
