@@ -141,9 +141,15 @@ def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, as_
 @click.option("--replay", is_flag=True, help="Run every unit's warmup in a fresh process; fail on any compile.")
 @store_option
 @click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
+)
 @json_option
-def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None, outputs: Path | None, as_json: bool) -> None:
-    """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it."""
+def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None, outputs: Path | None, work_dir: Path | None, as_json: bool) -> None:
+    """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
+    (against a private copy: the cache dir is never written)."""
     from neffbuild.manifest import load_manifest
     from neffbuild.plan import make_plan
 
@@ -153,29 +159,25 @@ def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None,
         raise InputError(f"--cache-dir {cache_dir}: no such directory", hint="pull into it first")
     console = Console(as_json)
     if replay:
-        from neffbuild.errors import ReplayMissError
+        from neffbuild.verify import miss_error
         from neffbuild.verify import replay as run_replay
 
-        if outputs:
-            outputs.mkdir(parents=True, exist_ok=True)
-        report = run_replay(the_plan, cache_dir, env=os.environ, outputs_dir=outputs)
-        console.replay(report)
-        if report.misses:
-            raise ReplayMissError(
-                f"{len(report.misses)} of {len(report.units)} units compiled during replay",
-                hint="the cache does not cover them: rebuild, or check `neffbuild plan --json` against the build host",
+        with console.units_progress("replaying", len(the_plan.units)) as notify:
+            report = run_replay(
+                the_plan, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, logs_dir=_logs_dir(work_dir), notify=notify
             )
+        console.replay(report)
+        if error := miss_error(report):
+            raise error
         return
-    from neffbuild.errors import IntegrityError
     from neffbuild.store import open_store, resolve_store_url
-    from neffbuild.verify import check_files
+    from neffbuild.verify import check_files, files_error
 
     store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), env=os.environ)
     results = check_files(the_plan, store, cache_dir)
     console.check(results)
-    bad = [r for r in results if not r.ok]
-    if bad:
-        raise IntegrityError(f"{len(bad)} of {len(results)} units are not fully in {cache_dir}", hint="run `neffbuild pull` again")
+    if error := files_error(results, cache_dir, store.url):
+        raise error
 
 
 @cli.command("env")
