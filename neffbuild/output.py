@@ -216,10 +216,11 @@ class Console:
         for u in report.misses:
             self._would_write(u)
         v = report.view
-        methods = ", ".join(f"{n} by {m}" for m, n in sorted(v.methods.items())) or "no files"
+        methods = ", ".join(f"{n} by {m}" for m, n in sorted(v.methods.items())) or "empty"
         self.out.print(
-            f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed against a private copy "
-            f"({_files(v.files, v.bytes)} in {v.seconds:.2f} s: {methods}), {report.cache_dir} was only read"
+            f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed against a private copy of "
+            f"{report.cache_dir} ({v.files} files, {_size(v.bytes)}, copied in {v.seconds:.2f} s: {methods}), which was only read",
+            markup=False,
         )
 
     def _would_write(self, u: Any, shown: int = 10) -> None:
@@ -228,7 +229,8 @@ class Console:
             return
         changes = {c: sum(w.change == c for w in u.written) for c in ("new", "modified", "deleted")}
         summary = ", ".join(f"{n} {c}" for c, n in changes.items() if n)
-        self.out.print(f"{u.unit_id} would have written {_files(len(u.written), u.written_bytes)} ({summary}):", markup=False)
+        count = f"{len(u.written)} file{'s' if len(u.written) != 1 else ''}"
+        self.out.print(f"{u.unit_id} would have written {count}, {_size(u.written_bytes)} ({summary}):", markup=False)
         for w in u.written[:shown]:
             self.out.print(f"  {w.change:8}  {_size(w.size):>9}  {w.path}", markup=False, soft_wrap=True)
         if len(u.written) > shown:
