@@ -4,16 +4,19 @@ Per unit: an empty cache dir, a worker process that loads the pipeline and runs 
 at the unit's shape, then the files that call wrote are hashed and published as a bundle. Units
 whose bundle the store already holds are skipped. Only when every unit is present does the build
 publish a release and move the tag.
+
+A failing unit's worker log, job and result are copied out of its scratch dir (deleted at the
+end unless --keep-work) to `<logs dir>/<run>/<unit>/`, and the failure names them. SIGINT or
+SIGTERM stops every worker, removes the scratch and raises Interrupted (jobs.supervised).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -21,14 +24,29 @@ from neffbuild import __version__
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, components_without_graphs, no_graph_hint
 from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath, Timings, parse
-from neffbuild.errors import BuildError, ConflictError, NeffbuildError
+from neffbuild.errors import BuildError, ConflictError, Interrupted, NeffbuildError
 from neffbuild.hashing import hash_file
-from neffbuild.jobs import WorkerJob, run_worker
+from neffbuild.jobs import (
+    DEFAULT_LOGS_DIR,
+    OnPhase,
+    WorkerJob,
+    Workers,
+    keep_logs,
+    log_tail,
+    make_scratch_root,
+    remove_tree,
+    run_name,
+    run_worker,
+    supervised,
+    unit_dir_name,
+)
 from neffbuild.plan import BuildUnit, Plan, check_buildable
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.store.base import BlobSource, Store
 
-Notify = Callable[[str, str], None]  # (unit_id, status) for progress displays
+# (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
+# "publishing", then a final status ("built", "present", "failed").
+Notify = Callable[[str, str], None]
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,10 @@ class UnitOutcome:
     first_call_s: float = 0.0
     compiles: int = 0
     error: str | None = None
+    seconds: float = 0.0  # the unit's wall time in this build (load, compile, publish)
+    log: str | None = None  # a failed unit's kept worker log
+    log_tail: tuple[str, ...] = ()
+    worker_traceback: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +79,19 @@ class BuildReport:
         return [o for o in self.outcomes if o.status == "failed"]
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every unit of one build shares."""
+
+    backend: Backend
+    store: Store
+    env: Mapping[str, str]
+    work_root: Path
+    logs_dir: Path
+    notify: Notify
+    workers: Workers
+
+
 def build(
     plan: Plan,
     store: Store,
@@ -66,20 +101,16 @@ def build(
     jobs: int = 1,
     work_dir: Path | None = None,
     keep_work: bool = False,
+    logs_dir: Path = DEFAULT_LOGS_DIR,
     notify: Notify | None = None,
 ) -> BuildReport:
     check_buildable(plan)
     backend = get_backend(plan.backend_name)
-    notify = notify or (lambda unit_id, status: None)
-    work_root = Path(tempfile.mkdtemp(prefix="neffbuild-work-", dir=work_dir))
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            outcomes = list(
-                pool.map(lambda u: _unit_outcome(u, backend, store, env, work_root, notify), plan.units)
-            )
-    finally:
-        if not keep_work:
-            shutil.rmtree(work_root, ignore_errors=True)
+    work_root = make_scratch_root(work_dir, "neffbuild-work-")
+    run_logs = logs_dir.expanduser().resolve() / run_name()
+    with supervised(cleanup=(lambda: None) if keep_work else (lambda: remove_tree(work_root))) as workers:
+        run = _Run(backend, store, env, work_root, run_logs, notify or (lambda unit_id, status: None), workers)
+        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), plan.units, jobs, workers)
     name = tag or plan.loaded.manifest.name
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None)
     if report.failed:
@@ -91,29 +122,64 @@ def build(
     return BuildReport(report.name, store.url, report.outcomes, release_id, name)
 
 
-def _unit_outcome(
-    unit: BuildUnit, backend: Backend, store: Store, env: Mapping[str, str], work_root: Path, notify: Notify
-) -> UnitOutcome:
-    if store.get_doc("bundles", unit.key) is not None:
-        notify(unit.unit_id, "present")
-        return UnitOutcome(unit.unit_id, unit.key, "present")
-    notify(unit.unit_id, "compiling")
+def _in_parallel(do: Callable[[BuildUnit], UnitOutcome], units: Sequence[BuildUnit], jobs: int, workers: Workers) -> list[UnitOutcome]:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
     try:
-        outcome = build_unit(unit, backend, store, env, work_root / f"{unit.key[:16]}-{uuid.uuid4().hex[:6]}")
+        futures = [pool.submit(do, u) for u in units]
+        return [f.result() for f in futures]
+    except BaseException:
+        workers.stop()  # first: the pool's threads are waiting for the workers to end
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
+    if run.store.get_doc("bundles", unit.key) is not None:
+        run.notify(unit.unit_id, "present")
+        return UnitOutcome(unit.unit_id, unit.key, "present")
+    started = time.monotonic()
+    scratch = run.work_root / f"{unit.key[:16]}-{uuid.uuid4().hex[:6]}"
+    try:
+        outcome = build_unit(unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify)
+    except Interrupted:
+        raise
     except NeffbuildError as exc:
-        notify(unit.unit_id, "failed")
-        return UnitOutcome(unit.unit_id, unit.key, "failed", error=f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
-    notify(unit.unit_id, "built")
-    return outcome
+        log = keep_logs(scratch, run.logs_dir / unit_dir_name(unit.unit_id))
+        run.notify(unit.unit_id, "failed")
+        return UnitOutcome(
+            unit.unit_id,
+            unit.key,
+            "failed",
+            error=f"{exc.message} ({exc.hint})" if exc.hint else exc.message,
+            seconds=time.monotonic() - started,
+            log=str(log) if log else None,
+            log_tail=log_tail(log),
+            worker_traceback=exc.debug_detail,
+        )
+    run.notify(unit.unit_id, "built")
+    return replace(outcome, seconds=time.monotonic() - started)
 
 
-def build_unit(unit: BuildUnit, backend: Backend, store: Store, env: Mapping[str, str], scratch: Path) -> UnitOutcome:
+def build_unit(
+    unit: BuildUnit,
+    backend: Backend,
+    store: Store,
+    env: Mapping[str, str],
+    scratch: Path,
+    *,
+    workers: Workers | None = None,
+    on_phase: OnPhase | None = None,
+) -> UnitOutcome:
     """Compile one unit in a fresh process with an empty cache dir; publish its bundle."""
     cache_dir = scratch / "cache"
     cache_dir.mkdir(parents=True)
     worker_env = {**env, **unit.env, **backend.worker_env(cache_dir, scratch)}
     job = WorkerJob(purpose="build", entry=unit.entry, model_ref=unit.model_ref, unit_ids=(unit.unit_id,), shapes=(unit.shape,))
-    result = run_worker(lambda job_file: backend.launch_command(unit.entry, job_file), job, worker_env, scratch)
+    launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
+    result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)
+    if on_phase:
+        on_phase(unit.unit_id, "publishing")
     _check_fingerprint(unit, result.fingerprint)
     run = result.runs[0]
     silent = components_without_graphs(unit.entry, run.counters)
@@ -121,7 +187,7 @@ def build_unit(unit: BuildUnit, backend: Backend, store: Store, env: Mapping[str
         raise BuildError(f"{unit.unit_id}: component {silent[0]!r} produced no graph", hint=no_graph_hint(silent[0]))
     files = _hash_outputs(backend, cache_dir)
     if unit.entry.mode != "eager" and not files:
-        raise BuildError(f"{unit.unit_id}: the warmup wrote no cache files", hint=f"is {backend.cache_env} honoured? see {scratch}/worker.log")
+        raise BuildError(f"{unit.unit_id}: the warmup wrote no cache files", hint=f"is {backend.cache_env} honoured?")
     record = BundleRecord(
         key=unit.key,
         unit_id=unit.unit_id,
@@ -206,3 +272,24 @@ def _common_fields(fingerprints: Sequence[Mapping[str, str]]) -> dict[str, str]:
         return {}
     first = fingerprints[0]
     return {k: v for k, v in sorted(first.items()) if all(f.get(k) == v for f in fingerprints)}
+
+
+def failure(report: BuildReport) -> BuildError:
+    """The one error a build with failed units ends with: each unit's error and kept log, and the
+    last lines of the first one's log (its --debug detail: that worker's traceback)."""
+    failed = report.failed
+    first = failed[0]
+    details = []
+    for o in failed:
+        if o is not first:  # the first one's error is the message
+            details.append(str(o.error))
+        details.append(f"  log: {o.log or '(none: the worker never started)'}")
+        if o is first and o.log_tail:
+            details.extend(f"  | {line}" for line in o.log_tail)
+    return BuildError(
+        f"{len(failed)} of {len(report.outcomes)} units failed; first: {first.error}",
+        hint="--debug shows the worker's traceback, --keep-work keeps each unit's scratch dir (cache, job); "
+        "units already built are kept, so a rerun builds only the rest",
+        details=details,
+        debug_detail=first.worker_traceback,
+    )

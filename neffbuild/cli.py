@@ -77,28 +77,47 @@ def plan(manifest: Path, as_json: bool) -> None:
 @store_option
 @click.option("--tag", help="Tag to move when every unit is built [default: the manifest's name].")
 @jobs_option
-@click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False), help="Scratch space for compiles.")
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Scratch space for compiles (created if absent); failed units' logs go to its logs/ [default: temp dir; logs in .neffbuild/logs].",
+)
 @click.option("--keep-work", is_flag=True, help="Keep each unit's scratch dir (cache, job, log).")
 @json_option
 def build(manifest: Path, store_url: str | None, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool, as_json: bool) -> None:
     """Warmup-compile every unit of MANIFEST, publish bundles, then a release and its tag."""
     from neffbuild.build import build as run_build
+    from neffbuild.build import failure
     from neffbuild.manifest import load_manifest
-    from neffbuild.plan import make_plan
+    from neffbuild.plan import check_buildable, make_plan
     from neffbuild.store import open_store, resolve_store_url
 
     loaded = load_manifest(manifest)
     the_plan = make_plan(loaded, os.environ)
+    check_buildable(the_plan)  # before the store is created: a refused build leaves nothing behind
     store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), create=True, env=os.environ)
     console = Console(as_json)
     with console.units_progress("building", len(the_plan.units)) as notify:
-        report = run_build(the_plan, store, env=os.environ, tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, notify=notify)
+        report = run_build(
+            the_plan,
+            store,
+            env=os.environ,
+            tag=tag,
+            jobs=jobs or 1,
+            work_dir=work_dir,
+            keep_work=keep_work,
+            logs_dir=_logs_dir(work_dir),
+            notify=notify,
+        )
     console.build(report)
     if report.failed:
-        from neffbuild.errors import BuildError
+        raise failure(report)
 
-        first = report.failed[0]
-        raise BuildError(f"{len(report.failed)} of {len(report.outcomes)} units failed; first: {first.error}", hint="fix them and rerun: built units are kept")
+
+def _logs_dir(work_dir: Path | None) -> Path:
+    from neffbuild.jobs import DEFAULT_LOGS_DIR
+
+    return work_dir / "logs" if work_dir else DEFAULT_LOGS_DIR
 
 
 @cli.command()
@@ -123,9 +142,15 @@ def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, as_
 @click.option("--replay", is_flag=True, help="Run every unit's warmup in a fresh process; fail on any compile.")
 @store_option
 @click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
+)
 @json_option
-def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None, outputs: Path | None, as_json: bool) -> None:
-    """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it."""
+def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None, outputs: Path | None, work_dir: Path | None, as_json: bool) -> None:
+    """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
+    (against a private copy: the cache dir is never written)."""
     from neffbuild.manifest import load_manifest
     from neffbuild.plan import make_plan
 
@@ -135,29 +160,25 @@ def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None,
         raise InputError(f"--cache-dir {cache_dir}: no such directory", hint="pull into it first")
     console = Console(as_json)
     if replay:
-        from neffbuild.errors import ReplayMissError
+        from neffbuild.verify import miss_error
         from neffbuild.verify import replay as run_replay
 
-        if outputs:
-            outputs.mkdir(parents=True, exist_ok=True)
-        report = run_replay(the_plan, cache_dir, env=os.environ, outputs_dir=outputs)
-        console.replay(report)
-        if report.misses:
-            raise ReplayMissError(
-                f"{len(report.misses)} of {len(report.units)} units compiled during replay",
-                hint="the cache does not cover them: rebuild, or check `neffbuild plan --json` against the build host",
+        with console.units_progress("replaying", len(the_plan.units)) as notify:
+            report = run_replay(
+                the_plan, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, logs_dir=_logs_dir(work_dir), notify=notify
             )
+        console.replay(report)
+        if error := miss_error(report):
+            raise error
         return
-    from neffbuild.errors import IntegrityError
     from neffbuild.store import open_store, resolve_store_url
-    from neffbuild.verify import check_files
+    from neffbuild.verify import check_files, files_error
 
     store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), env=os.environ)
     results = check_files(the_plan, store, cache_dir)
     console.check(results)
-    bad = [r for r in results if not r.ok]
-    if bad:
-        raise IntegrityError(f"{len(bad)} of {len(results)} units are not fully in {cache_dir}", hint="run `neffbuild pull` again")
+    if error := files_error(results, cache_dir, store.url):
+        raise error
 
 
 @cli.command("env")
@@ -246,7 +267,7 @@ def _run(invoke: Callable[[], Any]) -> int:
         result = invoke()
         return result if isinstance(result, int) else 0
     except NeffbuildError as exc:
-        _print_error(exc.message, exc.hint)
+        _print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
@@ -262,9 +283,13 @@ def _run(invoke: Callable[[], Any]) -> int:
         return 1
 
 
-def _print_error(message: str, hint: str | None) -> None:
+def _print_error(message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None) -> None:
     if _DEBUG["on"]:
         traceback.print_exc()
+        if debug_detail:
+            click.echo(f"the worker's traceback:\n{debug_detail.rstrip()}", err=True)
     click.secho(f"error: {message}", fg="red", err=True)
+    for line in details:
+        click.echo(line, err=True)
     if hint:
         click.echo(f"hint: {hint}", err=True)

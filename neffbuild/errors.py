@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Sequence
+
 
 class NeffbuildError(Exception):
-    """Base of every error neffbuild reports to a user: a one-line message and a hint."""
+    """Base of every error neffbuild reports to a user: a one-line message and a hint.
+
+    `details` are lines shown under the message (e.g. the end of a worker's log); `debug_detail`
+    is shown only with --debug (e.g. the worker process's own traceback).
+    """
 
     exit_code = 1
 
-    def __init__(self, message: str, hint: str | None = None) -> None:
+    def __init__(
+        self, message: str, hint: str | None = None, *, details: Sequence[str] = (), debug_detail: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.details = tuple(details)
+        self.debug_detail = debug_detail
 
     def __str__(self) -> str:
         return self.message
@@ -79,3 +90,13 @@ class HostNotReady(NeffbuildError):
     """`doctor` found a check that fails: this host should not serve yet."""
 
     exit_code = 11
+
+
+class Interrupted(NeffbuildError):
+    """SIGINT or SIGTERM stopped a build or replay; its exit code is the shell's 128 + signal."""
+
+    def __init__(self, signum: int, message: str | None = None, hint: str | None = None) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(message or f"interrupted by {name}", hint)
+        self.signum = signum
+        self.exit_code = 128 + signum

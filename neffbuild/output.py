@@ -7,7 +7,9 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Callable, Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console as RichConsole
+    from rich.table import Table
 
     from neffbuild.build import BuildReport
     from neffbuild.bundle import TagRecord
@@ -37,6 +40,11 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "model_dump"):
         return value.model_dump(mode="json")
     return value
+
+
+# A unit's last status; anything else a notify callback receives is a phase it is in.
+FINAL_STATUSES = frozenset({"built", "present", "failed", "hit", "miss"})
+HEARTBEAT_S = 60.0  # without a TTY, a line for each unit still in one phase this long
 
 
 def _size(n: int) -> str:
@@ -71,32 +79,47 @@ class Console:
         sys.stdout.write(json.dumps(jsonable(value), indent=2) + "\n")
 
     @contextmanager
-    def units_progress(self, verb: str, total: int) -> Iterator[Callable[[str, str], None]]:
-        """A notify(unit_id, status) callback: a bar on a terminal, one line per finished unit in CI."""
-        if self.as_json:
-            yield lambda unit_id, status: None
-            return
-        if not self.interactive:
-            yield lambda unit_id, status: status != "compiling" and self.err.print(f"{unit_id}: {status}")
-            return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+    def units_progress(self, verb: str, total: int, *, heartbeat_s: float = HEARTBEAT_S) -> Iterator[Callable[[str, str], None]]:
+        """A notify(unit_id, status) callback, on stderr. On a terminal: a live line per running
+        unit (its phase and elapsed time) under a done/total count. Without one (CI logs, pipes):
+        a plain line per phase change, and one per unit still in a phase every heartbeat_s."""
+        if not self.interactive:  # progress goes to stderr: also with --json, CI is never silent
+            with _plain_progress(heartbeat_s) as notify:
+                yield notify
+        else:
+            with self._live_progress(verb, total) as notify:
+                yield notify
 
-        columns = (TextColumn(f"{verb} {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    @contextmanager
+    def _live_progress(self, verb: str, total: int) -> Iterator[Callable[[str, str], None]]:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        columns = (
+            SpinnerColumn(),
+            TextColumn("{task.description}", markup=False),
+            TextColumn("{task.fields[phase]}", style="bold", markup=False),
+            TimeElapsedColumn(),
+        )
+        clock = _UnitClock()
         with Progress(*columns, console=self.err, transient=True) as progress:
-            task = progress.add_task("", total=total)
+            overall = progress.add_task(verb, phase=f"0/{total} done")
+            running: dict[str, Any] = {}
+            done = 0
 
             def notify(unit_id: str, status: str) -> None:
-                if status == "compiling":
-                    progress.update(task, description=unit_id)
-                else:
-                    progress.advance(task)
-                    self.err.print(f"{unit_id}: {status}")
+                nonlocal done
+                elapsed = clock.seen(unit_id)
+                with clock.lock:
+                    if status in FINAL_STATUSES:
+                        done += 1
+                        if unit_id in running:
+                            progress.remove_task(running.pop(unit_id))
+                        progress.update(overall, phase=f"{done}/{total} done")
+                        progress.console.print(f"{unit_id}: {status} in {elapsed:.1f} s", markup=False)
+                    elif unit_id in running:
+                        progress.update(running[unit_id], phase=status)
+                    else:
+                        running[unit_id] = progress.add_task(unit_id, phase=status)
 
             yield notify
 
@@ -108,14 +131,11 @@ class Console:
             return
         for note in plan.notes:
             print(f"note: {note}", file=sys.stderr)  # whole lines: CI logs are grepped
-        from rich.table import Table
-
-        table = Table(title=f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})")
-        for column in ("unit", "key", "mode", "dtype", "device"):
-            table.add_column(column)
-        for u in plan.units:
-            table.add_row(u.unit_id, u.key, u.entry.mode, u.entry.dtype, u.entry.device)
-        self.out.print(table)
+        self._table(
+            f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})",
+            [("unit", True), ("key", True), ("mode", False), ("dtype", False), ("device", False)],
+            [(u.unit_id, u.key, u.entry.mode, u.entry.dtype, u.entry.device) for u in plan.units],
+        )
         if plan.units:
             self.out.print("fingerprint:")
             for k, v in plan.units[0].fingerprint.items():
@@ -128,17 +148,16 @@ class Console:
         if self.as_json:
             self._json(report)
             return
-        from rich.table import Table
-
-        table = Table(title=f"{report.name} -> {report.store}")
-        for column in ("unit", "status", "files", "size", "uploaded", "first call", "compiles"):
-            table.add_column(column)
+        columns = [("unit", True), ("status", True), ("time", False), ("compiles", False), ("first call", False)]
+        columns += [("files", False), ("size", False), ("uploaded", False)]
+        rows = []
         for o in report.outcomes:
-            first = f"{o.first_call_s:.1f} s" if o.status == "built" else "-"
-            table.add_row(o.unit_id, o.status, str(o.files), _size(o.size), _size(o.uploaded), first, str(o.compiles))
-        self.out.print(table)
-        for o in report.failed:
-            self.err.print(f"[red]failed:[/red] {o.error}")
+            built = o.status == "built"
+            first = f"{o.first_call_s:.1f} s" if built else "-"
+            took = f"{o.seconds:.1f} s" if o.status != "present" else "-"
+            rows.append((o.unit_id, o.status, took, str(o.compiles), first, str(o.files), _size(o.size), _size(o.uploaded)))
+        # A failed unit's error, log and its last lines are the command's error, printed once.
+        self._table(f"{report.name} -> {report.store}", columns, rows)
         if report.release_id:
             self.out.print(f"release {report.release_id}; tag {report.tag} -> it")
 
@@ -180,26 +199,57 @@ class Console:
 
     def replay(self, report: ReplayReport) -> None:
         if self.as_json:
-            self._json({"cache_dir": report.cache_dir, "misses": len(report.misses), "units": report.units})
+            self._json({"cache_dir": report.cache_dir, "misses": len(report.misses), "units": report.units, "view": report.view})
             return
-        from rich.table import Table
+        self._table(
+            f"replay of {report.cache_dir}",
+            [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)],
+            [
+                (u.unit_id, "hit" if u.hit else "MISS", f"{u.first_call_s:.2f} s", str(u.compiles), _files(len(u.written), u.written_bytes))
+                for u in report.units
+            ],
+        )
+        for u in report.misses:
+            self._would_write(u)
+        v = report.view
+        methods = ", ".join(f"{n} by {m}" for m, n in sorted(v.methods.items())) or "empty"
+        self.out.print(
+            f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed against a private copy of "
+            f"{report.cache_dir} ({v.files} files, {_size(v.bytes)}, copied in {v.seconds:.2f} s: {methods}), which was only read",
+            markup=False,
+        )
 
-        table = Table(title=f"replay against {report.cache_dir}")
-        for column in ("unit", "result", "first call", "compiles", "files written"):
-            table.add_column(column)
-        for u in report.units:
-            result = "[green]hit[/green]" if u.hit else "[red]MISS[/red]"
-            table.add_row(u.unit_id, result, f"{u.first_call_s:.2f} s", str(u.compiles), str(len(u.written)))
-        self.out.print(table)
-        self.out.print(f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses")
+    def _would_write(self, u: Any, shown: int = 10) -> None:
+        if not u.written:
+            self.out.print(f"{u.unit_id}: compiled {u.compiles} graph(s) but wrote no cache file", markup=False)
+            return
+        changes = {c: sum(w.change == c for w in u.written) for c in ("new", "modified", "deleted")}
+        summary = ", ".join(f"{n} {c}" for c, n in changes.items() if n)
+        count = f"{len(u.written)} file{'s' if len(u.written) != 1 else ''}"
+        self.out.print(f"{u.unit_id} would have written {count}, {_size(u.written_bytes)} ({summary}):", markup=False)
+        for w in u.written[:shown]:
+            self.out.print(f"  {w.change:8}  {_size(w.size):>9}  {w.path}", markup=False, soft_wrap=True)
+        if len(u.written) > shown:
+            self.out.print(f"  ... and {len(u.written) - shown} more (--json lists every file)")
+
+    def _table(self, title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[Sequence[str]]) -> None:
+        """A table that keeps its key columns (unit ids, keys, statuses) whole at any width, leaving
+        out other columns that do not fit; if the key columns alone do not fit, one line per row."""
+        table = fit_table(title, columns, rows, self.out.width)
+        if table is None:
+            self.out.print(title, markup=False)
+            for row in rows:
+                self.out.print("  ".join(row), markup=False, soft_wrap=True)
+        else:
+            self.out.print(table)
 
     def check(self, results: tuple[UnitFiles, ...]) -> None:
         if self.as_json:
             self._json(results)
             return
         for r in results:
-            state = "ok" if r.ok else ("not built" if not r.built else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt")
-            self.out.print(f"{r.unit_id}: {state}")
+            state = "ok" if r.ok else ("not built (no bundle in the store)" if not r.built else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt")
+            self.out.print(f"{r.unit_id}: {state}", markup=False)
 
     def doctor(self, report: DoctorReport) -> None:
         from neffbuild.doctor import report_json
@@ -215,3 +265,93 @@ class Console:
                 self.out.print(f"      {'':10}  fix: {c.fix}")
         failed = sum(c.status == "fail" for c in report.checks)
         self.out.print("this host is ready" if not failed else f"{failed} check(s) failed")
+
+
+def _files(count: int, size: int) -> str:
+    return f"{count} file{'s' if count != 1 else ''} ({_size(size)})" if count else "-"
+
+
+def fit_table(title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[Sequence[str]], width: int) -> Table | None:
+    """A rich table at most width wide whose cells are never cut or wrapped: the (name, True)
+    columns (unit ids, keys, statuses) are always there; the others, in order, while they fit,
+    and the table's caption names those left out. None if the kept columns alone do not fit."""
+    from rich.table import Table
+
+    def natural(i: int) -> int:
+        return max(len(str(cell)) for cell in [columns[i][0], *(r[i] for r in rows)])
+
+    chosen = [i for i, (_, keep) in enumerate(columns) if keep]
+    used = 1 + sum(natural(i) + 3 for i in chosen)  # each column: its cells, padding and a rule
+    if used > width:
+        return None
+    for i, (_, keep) in enumerate(columns):
+        if not keep and used + natural(i) + 3 <= width:
+            chosen.append(i)
+            used += natural(i) + 3
+    chosen.sort()
+    left_out = [name for i, (name, _) in enumerate(columns) if i not in chosen]
+    table = Table(title=title, caption=f"left out at {width} columns: {', '.join(left_out)} (--json has all)" if left_out else None)
+    for i in chosen:
+        table.add_column(columns[i][0], no_wrap=True, min_width=natural(i))
+    for row in rows:
+        table.add_row(*(_cell(row[i]) for i in chosen))
+    return table
+
+
+_STYLES = {"hit": "green", "built": "green", "MISS": "red", "failed": "red"}
+
+
+def _cell(text: str) -> Any:
+    from rich.text import Text
+
+    return Text(str(text), style=_STYLES.get(str(text), ""))  # never markup: ids may hold brackets
+
+
+class _UnitClock:
+    """When each unit was first heard of, for the elapsed time shown beside it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._started: dict[str, float] = {}
+
+    def seen(self, unit_id: str) -> float:
+        """Seconds since unit_id was first seen (0 now if this is the first time)."""
+        now = time.monotonic()
+        with self.lock:
+            return now - self._started.setdefault(unit_id, now)
+
+
+@contextmanager
+def _plain_progress(heartbeat_s: float) -> Iterator[Callable[[str, str], None]]:
+    clock = _UnitClock()
+    phases: dict[str, str] = {}  # units still running, and the phase each is in
+
+    def say(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def notify(unit_id: str, status: str) -> None:
+        elapsed = clock.seen(unit_id)
+        with clock.lock:
+            if status in FINAL_STATUSES:
+                phases.pop(unit_id, None)
+                say(f"{unit_id}: {status} in {elapsed:.1f} s")
+            elif phases.get(unit_id) != status:
+                phases[unit_id] = status
+                say(f"{unit_id}: {status} (after {elapsed:.1f} s)")
+
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(heartbeat_s):
+            with clock.lock:
+                for unit_id, phase in phases.items():
+                    say(f"{unit_id}: still {phase} (after {clock.seen(unit_id):.0f} s)")
+
+    beat = threading.Thread(target=heartbeat, daemon=True, name="neffbuild-heartbeat")
+    beat.start()
+    try:
+        yield notify
+    finally:
+        stop.set()
+        beat.join()

@@ -91,8 +91,9 @@ def test_replay_counts_recompiled_kernels_even_when_counters_say_hit(
     code, report = replay(cli, tiny_manifest, cache, tmp_path / "out")
     assert code == 6, report
     assert report["misses"] >= 1
-    rewritten = {w for u in report["units"] for w in u["written"]}
-    assert removed.relative_to(cache).as_posix() in rewritten
+    rewritten = {w["path"]: w for u in report["units"] for w in u["written"]}
+    assert rewritten[removed.relative_to(cache).as_posix()]["change"] == "new"
+    assert not removed.exists()  # rewritten in the replay's private copy, not in the checked dir
 
 
 def test_verify_checks_the_cache_files_against_the_store(tiny_manifest: Path, built_store: Path, pulled: Path, tmp_path: Path, cli) -> None:

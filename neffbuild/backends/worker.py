@@ -17,7 +17,7 @@ from typing import Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.jobs import ShapeRun, WorkerJob, WorkerResult, write_json_atomic
+from neffbuild.jobs import ShapeRun, WorkerJob, WorkerResult, WrittenFile, append_event, die_with_parent, write_json_atomic
 from neffbuild.manifest import ModelEntry, Shape
 
 # Modules to import before the job runs (comma-separated). The seam through which tests register
@@ -54,6 +54,7 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
 def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shape: Shape) -> ShapeRun:
     import torch
 
+    append_event(job.events_file, "compiling" if job.purpose == "build" else "replaying", unit_id)
     watched = Path(job.watch_dir) if job.watch_dir else None
     files_before = _snapshot(backend, watched)
     before = backend.counters()
@@ -63,7 +64,7 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
     first_call_s = time.perf_counter() - started
     after = backend.counters()
     files_after = _snapshot(backend, watched)
-    written = tuple(sorted(p for p, st in files_after.items() if files_before.get(p) != st))
+    written = _changes(files_before, files_after)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
     delta = {k: v for k, v in delta.items() if v}
     output = None
@@ -80,27 +81,45 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
     )
 
 
-def _snapshot(backend: Backend, cache_dir: Path | None) -> dict[str, tuple[int, int]]:
-    """(size, mtime) of every bundle-worthy file: any change during a replay is a compile."""
+def _snapshot(backend: Backend, cache_dir: Path | None) -> dict[str, tuple[int, int, int]]:
+    """(size, mtime, inode) of every bundle-worthy file: any change during a replay is a compile
+    (a rewrite by rename changes the inode even when size and mtime happen to match)."""
     if cache_dir is None:
         return {}
     snapshot = {}
     for rel in backend.select_files(cache_dir):
         st = (cache_dir / rel).stat()
-        snapshot[rel] = (st.st_size, st.st_mtime_ns)
+        snapshot[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
     return snapshot
+
+
+def _changes(before: Mapping[str, tuple[int, int, int]], after: Mapping[str, tuple[int, int, int]]) -> tuple[WrittenFile, ...]:
+    changed = [
+        WrittenFile(path=p, size=st[0], change="new" if p not in before else "modified")
+        for p, st in after.items()
+        if before.get(p) != st
+    ]
+    changed += [WrittenFile(path=p, size=0, change="deleted") for p in before if p not in after]
+    return tuple(sorted(changed, key=lambda w: w.path))
 
 
 def main(argv: list[str]) -> int:
     job_file = Path(argv[0])
     result_file = job_file.with_name(job_file.stem + ".result.json")
+    die_with_parent(os.environ)
     job = WorkerJob.model_validate_json(job_file.read_text())
+    if not writes_result(os.environ):  # rank 0 speaks for a torchrun group
+        job = job.model_copy(update={"events_file": None})
+    append_event(job.events_file, "loading", job.unit_ids[0])
     try:
         import_seams(os.environ)
         result = run_job(job, get_backend(job.entry.backend), os.environ)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises a typed error
-        traceback.print_exc()
-        result = WorkerResult(fingerprint={}, load_s=0.0, runs=(), error=f"{type(exc).__name__}: {exc}")
+        trace = traceback.format_exc()
+        sys.stderr.write(trace)
+        first_line = next(iter(str(exc).strip().splitlines()), "")
+        error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+        result = WorkerResult(fingerprint={}, load_s=0.0, runs=(), error=error, traceback=trace)
     if writes_result(os.environ):
         write_json_atomic(result_file, result)
     return 0 if result.error is None else 1
