@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends.base import Backend, cpu_isa_flags, relevant_env
+from neffbuild.backends.serving import INDUCTOR
 from neffbuild.manifest import ModelEntry
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
@@ -40,7 +41,7 @@ _MISS_COUNTERS = ("inductor.fxgraph_cache_miss", "aot_autograd.autograd_cache_mi
 
 class InductorBackend(Backend):
     name = "inductor"
-    cache_env = "TORCHINDUCTOR_CACHE_DIR"
+    cache_env = INDUCTOR.cache_env
 
     def collect_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
         import torch

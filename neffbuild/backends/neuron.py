@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends.base import Backend
+from neffbuild.backends.serving import NEURON
 from neffbuild.manifest import LoadedManifest, ModelEntry, is_local_model
 
 COMPILE_BACKEND_ENV = "NEFFBUILD_NEURON_COMPILE_BACKEND"
@@ -119,7 +120,7 @@ def compile_target(family: str | None) -> str | None:
 
 class NeuronBackend(Backend):
     name = "neuron"
-    cache_env = "TORCH_NEURONX_NEFF_CACHE_DIR"
+    cache_env = NEURON.cache_env
 
     def __init__(
         self,
