@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,8 +32,9 @@ from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
 
 
-def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: str = "t") -> str:
-    """Publish a one-bundle release of these files through the real publish path."""
+def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: str = "t", **release_fields: Any) -> str:
+    """Publish a one-bundle release of these files through the real publish path (release_fields
+    replace the release's own, unchecked: a forged release as a hostile store would hold it)."""
     src = tmp / f"src-{hash_bytes(json.dumps(sorted(files)).encode())[:8]}"
     sources, entries = [], []
     for rel, data in files.items():
@@ -52,6 +55,7 @@ def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: st
         env={"OMP_NUM_THREADS": "2"}, fingerprint={}, units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
         files=tuple(sorted(entries, key=lambda e: e.path)),
     )
+    release = dataclasses.replace(release, **release_fields)
     release_id = publish_release(store, release)
     move_tag(store, tag, release_id)
     return release_id
