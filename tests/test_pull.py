@@ -345,6 +345,32 @@ def test_stale_temp_cleanup_follows_no_link(tmp_path: Path, outside: Path) -> No
     assert (outside / shape).read_bytes() == b"someone else's" and (cache / "stale-link" / shape).is_symlink()
 
 
+@pytest.mark.parametrize(
+    "paths",
+    [
+        [(".neffbuild/state.json", b"x")],
+        [(".neffbuild/pull.lock", b"x")],
+        [(f"a/.b.so.{os.getpid()}.0123456789{INCOMPLETE_SUFFIX}", b"x")],
+        [("a.so", b"x"), ("a.so", b"y")],
+        [("a", b"x"), ("a/b", b"y")],
+        [("Kernel.so", b"x"), ("kernel.so", b"y")],
+    ],
+)
+def test_a_release_whose_paths_never_settle_is_refused(store: LocalStore, tmp_path: Path, cli, paths: list) -> None:
+    publish_files(store, {"ok.so": b"ok"}, tmp_path)
+    raw = json.loads(store.get_doc("releases", next(iter(store.list_docs("releases")))))
+    for _, data in paths:  # the blobs are there: only the file list is at fault
+        (tmp_path / "blob").write_bytes(data)
+        store.put_blob(hash_bytes(data), tmp_path / "blob")
+    raw["files"] = [{"path": rel, "size": len(data), "digest": hash_bytes(data)} for rel, data in paths]
+    data = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    store.put_doc("releases", hash_bytes(data), data)
+    cache = tmp_path / "cache"
+    result = pull_cli(cli, store, cache, ref=hash_bytes(data))
+    assert result.returncode == 4 and "invalid Release at files" in result.stderr and "Traceback" not in result.stderr
+    assert not cache.exists()
+
+
 # ---- a no-op pull writes nothing (issue 9) ------------------------------------------------------
 
 
@@ -371,3 +397,39 @@ def test_a_complete_cache_on_a_full_disk_still_pulls(store: LocalStore, tmp_path
     result = pull_cli(cli, store, cache)
     assert result.returncode == 0, result.stderr
     assert snapshot(cache) == before
+
+
+# ---- fuzz: a broken state file only costs re-hashing (issue 9, scope 8) --------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from neffbuild.pull import parse_state  # noqa: E402
+
+_state_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6) | st.just("files"), inner, max_size=4),
+    max_leaves=10,
+)
+_state_entry = st.lists(st.integers() | st.text(max_size=4) | st.booleans() | st.none(), max_size=4)
+
+
+@settings(max_examples=2_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(raw=st.binary(max_size=100) | _state_json.map(lambda v: json.dumps(v).encode())
+       | st.dictionaries(st.text(max_size=6), _state_entry | _state_json, max_size=5).map(lambda f: json.dumps({"files": f}).encode())
+       | st.integers(1, 5_000).map(lambda depth: b'{"files": ' + b"[" * depth + b"]" * depth + b"}"))  # fmt: skip
+def test_fuzz_the_state_loader_never_fails(raw: bytes) -> None:
+    state = parse_state(raw)
+    assert all(
+        type(size) is int and type(mtime) is int and isinstance(digest, str) for size, mtime, digest in state.values()
+    )
+
+
+def test_a_broken_state_file_costs_only_a_re_hash(store: LocalStore, tmp_path: Path) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    for broken in (b"", b"null", b"[" * 100_000, b'{"files": {"x": [1, 2]}}', b'{"files": []}', b"\xff\xfe"):
+        (cache / STATE_DIR / "state.json").write_bytes(broken)
+        assert pull(store, "t", cache).files_fetched == 0
+        assert json.loads((cache / STATE_DIR / "state.json").read_bytes())["files"].keys() == FILES.keys()
