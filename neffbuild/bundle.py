@@ -22,13 +22,12 @@ import dataclasses
 import json
 import re
 import typing
-import unicodedata
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, TypeVar
 
 from neffbuild.errors import IntegrityError
-from neffbuild.hashing import canonical_json, hash_bytes, is_digest
+from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.names import reserved_problem, tag_problem
 
 BUNDLE_FORMAT = "neffbuild.bundle/1"
@@ -39,16 +38,16 @@ MAX_DEPTH = 16  # our documents nest 4 deep; a unit's free-form parts a few more
 NAME_MAX = 255  # bytes in one path component (ext4, xfs, ...)
 PATH_MAX = 1024  # bytes in a cache path: compilers' are well under 200
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _safe_path(path: str) -> str | None:
     # A bundle is input from the network: it must not write outside the cache dir.
     parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or _CONTROL.search(path) or any(p in ("", ".", "..") for p in parts):
+    if not path or path[0] == "/" or "\\" in path or _CONTROL.search(path) or "" in parts or "." in parts or ".." in parts:
         return f"unsafe path {path!r}: must be relative, normalised, inside the cache dir, without control characters"
-    if len(path.encode()) > PATH_MAX or any(len(p.encode()) > NAME_MAX for p in parts):
+    size = len(path) if path.isascii() else len(path.encode())
+    if size > PATH_MAX or (size > NAME_MAX and any(len(p.encode()) > NAME_MAX for p in parts)):
         return f"path {path[:80]!r}... is too long: at most {PATH_MAX} bytes, {NAME_MAX} per component"
     return reserved_problem(path)
 
@@ -57,6 +56,8 @@ def _fold(path: str) -> str:
     """What a case-insensitive, normalisation-insensitive filesystem sees (Unicode caseless match)."""
     if path.isascii():
         return path.lower()
+    import unicodedata  # only documents with non-ASCII paths pay for it
+
     return unicodedata.normalize("NFD", unicodedata.normalize("NFD", path).casefold())
 
 
@@ -94,8 +95,11 @@ def _tag_name(name: str) -> str | None:
     return tag_problem(name)
 
 
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
 def _digest(value: str) -> str | None:
-    return None if is_digest(value) else f"{value!r} is not a 32-digit lowercase hex digest"
+    return None if _HEX32.fullmatch(value) else f"{value!r} is not a 32-digit lowercase hex digest"
 
 
 def _not_negative(value: int) -> str | None:
@@ -229,17 +233,29 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
             hint="written by another neffbuild version; upgrade neffbuild or rebuild",
         )
     try:
-        return _decode(kind, raw, "")
+        return _decode(kind, raw, ())
     except _Invalid as exc:
         raise IntegrityError(
-            f"{where}: invalid {kind.__name__} at {exc.loc or '(top)'}: {exc.msg}",
+            f"{where}: invalid {kind.__name__} at {_shown(exc.loc)}: {exc.msg}",
             hint="the object is corrupt or hand-edited; rebuild or re-push it",
         ) from None
 
 
+Loc = tuple[str | int, ...]  # where in the document: keys and indices, shown only on error
+
+
 class _Invalid(Exception):
-    def __init__(self, loc: str, msg: str) -> None:
+    def __init__(self, loc: Loc, msg: str) -> None:
         self.loc, self.msg = loc, msg
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _shown(loc: Loc) -> str:
+    """loc on one printable line, whatever its keys hold."""
+    parts = (str(k) if isinstance(k, int) or _PLAIN_KEY.fullmatch(k) else repr(k[:80]) for k in loc)
+    return ".".join(parts) or "(top)"
 
 
 @cache
@@ -252,38 +268,43 @@ def _hints(kind: type) -> dict[str, Any]:
     return typing.get_type_hints(kind)
 
 
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+@cache
+def _shape(tp: Any) -> tuple[str, Any]:
+    """How to decode type tp: ("doc" | "tuple" | "dict" | "any" | "plain", item type)."""
+    if dataclasses.is_dataclass(tp):
+        return "doc", None
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return "tuple", typing.get_args(tp)[0]
+    if origin is dict:
+        return "dict", typing.get_args(tp)[1]
+    return ("any", None) if tp is Any else ("plain", None)
 
 
-def _at(loc: str, key: str | int) -> str:
-    """loc extended by key, printable on one line whatever the key holds."""
-    shown = key if isinstance(key, int) or _PLAIN_KEY.fullmatch(key) else repr(key[:80])
-    return f"{loc}.{shown}" if loc else str(shown)
-
-
-def _text(value: str, loc: str) -> str:
-    if _SURROGATE.search(value):
-        raise _Invalid(loc, f"{value[:80]!r} holds a lone surrogate, which no file name or variable can")
+def _text(value: str, loc: Loc) -> str:
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # strict UTF-8 refuses exactly the surrogates
+            raise _Invalid(loc, f"{value[:80]!r} holds a lone surrogate, which no file name or variable can") from None
     return value
 
 
-def _decode(tp: Any, value: Any, loc: str) -> Any:
+def _decode(tp: Any, value: Any, loc: Loc) -> Any:
     """value (from JSON) as type tp, strictly: no coercion beyond int -> float."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    shape, item = _shape(tp)
+    if shape == "doc":
         return _decode_doc(tp, value, loc)
-    if origin is tuple:
+    if shape == "tuple":
         if not isinstance(value, list):
             raise _Invalid(loc, f"expected a list, got {type(value).__name__}")
-        item = typing.get_args(tp)[0]
-        return tuple(_decode(item, v, _at(loc, i)) for i, v in enumerate(value))
-    if origin is dict:
+        return tuple(_decode(item, v, (*loc, i)) for i, v in enumerate(value))
+    if shape == "dict":
         if not isinstance(value, dict):
             raise _Invalid(loc, f"expected an object, got {type(value).__name__}")
-        item = typing.get_args(tp)[1]
-        return {_text(k, _at(loc, k)): _decode(item, v, _at(loc, k)) for k, v in value.items()}
-    if tp is Any:
-        return _free_form(value, loc, loc.count(".") + 1)
+        return {_text(k, (*loc, k)): _decode(item, v, (*loc, k)) for k, v in value.items()}
+    if shape == "any":
+        return _free_form(value, loc, len(loc))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -291,35 +312,34 @@ def _decode(tp: Any, value: Any, loc: str) -> Any:
     return _text(value, loc) if tp is str else value
 
 
-def _free_form(value: Any, loc: str, depth: int) -> Any:
+def _free_form(value: Any, loc: Loc, depth: int) -> Any:
     """A JSON value of a free-form field, checked for depth and lone surrogates."""
     if depth > MAX_DEPTH:
         raise _Invalid(loc, f"nested deeper than {MAX_DEPTH}")
     if isinstance(value, str):
         return _text(value, loc)
     if isinstance(value, list):
-        return [_free_form(v, _at(loc, i), depth + 1) for i, v in enumerate(value)]
+        return [_free_form(v, (*loc, i), depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {_text(k, _at(loc, k)): _free_form(v, _at(loc, k), depth + 1) for k, v in value.items()}
+        return {_text(k, (*loc, k)): _free_form(v, (*loc, k), depth + 1) for k, v in value.items()}
     return value
 
 
-def _decode_doc(kind: type, value: Any, loc: str) -> Any:
+def _decode_doc(kind: type, value: Any, loc: Loc) -> Any:
     if not isinstance(value, dict):
         raise _Invalid(loc, f"expected an object, got {type(value).__name__}")
     fields, hints = _fields(kind), _hints(kind)
     extra = sorted(value.keys() - fields.keys())
     if extra:
-        raise _Invalid(_at(loc, extra[0]), "unknown field")
+        raise _Invalid((*loc, extra[0]), "unknown field")
     args = {}
     for name, f in fields.items():
-        at = _at(loc, name)
         if name not in value:
             if f.default is dataclasses.MISSING:
-                raise _Invalid(at, "field required")
+                raise _Invalid((*loc, name), "field required")
             continue
-        args[name] = _decode(hints[name], value[name], at)
+        args[name] = _decode(hints[name], value[name], (*loc, name))
         check = f.metadata.get("check")
         if check is not None and (problem := check(args[name])) is not None:
-            raise _Invalid(at, problem)
+            raise _Invalid((*loc, name), problem)
     return kind(**args)

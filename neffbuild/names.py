@@ -65,6 +65,8 @@ def is_temp_name(name: str) -> bool:
 
 def reserved_problem(path: str) -> str | None:
     """Why a release may not write this cache path, or None (path is already normalised)."""
+    if not path.startswith(STATE_DIR) and INCOMPLETE_SUFFIX not in path:
+        return None  # the common case, decided without splitting
     parts = path.split("/")
     if parts[0] == STATE_DIR:
         return f"{path!r} is inside {STATE_DIR}/, which pull keeps for its state and lock"
