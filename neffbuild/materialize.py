@@ -131,7 +131,10 @@ def open_dir_beneath(start: int, start_path: Path, parts: Sequence[str], *, crea
     fd = start
     try:
         for i, part in enumerate(parts):
-            child = _open_child_dir(fd, part, start_path.joinpath(*parts[: i + 1]), create)
+            try:
+                child = _open_child_dir(fd, part, create)
+            except _LinkFound:
+                raise link_refused(start_path.joinpath(*parts[: i + 1])) from None
             if fd != start:
                 os.close(fd)
             fd = child
@@ -142,22 +145,31 @@ def open_dir_beneath(start: int, start_path: Path, parts: Sequence[str], *, crea
     return fd if fd != start else os.dup(start)
 
 
-def _open_child_dir(parent: int, name: str, shown: Path, create: bool) -> int:
-    for _ in range(2):
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=parent)
-        except FileNotFoundError:
-            if not create:
-                raise
-            try:
-                os.mkdir(name, 0o777, dir_fd=parent)
-            except FileExistsError:
-                pass  # made by a parallel writer: open it
-        except OSError as exc:
-            if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent, name):
-                raise link_refused(shown) from None
+class _LinkFound(Exception):
+    """A symlink where a directory was to be opened (the caller names it)."""
+
+
+def _open_child_dir(parent: int, name: str, create: bool) -> int:
+    try:
+        return _open_dir_at(parent, name)
+    except FileNotFoundError:
+        if not create:
             raise
-    return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        os.mkdir(name, 0o777, dir_fd=parent)
+    except FileExistsError:
+        pass  # made by a parallel writer (or a link put there: the open below refuses it)
+    return _open_dir_at(parent, name)
+
+
+def _open_dir_at(parent: int, name: str) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        # O_NOFOLLOW | O_DIRECTORY refuses a link with ENOTDIR or ELOOP, as it refuses a file.
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent, name):
+            raise _LinkFound from None
+        raise
 
 
 def _is_link(parent: int, name: str) -> bool:
@@ -281,9 +293,11 @@ class Beneath:
         fd = self._chain[-1][1] if self._chain else self.root
         for i in range(keep, len(parts)):
             try:
-                fd = _open_child_dir(fd, parts[i], self.root_path.joinpath(*parts[: i + 1]), create=False)
+                fd = _open_dir_at(fd, parts[i])
             except FileNotFoundError:
                 return None
+            except _LinkFound:
+                raise link_refused(self.root_path.joinpath(*parts[: i + 1])) from None
             self._chain.append((parts[i], fd))
         return fd
 

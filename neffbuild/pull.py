@@ -243,7 +243,8 @@ def remove_stale_temp_files(cache_dir: Path) -> int:
 def _is_stale(name: str) -> bool:
     """`.<name>.<pid>.<random>.incomplete` whose pid is not running."""
     parts = name.rsplit(".", 3)
-    return len(parts) == 4 and parts[1].isdigit() and not _alive(int(parts[1]))
+    pid = parts[1] if len(parts) == 4 else ""
+    return pid.isascii() and pid.isdigit() and len(pid) <= 10 and not _alive(int(pid))
 
 
 def _is_regular(name: str, dir_fd: int) -> bool:
@@ -258,7 +259,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):
+    except PermissionError:
         return True
     return True
 
@@ -314,15 +315,13 @@ def _load_state(state_dir: int) -> tuple[bytes | None, dict[str, tuple[int, int,
     except OSError:
         return None, {}
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > STATE_MAX:
-            return None, {}
-        with os.fdopen(os.dup(fd), "rb") as src:
+        with os.fdopen(fd, "rb") as src:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > STATE_MAX:
+                return None, {}
             data = src.read(STATE_MAX + 1)
     except OSError:
         return None, {}
-    finally:
-        os.close(fd)
     return data, parse_state(data)
 
 

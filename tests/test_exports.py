@@ -110,9 +110,10 @@ def test_a_hostile_env_name_never_runs_under_eval_and_is_refused(store: LocalSto
     evaluated = bash(f'eval "$({pull})"')
     assert not marker.exists(), evaluated.stderr
     assert "error:" in evaluated.stderr and "not an environment variable name" in evaluated.stderr
-    direct = cli("pull", release_id, "--store", str(store.root), "--cache-dir", str(cache))
+    env_file = tmp_path / "neffbuild.env"  # what the runbook's sed once built, with LD_PRELOAD in it
+    direct = cli("pull", release_id, "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(env_file))
     assert direct.returncode == 4 and direct.stdout == "" and "env" in direct.stderr
-    assert not cache.exists()  # refused before anything was written
+    assert not cache.exists() and not env_file.exists()  # refused before anything was written
 
 
 def test_values_are_quoted_so_eval_sets_them_exactly(tmp_path: Path) -> None:
