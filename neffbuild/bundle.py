@@ -3,42 +3,111 @@
 Bundles and releases are immutable and named by content (unit key, release digest); only tags
 move. Each document carries a format string so a newer reader can refuse what it cannot read.
 
-They are plain frozen dataclasses, decoded strictly by `parse` (unknown keys, wrong types and
-unsafe paths are refused): `neffbuild pull` reads them on every instance boot, and a validation
-library's import and schema build would cost more than the whole parse.
+They are plain frozen dataclasses, decoded strictly by `parse`: `neffbuild pull` reads them on
+every instance boot, and a validation library's import and schema build would cost more than the
+whole parse. A document comes from a store that may be corrupt or hostile, so besides unknown
+keys and wrong types, `parse` refuses (IntegrityError naming the document and the field):
+- paths that could leave the cache dir or never settle in it: absolute, `..`, empty or `.`
+  parts, backslashes, control characters, names longer than the filesystem takes, pull's own
+  state dir (`.neffbuild/`) and temp-file shapes;
+- file lists where one path is listed twice (with one digest or two), where a file is also the
+  directory of another (`a` and `a/b`), or where two paths differ only in case (or Unicode
+  normalisation): a host may serve from a case-insensitive filesystem;
+- lone surrogates (`\ud800`) in any string or key, and nesting deeper than MAX_DEPTH.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, TypeVar
 
 from neffbuild.errors import IntegrityError
-from neffbuild.hashing import canonical_json, hash_bytes, is_digest
+from neffbuild.hashing import canonical_json, hash_bytes
+from neffbuild.names import reserved_problem, tag_problem
 
 BUNDLE_FORMAT = "neffbuild.bundle/1"
 RELEASE_FORMAT = "neffbuild.release/1"
 TAG_FORMAT = "neffbuild.tag/1"
 
+MAX_DEPTH = 16  # our documents nest 4 deep; a unit's free-form parts a few more
+NAME_MAX = 255  # bytes in one path component (ext4, xfs, ...)
+PATH_MAX = 1024  # bytes in a cache path: compilers' are well under 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
 
 def _safe_path(path: str) -> str | None:
     # A bundle is input from the network: it must not write outside the cache dir.
     parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or "\x00" in path or any(p in ("", ".", "..") for p in parts):
-        return f"unsafe path {path!r}: must be relative, normalised, inside the cache dir"
+    if not path or path[0] == "/" or "\\" in path or _CONTROL.search(path) or "" in parts or "." in parts or ".." in parts:
+        return f"unsafe path {path!r}: must be relative, normalised, inside the cache dir, without control characters"
+    size = len(path) if path.isascii() else len(path.encode())
+    if size > PATH_MAX or (size > NAME_MAX and any(len(p.encode()) > NAME_MAX for p in parts)):
+        return f"path {path[:80]!r}... is too long: at most {PATH_MAX} bytes, {NAME_MAX} per component"
+    return reserved_problem(path)
+
+
+def _fold(path: str) -> str:
+    """What a case-insensitive, normalisation-insensitive filesystem sees (Unicode caseless match)."""
+    if path.isascii():
+        return path.lower()
+    import unicodedata  # only documents with non-ASCII paths pay for it
+
+    return unicodedata.normalize("NFD", unicodedata.normalize("NFD", path).casefold())
+
+
+def _distinct_paths(files: tuple[Any, ...]) -> str | None:
+    """Each path once, none also the directory of another, none differing from another only in case."""
+    by_key: dict[str, Any] = {}
+    for entry in files:
+        key = _fold(entry.path)
+        other = by_key.setdefault(key, entry)
+        if other is entry:
+            continue
+        if other.path != entry.path:
+            return f"{other.path!r} and {entry.path!r} differ only in case: one file on a case-insensitive filesystem"
+        if other.digest != entry.digest:
+            return f"{entry.path!r} is listed twice, with two digests"
+        return f"{entry.path!r} is listed twice"
+    for key, entry in by_key.items():
+        parts = key.split("/")
+        for depth in range(1, len(parts)):
+            if (under := by_key.get("/".join(parts[:depth]))) is not None:
+                return f"{under.path!r} is a file and also the directory of {entry.path!r}"
     return None
 
 
+def _env_names(env: dict[str, str]) -> str | None:
+    bad = [name for name in env if not _ENV_NAME.fullmatch(name)]
+    return f"{bad[0]!r} is not an environment variable name" if bad else None
+
+
+def _env_name(name: str) -> str | None:
+    return None if _ENV_NAME.fullmatch(name) else f"{name!r} is not an environment variable name"
+
+
+def _tag_name(name: str) -> str | None:
+    return tag_problem(name)
+
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
 def _digest(value: str) -> str | None:
-    return None if is_digest(value) else f"{value!r} is not a 32-digit lowercase hex digest"
+    return None if _HEX32.fullmatch(value) else f"{value!r} is not a 32-digit lowercase hex digest"
 
 
 def _not_negative(value: int) -> str | None:
     return None if value >= 0 else f"{value} is negative"
+
+
+def _file_size(value: int) -> str | None:
+    return _not_negative(value) or (None if value < 1 << 63 else f"{value} is larger than any file can be")
 
 
 def _checked(check: typing.Callable[[Any], str | None]) -> Any:
@@ -51,7 +120,7 @@ class FileEntry:
     """One cache file: where it goes under the cache dir and what its bytes are."""
 
     path: str = _checked(_safe_path)
-    size: int = _checked(_not_negative)
+    size: int = _checked(_file_size)
     digest: str = _checked(_digest)
 
 
@@ -71,7 +140,7 @@ class BundleRecord:
     unit: dict[str, Any]
     backend: str
     fingerprint: dict[str, str]
-    files: tuple[FileEntry, ...]
+    files: tuple[FileEntry, ...] = _checked(_distinct_paths)
     counters: dict[str, int]
     timings: Timings
     created_at: str
@@ -83,7 +152,7 @@ class BundleRecord:
 class SharedPath:
     """A path two units both produced with different bytes; the backend said either serves."""
 
-    path: str
+    path: str = _checked(_safe_path)
     kept: str = _checked(_digest)
     dropped: tuple[str, ...]
 
@@ -101,11 +170,11 @@ class Release:
     name: str
     manifest_digest: str
     backend: str
-    cache_env: str
-    env: dict[str, str]
+    cache_env: str = _checked(_env_name)
+    env: dict[str, str] = _checked(_env_names)
     fingerprint: dict[str, str]
     units: tuple[ReleaseUnit, ...]
-    files: tuple[FileEntry, ...]
+    files: tuple[FileEntry, ...] = _checked(_distinct_paths)
     shared: tuple[SharedPath, ...] = ()
     format: str = RELEASE_FORMAT
 
@@ -130,7 +199,7 @@ class TagEvent:
 class TagRecord:
     """A movable name for a release, with its history (newest last) for audit and rollback."""
 
-    name: str
+    name: str = _checked(_tag_name)
     release: str = _checked(_digest)
     history: tuple[TagEvent, ...]
     format: str = TAG_FORMAT
@@ -154,24 +223,39 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"{where}: not valid JSON ({exc})", hint="the object is corrupt; rebuild or re-push it") from None
+    except RecursionError:
+        raise IntegrityError(f"{where}: nested too deeply", hint="the object is corrupt or forged; rebuild or re-push it") from None
     expected = _fields(kind)["format"].default
     if isinstance(raw, dict) and raw.get("format") != expected:
+        found = raw.get("format")
         raise IntegrityError(
-            f"{where}: format {raw.get('format')!r}, expected {expected!r}",
+            f"{where}: format {found if not isinstance(found, str) else found[:80]!r}, expected {expected!r}",
             hint="written by another neffbuild version; upgrade neffbuild or rebuild",
         )
     try:
-        return _decode(kind, raw, "")
+        return _decode(kind, raw, ())
     except _Invalid as exc:
         raise IntegrityError(
-            f"{where}: invalid {kind.__name__} at {exc.loc or '(top)'}: {exc.msg}",
+            f"{where}: invalid {kind.__name__} at {_shown(exc.loc)}: {exc.msg}",
             hint="the object is corrupt or hand-edited; rebuild or re-push it",
         ) from None
 
 
+Loc = tuple[str | int, ...]  # where in the document: keys and indices, shown only on error
+
+
 class _Invalid(Exception):
-    def __init__(self, loc: str, msg: str) -> None:
+    def __init__(self, loc: Loc, msg: str) -> None:
         self.loc, self.msg = loc, msg
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _shown(loc: Loc) -> str:
+    """loc on one printable line, whatever its keys hold."""
+    parts = (str(k) if isinstance(k, int) or _PLAIN_KEY.fullmatch(k) else repr(k[:80]) for k in loc)
+    return ".".join(parts) or "(top)"
 
 
 @cache
@@ -184,46 +268,78 @@ def _hints(kind: type) -> dict[str, Any]:
     return typing.get_type_hints(kind)
 
 
-def _decode(tp: Any, value: Any, loc: str) -> Any:
-    """value (from JSON) as type tp, strictly: no coercion beyond int -> float."""
-    origin = typing.get_origin(tp)
+@cache
+def _shape(tp: Any) -> tuple[str, Any]:
+    """How to decode type tp: ("doc" | "tuple" | "dict" | "any" | "plain", item type)."""
     if dataclasses.is_dataclass(tp):
-        return _decode_doc(tp, value, loc)
+        return "doc", None
+    origin = typing.get_origin(tp)
     if origin is tuple:
+        return "tuple", typing.get_args(tp)[0]
+    if origin is dict:
+        return "dict", typing.get_args(tp)[1]
+    return ("any", None) if tp is Any else ("plain", None)
+
+
+def _text(value: str, loc: Loc) -> str:
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # strict UTF-8 refuses exactly the surrogates
+            raise _Invalid(loc, f"{value[:80]!r} holds a lone surrogate, which no file name or variable can") from None
+    return value
+
+
+def _decode(tp: Any, value: Any, loc: Loc) -> Any:
+    """value (from JSON) as type tp, strictly: no coercion beyond int -> float."""
+    shape, item = _shape(tp)
+    if shape == "doc":
+        return _decode_doc(tp, value, loc)
+    if shape == "tuple":
         if not isinstance(value, list):
             raise _Invalid(loc, f"expected a list, got {type(value).__name__}")
-        item = typing.get_args(tp)[0]
-        return tuple(_decode(item, v, f"{loc}.{i}".lstrip(".")) for i, v in enumerate(value))
-    if origin is dict:
+        return tuple(_decode(item, v, (*loc, i)) for i, v in enumerate(value))
+    if shape == "dict":
         if not isinstance(value, dict):
             raise _Invalid(loc, f"expected an object, got {type(value).__name__}")
-        item = typing.get_args(tp)[1]
-        return {k: _decode(item, v, f"{loc}.{k}".lstrip(".")) for k, v in value.items()}
-    if tp is Any:
-        return value
+        return {_text(k, (*loc, k)): _decode(item, v, (*loc, k)) for k, v in value.items()}
+    if shape == "any":
+        return _free_form(value, loc, len(loc))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise _Invalid(loc, f"expected {tp.__name__}, got {type(value).__name__}")
+    return _text(value, loc) if tp is str else value
+
+
+def _free_form(value: Any, loc: Loc, depth: int) -> Any:
+    """A JSON value of a free-form field, checked for depth and lone surrogates."""
+    if depth > MAX_DEPTH:
+        raise _Invalid(loc, f"nested deeper than {MAX_DEPTH}")
+    if isinstance(value, str):
+        return _text(value, loc)
+    if isinstance(value, list):
+        return [_free_form(v, (*loc, i), depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {_text(k, (*loc, k)): _free_form(v, (*loc, k), depth + 1) for k, v in value.items()}
     return value
 
 
-def _decode_doc(kind: type, value: Any, loc: str) -> Any:
+def _decode_doc(kind: type, value: Any, loc: Loc) -> Any:
     if not isinstance(value, dict):
         raise _Invalid(loc, f"expected an object, got {type(value).__name__}")
     fields, hints = _fields(kind), _hints(kind)
     extra = sorted(value.keys() - fields.keys())
     if extra:
-        raise _Invalid(f"{loc}.{extra[0]}".lstrip("."), "unknown field")
+        raise _Invalid((*loc, extra[0]), "unknown field")
     args = {}
     for name, f in fields.items():
-        at = f"{loc}.{name}".lstrip(".")
         if name not in value:
             if f.default is dataclasses.MISSING:
-                raise _Invalid(at, "field required")
+                raise _Invalid((*loc, name), "field required")
             continue
-        args[name] = _decode(hints[name], value[name], at)
+        args[name] = _decode(hints[name], value[name], (*loc, name))
         check = f.metadata.get("check")
         if check is not None and (problem := check(args[name])) is not None:
-            raise _Invalid(at, problem)
+            raise _Invalid((*loc, name), problem)
     return kind(**args)

@@ -120,19 +120,31 @@ def _logs_dir(work_dir: Path | None) -> Path:
     return work_dir / "logs" if work_dir else DEFAULT_LOGS_DIR
 
 
+_allow_env_option = click.option(
+    "--allow-env", "allow_env", metavar="NAME", multiple=True,
+    help="Accept this variable in the release's environment although its backend does not declare it (repeatable).",
+)  # fmt: skip
+_env_file_option = click.option(
+    "--env-file", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
+    help="Also write the environment to PATH (atomically), for systemd's EnvironmentFile= or `set -a; source`.",
+)  # fmt: skip
+
+
 @cli.command()
 @click.argument("ref", metavar="TAG_OR_RELEASE")
 @click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir to fill.")
 @store_option
 @jobs_option
+@_allow_env_option
+@_env_file_option
 @json_option
-def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, as_json: bool) -> None:
+def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move)."""
     from neffbuild.pull import pull as run_pull
     from neffbuild.store import open_store, resolve_store_url
 
     store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
-    report = run_pull(store, ref, cache_dir, jobs=jobs or 16)
+    report = run_pull(store, ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file)
     Console(as_json).pull(report)
 
 
@@ -185,15 +197,16 @@ def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None,
 @click.argument("ref", metavar="TAG_OR_RELEASE")
 @click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False))
 @store_option
+@_allow_env_option
+@_env_file_option
 @json_option
-def env_command(ref: str, cache_dir: Path, store_url: str | None, as_json: bool) -> None:
+def env_command(ref: str, cache_dir: Path, store_url: str | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
     """Print the environment a serving process needs for REF's cache (shell `export` lines)."""
-    from neffbuild.pull import exports_for, resolve
+    from neffbuild.pull import serving_env
     from neffbuild.store import open_store, resolve_store_url
 
     store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
-    exports = exports_for(resolve(store, ref).release, cache_dir.expanduser().resolve())
-    Console(as_json).exports(exports)
+    Console(as_json).exports(serving_env(store, ref, cache_dir, allow_env=allow_env, env_file=env_file))
 
 
 @cli.command()
@@ -223,9 +236,11 @@ def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None,
 @_with_endpoint
 def push(ref: str, from_url: str, to_url: str, jobs: int | None, as_json: bool) -> None:
     """Copy a release and its tag to another store, uploading only what that store lacks."""
+    from neffbuild.names import check_ref
     from neffbuild.store import open_store
     from neffbuild.transfer import push as run_push
 
+    check_ref(ref)  # before --to is created
     src = open_store(from_url, env=os.environ)
     result = run_push(ref, src, open_store(to_url, create=True, env=os.environ), jobs=jobs or 16)
     Console(as_json).push(result)

@@ -9,6 +9,17 @@ Why unnamed files: creating a named file allocates its inode while holding the d
 and renaming takes that lock again, so parallel writers into one directory (Inductor's hundreds
 of small files) queue on it. An unnamed file is allocated outside the lock and linked with one
 short directory operation: measured 2x faster for 2,000 small files on ext4 (bench/RESULTS.md).
+
+Confinement: a target with a `root` (pull's cache dir) lands strictly beneath it. The root is
+opened as given (it was resolved once: where it points is the operator's choice); below it every
+directory is opened one component at a time, relative to its parent's descriptor, with
+O_NOFOLLOW, and the temp file, its link and the final rename all act on that directory's
+descriptor. So no symlink at or below the root is ever followed, and swapping a directory for a
+link midway changes nothing: the descriptor held is the real directory. A symlink where a
+directory is expected is an error naming it (nothing is written); a symlink, or any other
+non-file, where a file is expected is replaced by the verified file (rename acts on the link
+itself, inside a directory reached without links, so nothing outside changes). The same rules
+hold for reading (see `Beneath`): a link at a release path is never "present".
 """
 
 from __future__ import annotations
@@ -19,16 +30,18 @@ import fcntl
 import functools
 import mmap
 import os
+import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from neffbuild.errors import DiskError, IntegrityError
+from neffbuild.names import INCOMPLETE_SUFFIX
 
-INCOMPLETE_SUFFIX = ".incomplete"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Blobs this large are written with O_DIRECT where the filesystem allows: straight from our
 # receive buffers to the device. Through the page cache, every byte is copied into freshly
 # allocated cache pages and written back later, which measured (bench/RESULTS.md) 2-4x the CPU
@@ -47,19 +60,25 @@ class BlobTarget:
     # fsync before the rename. A caller that syncs the whole filesystem once at the end (pull)
     # turns it off: one syncfs costs far less than a flush per file.
     fsync: bool = True
+    # The directory dest must land beneath without following any symlink (pull: the cache dir);
+    # missing directories below it are made. None: dest's parent is made and used as a path
+    # (scratch directories of our own).
+    root: Path | None = None
 
 
-def temp_path_for(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:10]}{INCOMPLETE_SUFFIX}"
+def temp_name_for(name: str) -> str:
+    return f".{name}.{os.getpid()}.{uuid.uuid4().hex[:10]}{INCOMPLETE_SUFFIX}"
 
 
 def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, origin: str) -> None:
     """Write chunks to target.dest atomically; IntegrityError (nothing left behind) on mismatch."""
     dest = target.dest
-    named: Path | None = None  # the temp file's name, when it has one
+    parent = -1  # dest's directory, reached without links (see the module docstring)
+    named: str | None = None  # the temp file's name in parent, when it has one
     landed = False
     try:
-        fd, named, direct = _open_temp(dest, direct=target.size >= DIRECT_MIN)
+        parent = _open_parent(target)
+        fd, named, direct = _open_temp(parent, dest.name, direct=target.size >= DIRECT_MIN)
         try:
             hasher = xxhash.xxh3_128()
             size = 0
@@ -75,7 +94,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
                     f"(got {size} bytes, xxh3 {hasher.hexdigest()}; expected {target.size} bytes, {target.digest})",
                     hint="the store object is corrupt: rebuild or re-push the release; nothing was written",
                 )
-            _land(fd, named, dest)
+            _land(fd, named, parent, dest.name)
             landed = True
         finally:
             os.close(fd)
@@ -83,7 +102,9 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
         raise disk_error(exc, dest) from None
     finally:
         if named is not None and not landed:
-            named.unlink(missing_ok=True)
+            _unlink_quietly(parent, named)
+        if parent >= 0:
+            os.close(parent)
 
 
 def _bounded(chunks: Iterable[bytes | memoryview], target: BlobTarget, origin: str) -> Iterator[bytes | memoryview]:
@@ -100,55 +121,136 @@ def _bounded(chunks: Iterable[bytes | memoryview], target: BlobTarget, origin: s
         yield chunk
 
 
-def _open_temp(dest: Path, *, direct: bool) -> tuple[int, Path | None, bool]:
-    """A file to write dest's bytes into: (fd, its name or None if unnamed, whether O_DIRECT).
+def _open_parent(target: BlobTarget) -> int:
+    """A descriptor of the directory target.dest lands in (made if missing)."""
+    if target.root is None:
+        target.dest.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(target.dest.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    parts = target.dest.relative_to(target.root).parts
+    if not parts or ".." in parts:
+        raise ValueError(f"{target.dest} is not a file beneath {target.root}")
+    root = os.open(target.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return open_dir_beneath(root, target.root, parts[:-1], create=True)
+    finally:
+        os.close(root)
 
-    O_DIRECT if asked and the filesystem takes it; the parent directories are made on demand.
+
+def open_dir_beneath(start: int, start_path: Path, parts: Sequence[str], *, create: bool) -> int:
+    """A new descriptor of start/parts..., opened one component at a time, following no link.
+
+    Missing directories are made if create, else FileNotFoundError; a symlink on the way is a
+    DiskError naming it (start_path/...).
+    """
+    fd = start
+    try:
+        for i, part in enumerate(parts):
+            try:
+                child = _open_child_dir(fd, part, create)
+            except _LinkFound:
+                raise link_refused(start_path.joinpath(*parts[: i + 1])) from None
+            if fd != start:
+                os.close(fd)
+            fd = child
+    except BaseException:
+        if fd != start:
+            os.close(fd)
+        raise
+    return fd if fd != start else os.dup(start)
+
+
+class _LinkFound(Exception):
+    """A symlink where a directory was to be opened (the caller names it)."""
+
+
+def _open_child_dir(parent: int, name: str, create: bool) -> int:
+    try:
+        return _open_dir_at(parent, name)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o777, dir_fd=parent)
+    except FileExistsError:
+        pass  # made by a parallel writer (or a link put there: the open below refuses it)
+    return _open_dir_at(parent, name)
+
+
+def _open_dir_at(parent: int, name: str) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        # O_NOFOLLOW | O_DIRECTORY refuses a link with ENOTDIR or ELOOP, as it refuses a file.
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent, name):
+            raise _LinkFound from None
+        raise
+
+
+def _is_link(parent: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def link_refused(path: Path) -> DiskError:
+    return DiskError(
+        f"{path}: is a symbolic link; pull follows no link inside the cache dir",
+        hint="remove it (to keep the cache elsewhere, point --cache-dir itself there)",
+    )
+
+
+def _open_temp(parent: int, name: str, *, direct: bool) -> tuple[int, str | None, bool]:
+    """A file in parent to write name's bytes into: (fd, its name or None if unnamed, whether O_DIRECT).
+
+    O_DIRECT if asked and the filesystem takes it.
     """
     direct = direct and _O_DIRECT != 0
     flags = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
     if _unnamed_files_possible():
         try:
-            return os.open(dest.parent, flags | os.O_TMPFILE, 0o666), None, direct
-        except FileNotFoundError:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            return _open_temp(dest, direct=direct)
+            return os.open(".", flags | os.O_TMPFILE, 0o666, dir_fd=parent), None, direct
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
             if direct and exc.errno == errno.EINVAL:  # perhaps O_DIRECT, not O_TMPFILE, was refused
-                return _open_temp(dest, direct=False)
-    named = temp_path_for(dest)
+                return _open_temp(parent, name, direct=False)
+    named = temp_name_for(name)
     try:
-        return os.open(named, flags | os.O_CREAT | os.O_EXCL, 0o666), named, direct
-    except FileNotFoundError:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(named, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=parent), named, direct
     except OSError as exc:
         if not direct or exc.errno != errno.EINVAL:
             raise
-        named.unlink(missing_ok=True)  # the filesystem refused O_DIRECT, perhaps after creating the file
-        direct = False
-    return _open_temp(dest, direct=direct)
+        _unlink_quietly(parent, named)  # the filesystem refused O_DIRECT, perhaps after creating the file
+    return _open_temp(parent, name, direct=False)
 
 
-def _land(fd: int, named: Path | None, dest: Path) -> None:
-    """Give the finished file dest's name, replacing any file there, in one atomic step."""
+def _land(fd: int, named: str | None, parent: int, name: str) -> None:
+    """Give the finished file its name in parent, replacing whatever is there (a stale copy, a
+    link: rename replaces the entry itself), in one atomic step."""
     if named is not None:
-        os.replace(named, dest)
+        os.replace(named, name, src_dir_fd=parent, dst_dir_fd=parent)
         return
-    # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an O_TMPFILE file (open(2)); passing
-    # src_dir_fd makes Python call linkat rather than link (the absolute path ignores it).
+    # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an O_TMPFILE file (open(2)); the
+    # absolute source ignores its directory, the new name is made in parent.
     source = f"/proc/self/fd/{fd}"
     try:
-        os.link(source, dest, src_dir_fd=fd, follow_symlinks=True)
+        os.link(source, name, dst_dir_fd=parent, follow_symlinks=True)
     except FileExistsError:  # a stale or corrupt copy is there: link beside it, then swap
-        beside = temp_path_for(dest)
-        os.link(source, beside, src_dir_fd=fd, follow_symlinks=True)
+        beside = temp_name_for(name)
+        os.link(source, beside, dst_dir_fd=parent, follow_symlinks=True)
         try:
-            os.replace(beside, dest)
+            os.replace(beside, name, src_dir_fd=parent, dst_dir_fd=parent)
         except BaseException:
-            beside.unlink(missing_ok=True)
+            _unlink_quietly(parent, beside)
             raise
+
+
+def _unlink_quietly(parent: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=parent)
+    except OSError:
+        pass
 
 
 @functools.cache
@@ -176,6 +278,81 @@ def _write_all(fd: int, chunk: bytes | memoryview, direct: bool) -> bool:
             continue
         view = view[written:]
     return direct
+
+
+class Beneath:
+    """Looks up paths below a directory the way write_verified lands them: no link followed.
+
+    Keeps the directories of the last lookup open, so paths visited in sorted order (a
+    release's) cost one open per new directory. One thread at a time.
+    """
+
+    def __init__(self, root: int, root_path: Path) -> None:
+        self.root, self.root_path = root, root_path
+        self._chain: list[tuple[str, int]] = []  # (name, fd) from the root down
+
+    def __enter__(self) -> Beneath:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._trim(0)
+
+    def parent(self, rel: str) -> int | None:
+        """The directory holding rel (borrowed: valid until the next call), or None if absent."""
+        parts = rel.split("/")[:-1]
+        keep = 0
+        while keep < min(len(parts), len(self._chain)) and self._chain[keep][0] == parts[keep]:
+            keep += 1
+        self._trim(keep)
+        fd = self._chain[-1][1] if self._chain else self.root
+        for i in range(keep, len(parts)):
+            try:
+                fd = _open_dir_at(fd, parts[i])
+            except FileNotFoundError:
+                return None
+            except _LinkFound:
+                raise link_refused(self.root_path.joinpath(*parts[: i + 1])) from None
+            self._chain.append((parts[i], fd))
+        return fd
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """rel's own status (a link is reported as one, never followed), or None if absent."""
+        parent = self.parent(rel)
+        if parent is None:
+            return None
+        try:
+            return os.stat(rel.rsplit("/", 1)[-1], dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def hash_file(self, rel: str, limit: int) -> str | None:
+        """XXH3-128 of the regular file rel if it holds at most limit bytes, else None."""
+        parent = self.parent(rel)
+        if parent is None:
+            return None
+        try:
+            fd = os.open(rel.rsplit("/", 1)[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link: never counted as present
+                return None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            hasher = xxhash.xxh3_128()
+            size = 0
+            while size <= limit and (chunk := os.read(fd, 1 << 20)):
+                hasher.update(chunk)
+                size += len(chunk)
+            return hasher.hexdigest() if size <= limit else None
+        finally:
+            os.close(fd)
+
+    def _trim(self, keep: int) -> None:
+        while len(self._chain) > keep:
+            os.close(self._chain.pop()[1])
 
 
 def aligned_buffer(size: int) -> mmap.mmap:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shlex
 import sys
 import threading
 import time
@@ -194,8 +193,9 @@ class Console:
         if self.as_json:
             self._json(exports)
             return
-        for name, value in exports.items():
-            print(f"export {name}={shlex.quote(value)}")
+        from neffbuild.exports import shell_lines
+
+        sys.stdout.write(shell_lines(exports))
 
     def replay(self, report: ReplayReport) -> None:
         if self.as_json:

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 
 from neffbuild.bundle import BundleRecord, Release, TagEvent, TagRecord, dump, parse
 from neffbuild.errors import ConflictError, NotFoundError
+from neffbuild.names import check_digest, check_tag
 from neffbuild.store.base import BlobSource, Store
 
 TAG_RETRIES = 20
@@ -36,6 +37,8 @@ def publish_release(store: Store, release: Release) -> str:
 
 def move_tag(store: Store, name: str, release_id: str, *, by: str | None = None) -> TagRecord:
     """Point a tag at a release by compare-and-swap, keeping its history; retry on a lost race."""
+    check_tag(name)
+    check_digest(release_id, "release")
     if store.get_doc("releases", release_id) is None:
         raise NotFoundError(f"release {release_id} is not in {store.url}", hint="publish or push it before tagging")
     event = TagEvent(release=release_id, at=datetime.now(UTC).isoformat(timespec="seconds"), by=by or whoami())

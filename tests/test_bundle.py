@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import json
+import unicodedata
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from neffbuild.bundle import (
+    BundleRecord,
     FileEntry,
     Release,
     ReleaseUnit,
     TagEvent,
     TagRecord,
+    Timings,
     dump,
     parse,
 )
 from neffbuild.errors import IntegrityError
+from neffbuild.names import reserved_problem
 
 DIGEST = "0123456789abcdef0123456789abcdef"
 
@@ -91,3 +98,160 @@ def test_tag_history_decodes_nested_records_and_defaults() -> None:
     raw["format"] = "neffbuild.tag/1"
     tag = parse(TagRecord, json.dumps(raw).encode(), "t.json")
     assert tag.history == (event,) and isinstance(tag.history, tuple)
+
+
+# ---- what a hostile store could hand pull (issue 9) ---------------------------------------------
+
+
+def with_files(*files: tuple[str, str]) -> bytes:
+    return mutated(lambda r: r.update(files=[{"path": p, "size": 1, "digest": d} for p, d in files]))
+
+
+OTHER = "f" * 32
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (with_files((".neffbuild/state.json", DIGEST)), "inside .neffbuild/, which pull keeps"),
+        (with_files((".neffbuild/pull.lock", DIGEST)), "inside .neffbuild/, which pull keeps"),
+        (with_files(("ab/.c.so.123.0123456789.incomplete", DIGEST)), "the shape of pull's temp files"),
+        (with_files(("a.so", DIGEST), ("a.so", DIGEST)), "'a.so' is listed twice"),
+        (with_files(("a.so", DIGEST), ("a.so", OTHER)), "'a.so' is listed twice, with two digests"),
+        (with_files(("a", DIGEST), ("a/b", OTHER)), "'a' is a file and also the directory of 'a/b'"),
+        (with_files(("x/a/b/c", DIGEST), ("x/a", OTHER)), "'x/a' is a file and also the directory of 'x/a/b/c'"),
+        (with_files(("Kernel.so", DIGEST), ("kernel.so", OTHER)), "differ only in case"),
+        (with_files(("A", DIGEST), ("a/b", OTHER)), "'A' is a file and also the directory of 'a/b'"),
+        (with_files(("caf\u00e9", DIGEST), ("cafe\u0301", OTHER)), "differ only in case"),  # NFC vs NFD
+        (with_files(("a\nb", DIGEST),), "without control characters"),
+        (with_files(("x" * 256, DIGEST),), "is too long"),
+        (with_files(("a/" * 600 + "b", DIGEST),), "is too long"),
+        (mutated(lambda r: r["files"][0].update(size=1 << 63)), "larger than any file"),
+        (mutated(lambda r: r.update(shared=[{"path": "../x", "kept": DIGEST, "dropped": []}])), "at shared.0.path: unsafe path"),
+        (mutated(lambda r: r.update(cache_env="")), "at cache_env: '' is not an environment variable name"),
+        (mutated(lambda r: r["env"].update({"X=1; touch PWNED; Y": "1"})), "at env: 'X=1; touch PWNED; Y' is not an environment"),
+        (mutated(lambda r: r["env"].update({"A\nLD_PRELOAD": "1"})), "at env: 'A\\nLD_PRELOAD' is not"),
+        (mutated(lambda r: r.update(unit=1)), "at unit: unknown field"),
+        (mutated(lambda r: r["env"].update({"\ud800": "1"})), r"at env.'\ud800': '\ud800' holds a lone surrogate"),
+        (mutated(lambda r: r["env"].update(A="\udfff")), "at env.A: '\\udfff' holds a lone surrogate"),
+        (mutated(lambda r: r["files"][0].update(path="a\ud800b")), "at files.0.path: 'a\\ud800b' holds a lone surrogate"),
+        (mutated(lambda r: r.update(name="\udc80")), "at name:"),
+    ],
+)
+def test_paths_that_never_settle_and_hostile_strings_are_refused(data: bytes, message: str) -> None:
+    with pytest.raises(IntegrityError) as info:
+        parse(Release, data, "s3://b/releases/r.json")
+    assert info.value.message.startswith("s3://b/releases/r.json: invalid Release at ")
+    assert message in info.value.message
+    assert "\n" not in info.value.message and info.value.message.encode("utf-8")  # one printable line
+
+
+@pytest.mark.parametrize("kind", [Release, BundleRecord, TagRecord])
+@pytest.mark.parametrize("depth", [20, 1_000, 100_000])
+def test_deep_nesting_is_an_integrity_error_never_a_recursion_error(kind: type, depth: int) -> None:
+    data = b'{"format": ' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(IntegrityError):
+        parse(kind, data, "doc.json")
+    nested = '{"k":[' * depth + '"x"' + "]}" * depth  # in a free-form field (any JSON is typed right)
+    free_form = dump(bundle(unit={"call": "NESTED"})).replace(b'"NESTED"', nested.encode())
+    with pytest.raises(IntegrityError, match="at unit.call.k.0.*: nested deeper than 16|nested too deeply"):
+        parse(BundleRecord, free_form, "b.json")
+
+
+def bundle(**changes: object) -> BundleRecord:
+    fields: dict = {
+        "key": DIGEST, "unit_id": "m/1x1x1", "unit": {"shape": {"height": 128}}, "backend": "inductor",
+        "fingerprint": {"torch": "2.13.0"}, "files": (FileEntry(path="ab/c.so", size=3, digest=DIGEST),),
+        "counters": {"hits": 1}, "timings": Timings(), "created_at": "2026-01-01T00:00:00+00:00", "neffbuild_version": "t",
+    }  # fmt: skip
+    return BundleRecord(**{**fields, **changes})
+
+
+def test_a_tag_document_must_hold_a_tag_name() -> None:
+    raw = json.loads(dump(TagRecord(name="prod", release=DIGEST, history=())))
+    raw["name"] = "../../x"
+    with pytest.raises(IntegrityError, match="at name: '../../x' is not a tag name"):
+        parse(TagRecord, json.dumps(raw).encode(), "t.json")
+
+
+# ---- fuzz: no input makes a parser crash (issue 9, scope 8) -------------------------------------
+# Each parser sees EXAMPLES inputs: raw bytes, arbitrary JSON, and valid documents with one part
+# replaced by arbitrary JSON. Every rejection must be an IntegrityError (exit 4), never anything
+# else; every document accepted must re-serialise, and its file list must settle in a cache dir.
+
+EXAMPLES = 2_000
+PATHS = ["a", "A", "a/b", "a/B", "a/b/c", "b", ".neffbuild/s", "x/.y.1.2.incomplete", "é", "e\u0301", "../x", "a//b", ""]
+
+_lone_surrogate = st.tuples(st.text(max_size=3), st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3)).map("".join)
+_text = st.text(st.characters() | st.sampled_from("\x00\n/\\.$'\""), max_size=8) | _lone_surrogate
+_scalar = st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | _text | st.sampled_from(PATHS)
+_json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text | st.sampled_from(["path", "size", "digest", "format"]), inner, max_size=3), max_leaves=8)
+_file = st.fixed_dictionaries({
+    "path": st.sampled_from(PATHS) | _text,
+    "size": st.sampled_from([0, 1, 3]) | st.sampled_from([-1, True, 1.5, 2**63]),
+    "digest": st.sampled_from([DIGEST, OTHER]) | st.sampled_from(["x", DIGEST.upper()]),
+})  # fmt: skip
+_same_kind = {str: _text | st.sampled_from(PATHS), int: st.integers(), float: st.floats(), bool: st.booleans()}
+
+SAMPLES = {
+    Release: lambda: json.loads(dump(release())),
+    BundleRecord: lambda: json.loads(dump(bundle())),
+    TagRecord: lambda: json.loads(dump(TagRecord(name="prod", release=DIGEST, history=(TagEvent(release=DIGEST, at="t", by="ci"),)))),
+}
+
+
+def replace_somewhere(doc: Any, data: st.DataObject) -> Any:
+    """doc with one value (at a random depth) replaced, mostly by one of its own JSON type (so
+    that many mutants pass the type checks and reach the deeper ones), else by any JSON; or a
+    key dropped or added."""
+    if data.draw(st.integers(0, 7)) == 0 or not isinstance(doc, (dict, list)):
+        same = _same_kind.get(type(doc))
+        return data.draw(same if same is not None and data.draw(st.booleans()) else _json | st.lists(_file, max_size=4))
+    if not doc or data.draw(st.integers(0, 5)) == 0:  # grow: a new key or item
+        if isinstance(doc, dict):
+            return {**doc, data.draw(_text | st.sampled_from(["OMP_NUM_THREADS", "TORCHINDUCTOR_X", "path"])): data.draw(_json)}
+        return [*doc, data.draw(_file | _json)]
+    key = data.draw(st.sampled_from(sorted(doc) if isinstance(doc, dict) else list(range(len(doc)))))
+    if isinstance(doc, dict) and data.draw(st.integers(0, 9)) == 0:
+        return {k: v for k, v in doc.items() if k != key}
+    copy = dict(doc) if isinstance(doc, dict) else list(doc)
+    copy[key] = replace_somewhere(doc[key], data)
+    return copy
+
+
+def check_parse(kind: type, data: bytes) -> None:
+    try:
+        doc = parse(kind, data, "fuzz.json")
+    except IntegrityError as exc:
+        assert exc.exit_code == 4 and "\n" not in exc.message
+        exc.message.encode("utf-8")  # printable: no lone surrogate reaches the terminal
+        return
+    assert parse(kind, dump(doc), "again.json") == doc  # what is accepted re-serialises
+    files = getattr(doc, "files", ())
+    assert all(reserved_problem(f.path) is None and ".." not in f.path.split("/") and not f.path.startswith("/") for f in files)
+    folded = [unicodedata.normalize("NFD", unicodedata.normalize("NFD", f.path).casefold()) for f in files]
+    assert len(set(folded)) == len(folded)
+    assert not {p.rsplit("/", i)[0] for p in folded for i in range(1, p.count("/") + 1)} & set(folded)
+
+
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("kind", [Release, BundleRecord, TagRecord])
+@FUZZ
+@given(data=st.data())
+def test_fuzz_documents_parse_or_are_refused_as_integrity_errors(kind: type, data: st.DataObject) -> None:
+    shape = data.draw(st.sampled_from(["mutated", "mutated", "files", "json", "bytes"]))
+    if shape == "bytes":
+        raw = data.draw(st.binary(max_size=200))
+    else:
+        if shape == "json":
+            doc = data.draw(_json)
+        else:
+            doc = SAMPLES[kind]()
+            if shape == "files" and "files" in doc:
+                doc["files"] = data.draw(st.lists(_file, max_size=5))
+            else:
+                doc = replace_somewhere(doc, data)
+        raw = json.dumps(doc, allow_nan=True).encode()  # ensure_ascii: lone surrogates as \ud800
+    check_parse(kind, raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,100 @@ def test_a_source_that_never_ends_stops_one_chunk_past_the_declared_size(tmp_pat
     assert str(dest) in err.value.message and "s3://b/blobs/x" in err.value.message
     assert len(pulled) == 1  # one chunk more proved it too long
     assert leftovers(tmp_path, dest) == [] and not dest.exists()
+
+
+# ---- confinement: nothing below a target's root is reached through a symlink --------------------
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry under root, links not followed: kind, bytes or link target, mtime."""
+    found: dict[str, tuple] = {".": ("dir", root.lstat().st_mtime_ns)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            st = path.lstat()
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                found[rel] = ("link", os.readlink(path))
+            elif path.is_dir():
+                found[rel] = ("dir", st.st_mtime_ns)
+            else:
+                found[rel] = ("file", path.read_bytes(), st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture
+def cache_and_outside(tmp_path: Path) -> tuple[Path, Path]:
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    cache.mkdir()
+    outside.mkdir()
+    (outside / "keep.txt").write_bytes(b"outside")
+    return cache, outside
+
+
+def confined(data: bytes, root: Path, rel: str) -> BlobTarget:
+    return BlobTarget(xxhash.xxh3_128_hexdigest(data), len(data), root / rel, root=root)
+
+
+@pytest.mark.parametrize("link", ["relative", "absolute", "deeper"])
+def test_a_symlinked_directory_below_the_root_is_refused_and_nothing_changes(cache_and_outside, temp_kind: str, link: str) -> None:
+    cache, outside = cache_and_outside
+    if link == "deeper":
+        (cache / "d").mkdir()
+        (cache / "d" / "lnk").symlink_to(outside)
+        rel, shown = "d/lnk/new/evil.bin", cache / "d" / "lnk"
+    else:
+        (cache / "lnk").symlink_to("../outside" if link == "relative" else str(outside))
+        rel, shown = "lnk/new/evil.bin", cache / "lnk"
+    before = (snapshot(cache), snapshot(outside))
+    with pytest.raises(DiskError, match="is a symbolic link") as info:
+        write_verified(confined(b"evil", cache, rel), [b"evil"], origin="test")
+    assert info.value.message.startswith(f"{shown}:")
+    assert (snapshot(cache), snapshot(outside)) == before
+
+
+def test_a_symlink_where_a_file_lands_is_replaced_not_followed(cache_and_outside, temp_kind: str) -> None:
+    cache, outside = cache_and_outside
+    (cache / "a").mkdir()
+    (cache / "a" / "x.so").symlink_to(outside / "keep.txt")
+    before = snapshot(outside)
+    write_verified(confined(b"ours", cache, "a/x.so"), [b"ours"], origin="test")
+    assert not (cache / "a" / "x.so").is_symlink() and (cache / "a" / "x.so").read_bytes() == b"ours"
+    assert snapshot(outside) == before
+
+
+def test_a_dangling_symlink_where_a_file_lands_is_replaced(cache_and_outside, temp_kind: str) -> None:
+    cache, outside = cache_and_outside
+    (cache / "x.so").symlink_to(outside / "not-yet")  # following it would create outside/not-yet
+    write_verified(confined(b"ours", cache, "x.so"), [b"ours"], origin="test")
+    assert (cache / "x.so").read_bytes() == b"ours" and not (outside / "not-yet").exists()
+
+
+def test_the_root_itself_may_be_a_symlink(tmp_path: Path, temp_kind: str) -> None:
+    """Where --cache-dir points is the operator's choice: only what lies below it is confined."""
+    real = tmp_path / "disk" / "cache"
+    real.mkdir(parents=True)
+    (tmp_path / "cache").symlink_to(real)
+    write_verified(confined(b"x", tmp_path / "cache", "a/b.so"), [b"x"], origin="test")
+    assert (real / "a" / "b.so").read_bytes() == b"x"
+
+
+def test_beneath_never_reports_a_link_or_a_fifo_as_a_file(cache_and_outside) -> None:
+    cache, outside = cache_and_outside
+    (cache / "f.bin").symlink_to(outside / "keep.txt")
+    os.mkfifo(cache / "pipe.bin")
+    (cache / "real.bin").write_bytes(b"outside")
+    (cache / "dir").symlink_to(outside)
+    root = os.open(cache, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with materialize.Beneath(root, cache) as tree:
+            assert stat.S_ISLNK(tree.lstat("f.bin").st_mode)
+            assert tree.hash_file("f.bin", 100) is None  # not followed, though its target matches
+            assert tree.hash_file("pipe.bin", 100) is None  # opened without blocking, not read
+            assert tree.hash_file("real.bin", 100) == xxhash.xxh3_128_hexdigest(b"outside")
+            assert tree.hash_file("real.bin", 3) is None  # more bytes than expected: not read on
+            assert tree.lstat("missing/x") is None
+            with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
+                tree.lstat("dir/keep.txt")
+    finally:
+        os.close(root)

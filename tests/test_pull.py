@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,15 +25,16 @@ from neffbuild.bundle import (
 )
 from neffbuild.errors import IntegrityError
 from neffbuild.hashing import hash_bytes, hash_file
-from neffbuild.materialize import INCOMPLETE_SUFFIX
+from neffbuild.names import INCOMPLETE_SUFFIX
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
 
 
-def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: str = "t") -> str:
-    """Publish a one-bundle release of these files through the real publish path."""
+def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: str = "t", **release_fields: Any) -> str:
+    """Publish a one-bundle release of these files through the real publish path (release_fields
+    replace the release's own, unchecked: a forged release as a hostile store would hold it)."""
     src = tmp / f"src-{hash_bytes(json.dumps(sorted(files)).encode())[:8]}"
     sources, entries = [], []
     for rel, data in files.items():
@@ -52,6 +55,7 @@ def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: st
         env={"OMP_NUM_THREADS": "2"}, fingerprint={}, units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
         files=tuple(sorted(entries, key=lambda e: e.path)),
     )
+    release = dataclasses.replace(release, **release_fields)
     release_id = publish_release(store, release)
     move_tag(store, tag, release_id)
     return release_id
@@ -234,3 +238,198 @@ def test_full_disk_is_a_one_line_error_and_leaves_nothing_behind(store: LocalSto
     assert "hint: free space" in result.stderr and "Traceback" not in result.stderr
     assert not (tiny_disk / "cache" / "big" / "model.neff").exists()
     assert incomplete_files(tiny_disk) == []
+
+
+# ---- a hostile cache dir: no symlink below --cache-dir is followed (issue 9) ----------------------
+
+from tests.test_materialize import snapshot  # noqa: E402
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory next to the cache dir that a pull must never touch."""
+    path = tmp_path / "outside"
+    path.mkdir()
+    (path / "keep.txt").write_bytes(b"not the cache's")
+    return path
+
+
+def pull_cli(cli, store: LocalStore, cache: Path, *extra: str, ref: str = "t"):
+    return cli("pull", ref, "--store", str(store.root), "--cache-dir", str(cache), *extra)
+
+
+@pytest.mark.parametrize("link", ["relative", "absolute", "deeper"])
+def test_a_release_path_through_a_symlinked_directory_is_refused(store: LocalStore, tmp_path: Path, outside: Path, cli, link: str) -> None:
+    publish_files(store, {"lnk/evil.bin": b"evil", "d/lnk/sub/evil.so": b"deeper", "ok.bin": b"ok"}, tmp_path)
+    cache = tmp_path / "cache"
+    if link == "deeper":
+        (cache / "d").mkdir(parents=True)
+        (cache / "d" / "lnk").symlink_to(outside)
+        shown = cache / "d" / "lnk"
+    else:
+        cache.mkdir()
+        (cache / "lnk").symlink_to("../outside" if link == "relative" else str(outside))
+        shown = cache / "lnk"
+    before = (snapshot(cache), snapshot(outside))
+    result = pull_cli(cli, store, cache)
+    assert result.returncode == 10, result.stderr
+    assert f"error: {shown}: is a symbolic link" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert (snapshot(cache), snapshot(outside)) == before
+
+
+def test_a_symlinked_state_dir_is_refused(store: LocalStore, tmp_path: Path, outside: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / STATE_DIR).symlink_to("../outside")
+    before = (snapshot(cache), snapshot(outside))
+    result = pull_cli(cli, store, cache)
+    assert result.returncode == 10 and f"{cache / STATE_DIR}: is a symbolic link" in result.stderr
+    assert (snapshot(cache), snapshot(outside)) == before
+
+
+def test_symlinked_state_and_lock_files_are_never_written_through(store: LocalStore, tmp_path: Path, outside: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    (cache / STATE_DIR).mkdir(parents=True)
+    (cache / STATE_DIR / "state.json").symlink_to(outside / "keep.txt")
+    before = snapshot(outside)
+    assert pull_cli(cli, store, cache).returncode == 0
+    assert not (cache / STATE_DIR / "state.json").is_symlink()  # replaced, not written through
+    (cache / STATE_DIR / "pull.lock").unlink()
+    (cache / STATE_DIR / "pull.lock").symlink_to(outside / "lock")
+    (cache / sorted(FILES)[0]).unlink()
+    result = pull_cli(cli, store, cache)
+    assert result.returncode == 10 and f"{cache / STATE_DIR / 'pull.lock'}:" in result.stderr
+    assert snapshot(outside) == before
+
+
+def test_a_file_symlink_at_a_release_path_is_not_present_and_is_replaced(store: LocalStore, tmp_path: Path, outside: Path) -> None:
+    name = sorted(FILES)[0]
+    publish_files(store, FILES, tmp_path)
+    (outside / "same.so").write_bytes(FILES[name])  # the right content, but outside the cache dir
+    cache = tmp_path / "cache"
+    (cache / name).parent.mkdir(parents=True)
+    (cache / name).symlink_to(outside / "same.so")
+    pull(store, "t", cache)
+    assert not (cache / name).is_symlink() and (cache / name).read_bytes() == FILES[name]
+    assert (outside / "same.so").read_bytes() == FILES[name]
+    before = snapshot(cache)
+    assert pull(store, "t", cache).files_fetched == 0 and snapshot(cache) == before
+
+
+def test_a_fifo_at_a_release_path_is_replaced_without_blocking(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, {"a/empty.so": b"", "b.so": b"b"}, tmp_path)  # a FIFO's size is 0 too
+    cache = tmp_path / "cache"
+    (cache / "a").mkdir(parents=True)
+    os.mkfifo(cache / "a" / "empty.so")  # opening it to hash it would wait for a writer forever
+    result = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "pull", "t", "--store", str(store.root), "--cache-dir", str(cache)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (cache / "a" / "empty.so").is_file() and (cache / "a" / "empty.so").read_bytes() == b""
+
+
+def test_stale_temp_cleanup_follows_no_link(tmp_path: Path, outside: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    shape = f".x.so.{dead.stdout.strip()}.0123456789{INCOMPLETE_SUFFIX}"
+    (outside / shape).write_bytes(b"someone else's")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "lnk").symlink_to(outside)
+    (cache / "stale-link").mkdir()
+    (cache / "stale-link" / shape).symlink_to(outside / shape)  # a link with the shape: not ours either
+    assert remove_stale_temp_files(cache) == 0
+    assert (outside / shape).read_bytes() == b"someone else's" and (cache / "stale-link" / shape).is_symlink()
+
+
+@pytest.mark.parametrize(
+    "paths",
+    [
+        [(".neffbuild/state.json", b"x")],
+        [(".neffbuild/pull.lock", b"x")],
+        [(f"a/.b.so.{os.getpid()}.0123456789{INCOMPLETE_SUFFIX}", b"x")],
+        [("a.so", b"x"), ("a.so", b"y")],
+        [("a", b"x"), ("a/b", b"y")],
+        [("Kernel.so", b"x"), ("kernel.so", b"y")],
+    ],
+)
+def test_a_release_whose_paths_never_settle_is_refused(store: LocalStore, tmp_path: Path, cli, paths: list) -> None:
+    publish_files(store, {"ok.so": b"ok"}, tmp_path)
+    raw = json.loads(store.get_doc("releases", next(iter(store.list_docs("releases")))))
+    for _, data in paths:  # the blobs are there: only the file list is at fault
+        (tmp_path / "blob").write_bytes(data)
+        store.put_blob(hash_bytes(data), tmp_path / "blob")
+    raw["files"] = [{"path": rel, "size": len(data), "digest": hash_bytes(data)} for rel, data in paths]
+    data = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    store.put_doc("releases", hash_bytes(data), data)
+    cache = tmp_path / "cache"
+    result = pull_cli(cli, store, cache, ref=hash_bytes(data))
+    assert result.returncode == 4 and "invalid Release at files" in result.stderr and "Traceback" not in result.stderr
+    assert not cache.exists()
+
+
+# ---- a no-op pull writes nothing (issue 9) ------------------------------------------------------
+
+
+def test_a_no_op_pull_leaves_the_cache_dir_untouched(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    assert pull_cli(cli, store, cache).returncode == 0
+    before = snapshot(cache)
+    state_inode = (cache / STATE_DIR / "state.json").stat().st_ino
+    assert pull_cli(cli, store, cache).returncode == 0
+    assert snapshot(cache) == before and (cache / STATE_DIR / "state.json").stat().st_ino == state_inode
+
+
+def test_a_complete_cache_on_a_full_disk_still_pulls(store: LocalStore, tmp_path: Path, tiny_disk: Path, cli) -> None:
+    publish_files(store, {"a/small.so": b"s" * 1000, "b/other.so": os.urandom(20_000)}, tmp_path)
+    cache = tiny_disk / "cache"
+    assert pull_cli(cli, store, cache).returncode == 0
+    filler = os.open(tiny_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    with pytest.raises(OSError, match="No space left"):  # fill the filesystem to the last byte
+        while True:
+            os.write(filler, b"\0" * 4096)
+    os.close(filler)
+    before = snapshot(cache)
+    result = pull_cli(cli, store, cache)
+    assert result.returncode == 0, result.stderr
+    assert snapshot(cache) == before
+
+
+# ---- fuzz: a broken state file only costs re-hashing (issue 9, scope 8) --------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from neffbuild.pull import parse_state  # noqa: E402
+
+_state_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6) | st.just("files"), inner, max_size=4),
+    max_leaves=10,
+)
+_state_entry = st.lists(st.integers() | st.text(max_size=4) | st.booleans() | st.none(), max_size=4)
+
+
+@settings(max_examples=2_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(raw=st.binary(max_size=100) | _state_json.map(lambda v: json.dumps(v).encode())
+       | st.dictionaries(st.text(max_size=6), _state_entry | _state_json, max_size=5).map(lambda f: json.dumps({"files": f}).encode())
+       | st.integers(1, 5_000).map(lambda depth: b'{"files": ' + b"[" * depth + b"]" * depth + b"}"))  # fmt: skip
+def test_fuzz_the_state_loader_never_fails(raw: bytes) -> None:
+    state = parse_state(raw)
+    assert all(
+        type(size) is int and type(mtime) is int and isinstance(digest, str) for size, mtime, digest in state.values()
+    )
+
+
+def test_a_broken_state_file_costs_only_a_re_hash(store: LocalStore, tmp_path: Path) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    for broken in (b"", b"null", b"[" * 100_000, b'{"files": {"x": [1, 2]}}', b'{"files": []}', b"\xff\xfe"):
+        (cache / STATE_DIR / "state.json").write_bytes(broken)
+        assert pull(store, "t", cache).files_fetched == 0
+        assert json.loads((cache / STATE_DIR / "state.json").read_bytes())["files"].keys() == FILES.keys()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from neffbuild.backends.base import Backend
 from neffbuild.errors import InputError
+
+if TYPE_CHECKING:  # importing base costs pydantic; pull imports backends.serving only
+    from neffbuild.backends.base import Backend
 
 
 def _inductor() -> Backend:

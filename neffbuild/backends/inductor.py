@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends.base import Backend, Problem, cpu_isa_flags, graph_counters, relevant_env
+from neffbuild.backends.serving import INDUCTOR
 from neffbuild.manifest import ModelEntry
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
@@ -41,7 +42,7 @@ _MISS_COUNTERS = ("inductor.fxgraph_cache_miss", "aot_autograd.autograd_cache_mi
 
 class InductorBackend(Backend):
     name = "inductor"
-    cache_env = "TORCHINDUCTOR_CACHE_DIR"
+    cache_env = INDUCTOR.cache_env
     fact_names = (
         "torch", "torch.git", "python", "python.prefix", "platform", "cpu.isa", "cpu.capability",
         "threads.default", "cxx.default", "diffusers", "transformers", "triton", "cuda", "cuda.device",

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends.base import Backend, Problem, graph_counters
+from neffbuild.backends.serving import NEURON
 from neffbuild.manifest import LoadedManifest, ModelEntry, is_local_model
 
 COMPILE_BACKEND_ENV = "NEFFBUILD_NEURON_COMPILE_BACKEND"
@@ -120,7 +121,7 @@ def compile_target(family: str | None) -> str | None:
 
 class NeuronBackend(Backend):
     name = "neuron"
-    cache_env = "TORCH_NEURONX_NEFF_CACHE_DIR"
+    cache_env = NEURON.cache_env
     fact_names = (*_VERSION_FIELDS, "target", "instance.type")
     caches_eager = True  # eager mode compiles (and caches) each op on its first run
 

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol, runtime_checkable
 
-from neffbuild.errors import StoreError
+from neffbuild.errors import InputError, StoreError
 from neffbuild.materialize import BlobTarget
+from neffbuild.names import key_problem
 
 DocKind = Literal["bundles", "releases", "tags"]
 STORE_FORMAT = "neffbuild.store/1"
@@ -61,6 +62,10 @@ def blob_key(digest: str) -> str:
 
 
 def doc_key(kind: DocKind, name: str) -> str:
+    # Names come from the command line and from documents; the core checks them too (names.py),
+    # and this keeps any that slipped through from addressing a key outside `kind/`.
+    if (problem := key_problem(name)) is not None:
+        raise InputError(f"{kind} key: {problem}", hint="tags are names like `prod`; releases and bundles are 32-hex-digit ids")
     return f"{kind}/{name}.json"
 
 

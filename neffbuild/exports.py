@@ -1,0 +1,136 @@
+"""The environment a release gives its serving process, checked, and written for a shell or systemd.
+
+A release comes from a store; what `pull` prints is `eval`ed by a shell and what it writes is read
+by systemd, so a release may export only (see backends/serving.py):
+- its backend's cache variable, always set to the pulled dir (a release cannot point it elsewhere),
+- the compiler settings its backend declares, and
+- what the host accepts by name with `--allow-env NAME`.
+Names must be shell variable names and every value is quoted, so no name or value can become a
+command. The env file (`pull --env-file`) is written so that systemd's EnvironmentFile= and bash's
+`set -a; source FILE` read the same variables and values (systemd's parser: src/basic/env-file.c).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from neffbuild.backends.serving import BY_BACKEND
+from neffbuild.errors import InputError, IntegrityError
+from neffbuild.materialize import disk_error
+
+if TYPE_CHECKING:
+    from neffbuild.bundle import Release
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _unfit_for_env_file(value: str) -> str | None:
+    """A character an env file cannot give systemd and bash alike, or None.
+
+    systemd drops (with a log line) a variable whose value is not valid Unicode to it:
+    noncharacters (U+FDD0..U+FDEF, U+xFFFE, U+xFFFF); versions before 240 also one holding a
+    control character other than tab. A BOM (U+FEFF) is refused with them, as systemd documents.
+    """
+    if value.isascii() and value.isprintable():
+        return None
+    for ch in value:
+        code = ord(ch)
+        if (code < 0x20 and ch != "\t") or code == 0x7F or 0xFDD0 <= code <= 0xFDEF or code & 0xFFFE == 0xFFFE or code == 0xFEFF:
+            return ch
+    return None
+
+
+def is_env_name(name: str) -> bool:
+    return _NAME.fullmatch(name) is not None
+
+
+def check_allowed_names(names: Collection[str]) -> tuple[str, ...]:
+    """--allow-env values: each must be a variable name."""
+    for name in names:
+        if not is_env_name(name):
+            raise InputError(f"--allow-env {name!r}: not an environment variable name", hint="give a name like NEURON_RT_VISIBLE_CORES")
+    return tuple(names)
+
+
+def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection[str] = ()) -> dict[str, str]:
+    """The variables to export for a release, its cache variable first; IntegrityError naming the
+    release document (where) and the variable for anything a release may not set."""
+    check_allowed_names(allow)
+    backend, cache_env, env = release.backend, release.cache_env, release.env
+    serving = BY_BACKEND.get(backend)
+    if serving is None:
+        raise IntegrityError(f"{where}: backend {backend!r} is not one this neffbuild knows", hint=f"known: {', '.join(sorted(BY_BACKEND))}; upgrade neffbuild?")
+    if cache_env != serving.cache_env:
+        raise IntegrityError(
+            f"{where}: cache_env {cache_env!r} is not the {backend} backend's cache variable {serving.cache_env}",
+            hint="the release is corrupt or forged; rebuild or re-push it",
+        )
+    for name, value in env.items():
+        if not is_env_name(name):
+            raise IntegrityError(f"{where}: env name {name!r} is not a variable name", hint="the release is corrupt or forged; rebuild it")
+        if name == serving.cache_env:
+            raise IntegrityError(f"{where}: env sets {name}, which pull sets to the pulled dir", hint="the release is corrupt or forged; rebuild it")
+        if not serving.declares(name) and name not in allow:
+            raise IntegrityError(
+                f"{where}: env sets {name}, which the {backend} backend does not declare as a compiler setting",
+                hint=f"if this host accepts it, pass --allow-env {name}",
+            )
+        if "\x00" in value:
+            raise IntegrityError(f"{where}: env.{name} holds a NUL character", hint="the release is corrupt or forged; rebuild it")
+    return {serving.cache_env: str(cache_dir), **env}
+
+
+def shell_lines(exports: Mapping[str, str]) -> str:
+    """`export NAME=value` lines for `eval` (names were checked; values are quoted)."""
+    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in exports.items())
+
+
+def env_file_text(exports: Mapping[str, str]) -> str:
+    """NAME=value lines that systemd's EnvironmentFile= and bash's `source` read identically.
+
+    shlex.quote leaves a value bare only when it holds nothing but [A-Za-z0-9_@%+=:,./-] (no
+    backslash, quote, blank or comment sign: systemd and bash take it as it is), else wraps it in
+    single quotes, inside which both take every character literally up to the next quote; a
+    quote in the value ends the quoted part and is given as "'" (literal in both). systemd
+    expands no variables in EnvironmentFile=. Values systemd would drop are refused.
+    """
+    for name, value in exports.items():
+        if not is_env_name(name):
+            raise IntegrityError(f"env name {name!r} is not a variable name")
+        if (bad := _unfit_for_env_file(value)) is not None:
+            raise IntegrityError(
+                f"{name}: the value holds {bad!r}, which an env file cannot give systemd and bash alike",
+                hint="use the printed exports instead (eval in a shell), or fix the manifest's env",
+            )
+    return "".join(f"{name}={shlex.quote(value)}\n" for name, value in exports.items())
+
+
+def write_env_file(path: Path, text: str) -> bool:
+    """Replace path with text atomically (a temp file beside it, then rename); False if it already
+    held exactly that (nothing written)."""
+    try:
+        if path.read_text(encoding="utf-8", errors="strict") == text:
+            return False
+    except (OSError, UnicodeDecodeError):
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as out:
+            out.write(text.encode())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise disk_error(exc, path) from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return True

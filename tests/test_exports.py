@@ -1,0 +1,248 @@
+"""Exports: what a release may put in a serving process's environment, read back by a real bash and
+by systemd's own env-file parser."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from neffbuild.backends.serving import BY_BACKEND
+from neffbuild.bundle import FileEntry, Release, ReleaseUnit
+from neffbuild.errors import InputError, IntegrityError
+from neffbuild.exports import env_file_text, exports_for, shell_lines
+from neffbuild.hashing import hash_bytes
+from neffbuild.store.local import LocalStore
+from tests.test_pull import publish_files
+
+HOSTILE_VALUES = {
+    "TORCHINDUCTOR_A": "it's $(touch PWNED) `touch PWNED` \"quoted\" \\ back\\slash",
+    "TORCHINDUCTOR_B": "  leading and trailing blanks\t ",
+    "TORCHINDUCTOR_C": "# not a comment; ; & | > < * ? [x] ~ !",
+    "TORCHINDUCTOR_D": "",
+    "TORCHINDUCTOR_E": "ünïcödé ✓ 漢字 \U0001f600",
+    "TORCHINDUCTOR_F": "a=b=c,d:e/f.g@h%i+j-k_l",
+    "TORCHINDUCTOR_G": "'",
+    "TORCHINDUCTOR_H": "''\"\"'\\''",
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store", create=True)
+
+
+def release(**changes) -> Release:
+    fields: dict = {
+        "name": "m", "manifest_digest": "0" * 32, "backend": "inductor", "cache_env": "TORCHINDUCTOR_CACHE_DIR",
+        "env": {"OMP_NUM_THREADS": "2"}, "fingerprint": {}, "units": (ReleaseUnit(unit_id="m/1", key="1" * 32),),
+        "files": (FileEntry(path="a.so", size=1, digest="2" * 32),),
+    }  # fmt: skip
+    return Release(**{**fields, **changes})
+
+
+def forge_release(store: LocalStore, raw: dict) -> str:
+    """Store release JSON exactly as given (a hostile store's), under its content id."""
+    data = json.dumps(raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    release_id = hash_bytes(data)
+    store.put_doc("releases", release_id, data)
+    return release_id
+
+
+def bash(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
+
+
+def read_back_by_bash(env_file: Path) -> dict[str, str]:
+    """What `set -a; source FILE` exports, in an otherwise empty environment."""
+    done = subprocess.run(["env", "-i", "bash", "-c", 'set -a; source "$1"; env -0', "-", str(env_file)], capture_output=True, check=True)
+    return dict(item.split("=", 1) for item in done.stdout.decode().split("\0") if item)
+
+
+def systemd_library() -> ctypes.CDLL:
+    found = sorted(glob.glob("/usr/lib/*/systemd/libsystemd-shared-*.so") + glob.glob("/usr/lib/systemd/libsystemd-shared-*.so"))
+    if not found:
+        pytest.skip("systemd's shared library is not installed here")
+    return ctypes.CDLL(found[-1])
+
+
+def read_back_by_systemd(env_file: Path) -> dict[str, str]:
+    """The file as a unit's EnvironmentFile= reads it: systemd's own code (libsystemd-shared),
+    the two calls src/core/execute.c makes: load_env_file, then strv_env_clean_with_callback
+    (which drops invalid assignments)."""
+    lib = systemd_library()
+    entries = ctypes.POINTER(ctypes.c_char_p)()
+    assert lib.load_env_file(None, str(env_file).encode(), ctypes.byref(entries)) == 0, "systemd could not load the file"
+    lib.strv_env_clean_with_callback.restype = ctypes.POINTER(ctypes.c_char_p)
+    entries = lib.strv_env_clean_with_callback(entries, None, None)
+    found, i = {}, 0
+    while entries and entries[i] is not None:
+        name, value = entries[i].decode().split("=", 1)
+        found[name] = value
+        i += 1
+    lib.strv_free(entries)
+    return found
+
+
+# ---- names and values under eval ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["X=1; touch {marker}; Y", "A\nLD_PRELOAD", "$(touch {marker})", "`touch {marker}`", "", "1ABC", "A B", "A-B"],
+)
+def test_a_hostile_env_name_never_runs_under_eval_and_is_refused(store: LocalStore, tmp_path: Path, cli, name: str) -> None:
+    publish_files(store, {"a.so": b"a"}, tmp_path)
+    marker = tmp_path / "PWNED"
+    raw = json.loads(store.get_doc("releases", sorted(store.list_docs("releases"))[0]))
+    raw["env"] = {name.format(marker=marker): "1", "OMP_NUM_THREADS": "2"}
+    release_id = forge_release(store, raw)
+    cache = tmp_path / "cache"
+    pull = shlex.join([sys.executable, "-m", "neffbuild", "pull", release_id, "--store", str(store.root), "--cache-dir", str(cache)])
+    evaluated = bash(f'eval "$({pull})"')
+    assert not marker.exists(), evaluated.stderr
+    assert "error:" in evaluated.stderr and "not an environment variable name" in evaluated.stderr
+    env_file = tmp_path / "neffbuild.env"  # what the runbook's sed once built, with LD_PRELOAD in it
+    direct = cli("pull", release_id, "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(env_file))
+    assert direct.returncode == 4 and direct.stdout == "" and "env" in direct.stderr
+    assert not cache.exists() and not env_file.exists()  # refused before anything was written
+
+
+def test_values_are_quoted_so_eval_sets_them_exactly(tmp_path: Path) -> None:
+    exports = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c d"), **HOSTILE_VALUES, "TORCHINDUCTOR_N": "line\nLD_PRELOAD=/x.so\n"}
+    script = f"eval {shlex.quote(shell_lines(exports))}\nenv -0"
+    done = subprocess.run(["env", "-i", "bash", "-c", script], capture_output=True, cwd=tmp_path, check=True)
+    seen = dict(item.split("=", 1) for item in done.stdout.decode().split("\0") if item)
+    assert {k: seen.get(k) for k in exports} == exports
+    assert "LD_PRELOAD" not in seen and not (tmp_path / "PWNED").exists()
+
+
+def test_exports_check_names_even_for_a_release_made_in_code(tmp_path: Path) -> None:
+    """The document parser refuses bad names; exports_for checks again (defence in depth)."""
+    with pytest.raises(IntegrityError, match=r"env name 'X=1; Y' is not a variable name"):
+        exports_for(release(env={"X=1; Y": "1"}), tmp_path, "r.json")
+    with pytest.raises(IntegrityError, match="NUL"):
+        exports_for(release(env={"OMP_NUM_THREADS": "2\x00"}), tmp_path, "r.json")
+
+
+# ---- what a release may set ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["LD_PRELOAD", "PATH", "PYTHONPATH", "BASH_ENV", "CXX", "TRITON_PTXAS_PATH", "NEURON_CC_FLAGS"])
+def test_variables_the_backend_does_not_declare_are_refused_unless_allowed(store: LocalStore, tmp_path: Path, cli, name: str) -> None:
+    publish_files(store, {"a.so": b"a"}, tmp_path, env={name: "/tmp/evil.so"})  # an inductor release
+    cache = tmp_path / "cache"
+    refused = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache))
+    assert refused.returncode == 4 and refused.stdout == ""
+    assert f"env sets {name}, which the inductor backend does not declare" in refused.stderr
+    assert f"hint: if this host accepts it, pass --allow-env {name}" in refused.stderr
+    assert not cache.exists()
+    allowed = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--allow-env", name)
+    assert allowed.returncode == 0 and f"export {name}=/tmp/evil.so" in allowed.stdout
+
+
+def test_each_backend_declares_its_compiler_settings() -> None:
+    inductor, neuron = BY_BACKEND["inductor"], BY_BACKEND["neuron"]
+    assert all(inductor.declares(n) for n in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "OMP_NUM_THREADS", "TORCHDYNAMO_X"))
+    assert all(neuron.declares(n) for n in ("NEURON_CC_FLAGS", "NEURON_RT_VISIBLE_CORES", "TORCH_NEURONX_X", "OMP_NUM_THREADS"))
+    assert not any(b.declares(n) for b in (inductor, neuron) for n in ("LD_PRELOAD", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH"))
+    assert not inductor.declares(inductor.cache_env) and not neuron.declares(neuron.cache_env)
+
+
+def test_the_backends_use_the_declared_cache_variables() -> None:
+    from neffbuild.backends import get_backend
+
+    assert {name: get_backend(name).cache_env for name in BY_BACKEND} == {n: s.cache_env for n, s in BY_BACKEND.items()}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"env": {"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}}, "env sets TORCHINDUCTOR_CACHE_DIR, which pull sets to the pulled dir"),
+        ({"cache_env": "PATH"}, "cache_env 'PATH' is not the inductor backend's cache variable TORCHINDUCTOR_CACHE_DIR"),
+        ({"cache_env": "TORCH_NEURONX_NEFF_CACHE_DIR"}, "is not the inductor backend's cache variable"),
+        ({"backend": "nope"}, "backend 'nope' is not one this neffbuild knows"),
+    ],
+)
+def test_the_cache_variable_always_points_at_the_pulled_dir(store: LocalStore, tmp_path: Path, cli, changes: dict, message: str) -> None:
+    publish_files(store, {"a.so": b"a"}, tmp_path, **changes)
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(tmp_path / "cache"), "--allow-env", "TORCHINDUCTOR_CACHE_DIR")
+    assert result.returncode == 4 and message in result.stderr and result.stdout == ""
+
+
+def test_an_empty_cache_env_is_refused_by_the_document_parser(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, {"a.so": b"a"}, tmp_path, cache_env="")
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 4 and "at cache_env: '' is not an environment variable name" in result.stderr
+    assert "export =" not in result.stdout
+
+
+def test_allow_env_takes_only_variable_names(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, {"a.so": b"a"}, tmp_path)
+    result = cli("env", "t", "--store", str(store.root), "--cache-dir", str(tmp_path / "c"), "--allow-env", "A;B")
+    assert result.returncode == InputError.exit_code and "--allow-env 'A;B'" in result.stderr
+
+
+# ---- the env file: systemd and bash read the same environment -----------------------------------
+
+
+def test_pull_writes_an_env_file_that_systemd_and_bash_read_alike(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, {"a.so": b"a"}, tmp_path, env={**HOSTILE_VALUES, "OMP_NUM_THREADS": "2"})
+    cache, env_file = tmp_path / "my cache", tmp_path / "run" / "neffbuild.env"
+    env_file.parent.mkdir()
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(env_file))
+    assert result.returncode == 0, result.stderr
+    expected = {"TORCHINDUCTOR_CACHE_DIR": str(cache), **HOSTILE_VALUES, "OMP_NUM_THREADS": "2"}
+    by_bash = read_back_by_bash(env_file)
+    assert {k: by_bash.get(k) for k in expected} == expected
+    by_systemd = read_back_by_systemd(env_file)
+    assert {k: by_systemd.get(k) for k in expected} == expected
+    assert [p.name for p in env_file.parent.iterdir()] == ["neffbuild.env"]  # no temp file left
+
+
+def test_env_command_writes_the_same_env_file(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, {"a.so": b"a"}, tmp_path)
+    cache = tmp_path / "cache"
+    by_pull, by_env = tmp_path / "pull.env", tmp_path / "env.env"
+    assert cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(by_pull)).returncode == 0
+    assert cli("env", "t", "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(by_env)).returncode == 0
+    assert by_pull.read_text() == by_env.read_text() == f"TORCHINDUCTOR_CACHE_DIR={cache}\nOMP_NUM_THREADS=2\n"
+
+
+@pytest.mark.parametrize("value", ["line\nbreak", "carriage\rreturn", "bell\x07", "\ufdd0", "\ufffe", "\U0010ffff", "bom\ufeff"])
+def test_values_systemd_would_drop_are_refused_for_the_env_file(tmp_path: Path, value: str) -> None:
+    with pytest.raises(IntegrityError, match="TORCHINDUCTOR_X: the value holds"):
+        env_file_text({"TORCHINDUCTOR_X": value})
+
+
+@pytest.mark.parametrize("raw", ["A='\ufdd0'\n", "A='\ufffe'\n"])
+def test_systemd_refuses_what_the_env_file_refuses(tmp_path: Path, raw: str) -> None:
+    """Why those values are refused: systemd itself will not load a file holding a noncharacter."""
+    env_file = tmp_path / "raw.env"
+    env_file.write_text(raw + "B='ok'\n", encoding="utf-8")
+    lib = systemd_library()
+    entries = ctypes.POINTER(ctypes.c_char_p)()
+    assert lib.load_env_file(None, str(env_file).encode(), ctypes.byref(entries)) < 0
+
+
+_value = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Cn"), blacklist_characters="\ufeff") | st.sampled_from("\t'\"\\ #;$"), max_size=40)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.lists(_value, min_size=1, max_size=8))
+def test_any_value_the_env_file_takes_reads_back_identically(tmp_path: Path, values: list[str]) -> None:
+    exports = {f"TORCHINDUCTOR_V{i}": v for i, v in enumerate(values)}
+    env_file = tmp_path / "fuzz.env"
+    env_file.write_text(env_file_text(exports), encoding="utf-8")
+    by_bash = read_back_by_bash(env_file)
+    by_systemd = read_back_by_systemd(env_file)
+    assert {k: by_bash.get(k) for k in exports} == exports
+    assert {k: by_systemd.get(k) for k in exports} == exports
