@@ -12,7 +12,6 @@ command. The env file (`pull --env-file`) is written so that systemd's Environme
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from collections.abc import Collection, Mapping
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from neffbuild.backends.serving import BY_BACKEND
 from neffbuild.errors import InputError, IntegrityError
-from neffbuild.materialize import disk_error
+from neffbuild.atomic import write_atomic
 
 if TYPE_CHECKING:
     from neffbuild.bundle import Release
@@ -118,19 +117,4 @@ def write_env_file(path: Path, text: str) -> bool:
             return False
     except (OSError, UnicodeDecodeError):
         pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "wb") as out:
-            out.write(text.encode())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise disk_error(exc, path) from None
-    finally:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-    return True
+    return write_atomic(path, text.encode())

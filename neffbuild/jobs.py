@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from neffbuild.atomic import write_atomic
 from neffbuild.errors import BuildError, InputError, Interrupted
 from neffbuild.manifest import ModelEntry, Shape
 
@@ -80,9 +81,7 @@ class WorkerResult(_Frozen):
 
 
 def write_json_atomic(path: Path, model: BaseModel) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(model.model_dump_json(indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, model.model_dump_json(indent=1).encode())
 
 
 def read_result(path: Path) -> WorkerResult | None:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from neffbuild.atomic import write_atomic_at
 from neffbuild.bundle import FileEntry
 from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.materialize import (
@@ -303,17 +304,4 @@ def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None)
     """Replace the state file with data, unless it already holds exactly that."""
     if data == old:
         return
-    shown = cache_dir / STATE_DIR / STATE_FILE
-    tmp = f".{STATE_FILE}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=state_dir)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, STATE_FILE, src_dir_fd=state_dir, dst_dir_fd=state_dir)
-    except OSError as exc:
-        raise disk_error(exc, shown) from None
-    finally:
-        try:
-            os.unlink(tmp, dir_fd=state_dir)
-        except OSError:
-            pass
+    write_atomic_at(state_dir, STATE_FILE, data, shown=cache_dir / STATE_DIR / STATE_FILE)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import uuid
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from neffbuild.atomic import write_atomic
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.locks import exclusive
 from neffbuild.materialize import BlobTarget, disk_error, write_verified
@@ -79,21 +79,22 @@ class LocalStore:
         target = self.root / blob_key(digest)
         if target.is_file():
             return 0
-        tmp = self._tmp_path(target)
-        try:
-            with source.open("rb") as src, tmp.open("xb") as dst:
+        _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
+        copied: list[int] = []
+
+        def copy(dst: BinaryIO) -> None:
+            with source.open("rb") as src:
                 got = copy_hashing(src, dst)
             if got.hex != digest:
                 raise IntegrityError(
                     f"{source}: changed while publishing to {target} (digest {got.hex}, expected {digest})", hint="rebuild, then publish"
                 )
-            tmp.chmod(0o444)  # verified objects are read-only, as in dvc's object database
-            self._link_new(tmp, target)
-            return got.size
-        except OSError as exc:
-            raise disk_error(exc, target) from None
-        finally:
-            tmp.unlink(missing_ok=True)
+            copied.append(got.size)
+
+        # Flushed before it is named, and so before any record that points at it can be written.
+        # Verified objects are read-only, as in dvc's object database.
+        landed = write_atomic(target, copy, mode=0o444, replace=False)
+        return copied[0] if landed else 0
 
     def put_blobs(self, sources: Sequence[BlobSource], jobs: int) -> int:
         wanted = self.missing_blobs({s.digest for s in sources})
@@ -171,14 +172,7 @@ class LocalStore:
             current = self.read_tag(name)
             if (current[1] if current else None) != expected:
                 return False
-            tmp = self._tmp_path(target)
-            try:
-                tmp.write_bytes(data)
-                os.replace(tmp, target)
-            except OSError as exc:
-                raise disk_error(exc, target) from None
-            finally:
-                tmp.unlink(missing_ok=True)
+            write_atomic(target, data)
         return True
 
     def _write_new(self, key: str, data: bytes) -> bool:
@@ -186,27 +180,7 @@ class LocalStore:
         if target.exists():
             return False
         _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
-        tmp = self._tmp_path(target)
-        try:
-            tmp.write_bytes(data)
-            tmp.chmod(0o444)
-            return self._link_new(tmp, target)
-        except OSError as exc:
-            raise disk_error(exc, target) from None
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _link_new(self, tmp: Path, target: Path) -> bool:
-        _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
-        try:
-            os.link(tmp, target)
-        except FileExistsError:
-            return False
-        return True
-
-    def _tmp_path(self, target: Path) -> Path:
-        _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
-        return target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.incomplete"
+        return write_atomic(target, data, mode=0o444, replace=False)
 
 
 CORRUPT_HINT = "the store is damaged: restore the object, or push the release into a new store"
