@@ -29,20 +29,25 @@ from neffbuild.hashing import hash_file
 from neffbuild.jobs import (
     DEFAULT_LOGS_DIR,
     OnPhase,
+    Progress,
     WorkerJob,
     Workers,
     keep_logs,
     log_tail,
+    logs_dir_for,
     make_scratch_root,
+    no_progress,
     remove_tree,
     run_name,
     run_worker,
     supervised,
     unit_dir_name,
 )
-from neffbuild.plan import BuildUnit, Plan, check_buildable
+from neffbuild.manifest import load_manifest
+from neffbuild.plan import BuildUnit, Plan, check_buildable, make_plan
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.refs import load_doc
+from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 
 # (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
@@ -91,6 +96,32 @@ class _Run:
     logs_dir: Path
     notify: Notify
     workers: Workers
+
+
+def build_manifest(
+    manifest: Path,
+    store: StoreChoice,
+    *,
+    env: Mapping[str, str],
+    tag: str | None = None,
+    jobs: int = 1,
+    work_dir: Path | None = None,
+    keep_work: bool = False,
+    progress: Progress = no_progress,
+) -> BuildReport:
+    """`neffbuild build`: plan the manifest, open (or create) its store, build every unit.
+
+    A plan that cannot be built is refused before the store is created, so it leaves nothing
+    behind; failed units' logs go to --work-dir's logs/ (jobs.logs_dir_for).
+    """
+    loaded = load_manifest(manifest)
+    plan = make_plan(loaded, env)
+    check_buildable(plan)
+    opened = store.open(env, manifest_default=loaded.manifest.store, create=True)
+    with progress(len(plan.units)) as notify:
+        return build(
+            plan, opened, env=env, tag=tag, jobs=jobs, work_dir=work_dir, keep_work=keep_work, logs_dir=logs_dir_for(work_dir), notify=notify
+        )
 
 
 def build(

@@ -10,13 +10,16 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from neffbuild import __version__
-from neffbuild.errors import InputError, NeffbuildError
+from neffbuild.errors import NeffbuildError
 from neffbuild.output import Console
+
+if TYPE_CHECKING:
+    from neffbuild.store import StoreChoice
 
 _DEBUG = {"on": False}
 
@@ -28,21 +31,17 @@ _endpoint_flag = click.option(
 )
 
 
-def _with_endpoint(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Commands pass os.environ to open_store; --endpoint-url enters there, beating AWS_ENDPOINT_URL."""
+def store_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--store and --endpoint-url, for every command that opens a store: handed to the core as
+    one StoreChoice (the flag beats NEFFBUILD_STORE; --endpoint-url beats AWS_ENDPOINT_URL)."""
 
     @functools.wraps(command)
-    def run(*args: Any, endpoint_url: str | None = None, **kwargs: Any) -> Any:
-        if endpoint_url:
-            os.environ["AWS_ENDPOINT_URL"] = endpoint_url
-        return command(*args, **kwargs)
+    def run(*args: Any, store_url: str | None = None, endpoint_url: str | None = None, **kwargs: Any) -> Any:
+        from neffbuild.store import StoreChoice
 
-    return run
+        return command(*args, store=StoreChoice(store_url, endpoint_url), **kwargs)
 
-
-def store_option(command: Callable[..., Any]) -> Callable[..., Any]:
-    """--store and --endpoint-url, for every command that opens a store."""
-    return _endpoint_flag(_with_endpoint(_store_flag(command)))
+    return _endpoint_flag(_store_flag(run))
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON document for machines.")
@@ -84,40 +83,24 @@ def plan(manifest: Path, as_json: bool) -> None:
 )
 @click.option("--keep-work", is_flag=True, help="Keep each unit's scratch dir (cache, job, log).")
 @json_option
-def build(manifest: Path, store_url: str | None, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool, as_json: bool) -> None:
+def build(manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool, as_json: bool) -> None:
     """Warmup-compile every unit of MANIFEST, publish bundles, then a release and its tag."""
-    from neffbuild.build import build as run_build
-    from neffbuild.build import failure
-    from neffbuild.manifest import load_manifest
-    from neffbuild.plan import check_buildable, make_plan
-    from neffbuild.store import open_store, resolve_store_url
+    from neffbuild.build import build_manifest, failure
 
-    loaded = load_manifest(manifest)
-    the_plan = make_plan(loaded, os.environ)
-    check_buildable(the_plan)  # before the store is created: a refused build leaves nothing behind
-    store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), create=True, env=os.environ)
     console = Console(as_json)
-    with console.units_progress("building", len(the_plan.units)) as notify:
-        report = run_build(
-            the_plan,
-            store,
-            env=os.environ,
-            tag=tag,
-            jobs=jobs or 1,
-            work_dir=work_dir,
-            keep_work=keep_work,
-            logs_dir=_logs_dir(work_dir),
-            notify=notify,
-        )
+    report = build_manifest(
+        manifest,
+        store,
+        env=os.environ,
+        tag=tag,
+        jobs=jobs or 1,
+        work_dir=work_dir,
+        keep_work=keep_work,
+        progress=lambda total: console.units_progress("building", total),
+    )
     console.build(report)
     if report.failed:
         raise failure(report)
-
-
-def _logs_dir(work_dir: Path | None) -> Path:
-    from neffbuild.jobs import DEFAULT_LOGS_DIR
-
-    return work_dir / "logs" if work_dir else DEFAULT_LOGS_DIR
 
 
 _allow_env_option = click.option(
@@ -138,13 +121,11 @@ _env_file_option = click.option(
 @_allow_env_option
 @_env_file_option
 @json_option
-def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
+def pull(ref: str, cache_dir: Path, store: StoreChoice, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move)."""
     from neffbuild.pull import pull as run_pull
-    from neffbuild.store import open_store, resolve_store_url
 
-    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
-    report = run_pull(store, ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file)
+    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file)
     Console(as_json).pull(report)
 
 
@@ -160,36 +141,22 @@ def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, all
     help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
 )
 @json_option
-def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None, outputs: Path | None, work_dir: Path | None, as_json: bool) -> None:
+def verify(manifest: Path, cache_dir: Path, replay: bool, store: StoreChoice, outputs: Path | None, work_dir: Path | None, as_json: bool) -> None:
     """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
     (against a private copy: the cache dir is never written)."""
-    from neffbuild.manifest import load_manifest
-    from neffbuild.plan import make_plan
+    from neffbuild.verify import files_error, miss_error, verify_files, verify_replay
 
-    loaded = load_manifest(manifest)
-    the_plan = make_plan(loaded, os.environ)
-    if not cache_dir.is_dir():
-        raise InputError(f"--cache-dir {cache_dir}: no such directory", hint="pull into it first")
     console = Console(as_json)
     if replay:
-        from neffbuild.verify import miss_error
-        from neffbuild.verify import replay as run_replay
-
-        with console.units_progress("replaying", len(the_plan.units)) as notify:
-            report = run_replay(
-                the_plan, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, logs_dir=_logs_dir(work_dir), notify=notify
-            )
+        progress = lambda total: console.units_progress("replaying", total)  # noqa: E731
+        report = verify_replay(manifest, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, progress=progress)
         console.replay(report)
-        if error := miss_error(report):
-            raise error
-        return
-    from neffbuild.store import open_store, resolve_store_url
-    from neffbuild.verify import check_files, files_error
-
-    store = open_store(resolve_store_url(store_url, os.environ, loaded.manifest.store), env=os.environ)
-    results = check_files(the_plan, store, cache_dir)
-    console.check(results)
-    if error := files_error(results, cache_dir, store.url):
+        error = miss_error(report)
+    else:
+        check = verify_files(manifest, cache_dir, store, env=os.environ)
+        console.check(check.units)
+        error = files_error(check)
+    if error:
         raise error
 
 
@@ -200,13 +167,11 @@ def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None,
 @_allow_env_option
 @_env_file_option
 @json_option
-def env_command(ref: str, cache_dir: Path, store_url: str | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
+def env_command(ref: str, cache_dir: Path, store: StoreChoice, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
     """Print the environment a serving process needs for REF's cache (shell `export` lines)."""
     from neffbuild.pull import serving_env
-    from neffbuild.store import open_store, resolve_store_url
 
-    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
-    Console(as_json).exports(serving_env(store, ref, cache_dir, allow_env=allow_env, env_file=env_file))
+    Console(as_json).exports(serving_env(store.open(os.environ), ref, cache_dir, allow_env=allow_env, env_file=env_file))
 
 
 @cli.command()
@@ -215,15 +180,15 @@ def env_command(ref: str, cache_dir: Path, store_url: str | None, allow_env: tup
 @click.option("--release", "release_ref", metavar="FILE|TAG", help="Compare with a release: its JSON file, or a tag or release id in --store.")
 @store_option
 @json_option
-def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, store_url: str | None, as_json: bool) -> int:
+def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, store: StoreChoice, as_json: bool) -> None:
     """Check this host before it serves: backend, devices, versions, cache dir; exit 11 if any check fails."""
-    from neffbuild.doctor import load_release, run_doctor
-    from neffbuild.store import resolve_store_url
+    from neffbuild.doctor import doctor as run_doctor
+    from neffbuild.doctor import not_ready
 
-    release = load_release(release_ref, resolve_store_url(store_url, os.environ), os.environ) if release_ref else None
-    report = run_doctor(env=os.environ, cache_dir=cache_dir, backend=backend, release=release)
+    report = run_doctor(env=os.environ, cache_dir=cache_dir, backend=backend, release_ref=release_ref, store=store)
     Console(as_json).doctor(report)
-    return report.exit_code
+    if error := not_ready(report):
+        raise error
 
 
 @cli.command()
@@ -233,16 +198,12 @@ def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None,
 @_endpoint_flag
 @jobs_option
 @json_option
-@_with_endpoint
-def push(ref: str, from_url: str, to_url: str, jobs: int | None, as_json: bool) -> None:
+def push(ref: str, from_url: str, to_url: str, endpoint_url: str | None, jobs: int | None, as_json: bool) -> None:
     """Copy a release and its tag to another store, uploading only what that store lacks."""
-    from neffbuild.refs import parse_ref
-    from neffbuild.store import open_store
-    from neffbuild.transfer import push as run_push
+    from neffbuild.store import StoreChoice
+    from neffbuild.transfer import push_between
 
-    parse_ref(ref)  # before --to is created
-    src = open_store(from_url, env=os.environ)
-    result = run_push(ref, src, open_store(to_url, create=True, env=os.environ), jobs=jobs or 16)
+    result = push_between(ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16)
     Console(as_json).push(result)
 
 
@@ -251,13 +212,11 @@ def push(ref: str, from_url: str, to_url: str, jobs: int | None, as_json: bool) 
 @click.argument("release_id", metavar="RELEASE")
 @store_option
 @json_option
-def tag(name: str, release_id: str, store_url: str | None, as_json: bool) -> None:
+def tag(name: str, release_id: str, store: StoreChoice, as_json: bool) -> None:
     """Point tag NAME at RELEASE (a release id, e.g. from the tag's history): rollback."""
     from neffbuild.publish import move_tag
-    from neffbuild.store import open_store, resolve_store_url
 
-    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
-    Console(as_json).tag(move_tag(store, name, release_id))
+    Console(as_json).tag(move_tag(store.open(os.environ), name, release_id))
 
 
 @cli.command()
@@ -279,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(invoke: Callable[[], Any]) -> int:
     try:
-        result = invoke()
-        return result if isinstance(result, int) else 0
+        invoke()
+        return 0
     except NeffbuildError as exc:
         _print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
         return exc.exit_code

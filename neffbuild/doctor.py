@@ -22,6 +22,7 @@ from neffbuild.backends import get_backend
 from neffbuild.bundle import Release, parse
 from neffbuild.errors import HostNotReady, InputError
 from neffbuild.manifest import ModelEntry, ShapeSet
+from neffbuild.store import StoreChoice
 
 Status = Literal["pass", "fail", "skip"]
 GiB = 1 << 30
@@ -47,9 +48,6 @@ class DoctorReport:
     def ok(self) -> bool:
         return all(c.status != "fail" for c in self.checks)
 
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else HostNotReady.exit_code
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +117,25 @@ def run_doctor(
         check_free_space(where, release, host),
     )
     return DoctorReport(backend=name, cache_dir=where, checks=checks)
+
+
+def doctor(
+    *, env: Mapping[str, str], cache_dir: Path | None, backend: str | None, release_ref: str | None, store: StoreChoice
+) -> DoctorReport:
+    """`neffbuild doctor`: the checks, against the release release_ref names if given."""
+    release = load_release(release_ref, store, env) if release_ref else None
+    return run_doctor(env=env, cache_dir=cache_dir, backend=backend, release=release)
+
+
+def not_ready(report: DoctorReport) -> HostNotReady | None:
+    """The error a report with failed checks ends with (exit 11), after it is shown."""
+    failed = [c.name for c in report.checks if c.status == "fail"]
+    if not failed:
+        return None
+    return HostNotReady(
+        f"{len(failed)} of {len(report.checks)} checks failed: {', '.join(failed)}",
+        hint="do what each failed check's fix says, then run `neffbuild doctor` again",
+    )
 
 
 def _backend_name(backend: str | None, release: Release | None, host: HostView) -> str:
@@ -258,17 +275,16 @@ def check_free_space(cache_dir: Path, release: Release | None, host: HostView) -
     )
 
 
-def load_release(ref: str, store_url: str | None, env: Mapping[str, str]) -> Release:
+def load_release(ref: str, store: StoreChoice | None, env: Mapping[str, str]) -> Release:
     """A release document from a file, or a reference (neffbuild.refs) resolved in a store."""
     path = Path(ref)
     if path.suffix == ".json" and path.is_file():
         return parse(Release, path.read_bytes(), str(path))
-    if store_url is None:
+    if store is None:
         raise InputError(f"{ref!r} is not a release file", hint="give a release JSON file, or a tag with --store")
     from neffbuild.refs import resolve
-    from neffbuild.store import open_store
 
-    return resolve(open_store(store_url, env=env), ref).release
+    return resolve(store.open(env), ref).release
 
 
 def report_lines(report: DoctorReport) -> list[str]:

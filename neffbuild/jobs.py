@@ -36,6 +36,12 @@ _POLL_S = 0.2
 _KEPT_FILES = ("worker.log", "job.json", "job.result.json", "job.events.jsonl")
 
 OnPhase = Callable[[str, str], None]  # (unit_id, phase) as the worker reports it
+# Given the number of units, a context that yields the OnPhase a run reports to (the CLI's display).
+Progress = Callable[[int], contextlib.AbstractContextManager[OnPhase]]
+
+
+def no_progress(total: int) -> contextlib.AbstractContextManager[OnPhase]:
+    return contextlib.nullcontext(lambda unit_id, phase: None)
 
 
 class _Frozen(BaseModel):
@@ -292,6 +298,11 @@ def run_worker(
 
 # Where failed workers' logs are kept, unless the command says otherwise (`<work dir>/logs`).
 DEFAULT_LOGS_DIR = Path(".neffbuild") / "logs"
+
+
+def logs_dir_for(work_dir: Path | None) -> Path:
+    """`<work dir>/logs` with --work-dir, else DEFAULT_LOGS_DIR."""
+    return work_dir / "logs" if work_dir else DEFAULT_LOGS_DIR
 
 
 def run_name() -> str:

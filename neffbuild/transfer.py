@@ -10,14 +10,15 @@ each one as it lands there (write_verified), the destination checks it again as 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.bundle import BundleRecord, FileEntry
 from neffbuild.materialize import BlobTarget
 from neffbuild.publish import move_tag, publish_bundle, publish_release
-from neffbuild.refs import load_doc, read_tag, resolve
+from neffbuild.refs import load_doc, parse_ref, read_tag, resolve
+from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 
 
@@ -31,6 +32,14 @@ class PushResult:
     blobs_uploaded: int
     bytes_uploaded: int
     tag_moved: bool
+
+
+def push_between(ref: str, src: StoreChoice, dst: StoreChoice, *, env: Mapping[str, str], jobs: int = 16) -> PushResult:
+    """`neffbuild push`: open both stores (the destination is created if absent, once ref is known
+    to be well formed) and push."""
+    parse_ref(ref)
+    source = src.open(env)
+    return push(ref, source, dst.open(env, create=True), jobs=jobs)
 
 
 def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path | None = None, by: str | None = None) -> PushResult:

@@ -39,20 +39,25 @@ from neffbuild.hashing import hash_file
 from neffbuild.jobs import (
     DEFAULT_LOGS_DIR,
     OnPhase,
+    Progress,
     WorkerJob,
     Workers,
     WrittenFile,
     keep_logs,
     log_tail,
+    logs_dir_for,
     make_scratch_root,
+    no_progress,
     remove_tree,
     run_name,
     run_worker,
     supervised,
     unit_dir_name,
 )
-from neffbuild.plan import BuildUnit, Plan
+from neffbuild.manifest import LoadedManifest, load_manifest
+from neffbuild.plan import BuildUnit, Plan, make_plan
 from neffbuild.refs import find_doc
+from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
 
 _ELSEWHERE = "a replay never writes into the dir it checks: give --work-dir / --outputs another place"
@@ -111,6 +116,43 @@ class _Replay:
     logs_dir: Path
     workers: Workers
     notify: OnPhase
+
+
+def verify_replay(
+    manifest: Path,
+    cache_dir: Path,
+    *,
+    env: Mapping[str, str],
+    work_dir: Path | None = None,
+    outputs_dir: Path | None = None,
+    progress: Progress = no_progress,
+) -> ReplayReport:
+    """`neffbuild verify --replay`: replay the manifest against cache_dir (see replay)."""
+    plan = _plan_for(manifest, cache_dir, env)[1]
+    with progress(len(plan.units)) as notify:
+        return replay(plan, cache_dir, env=env, work_dir=work_dir, outputs_dir=outputs_dir, logs_dir=logs_dir_for(work_dir), notify=notify)
+
+
+@dataclass(frozen=True)
+class FilesCheck:
+    cache_dir: Path
+    store_url: str
+    units: tuple[UnitFiles, ...]
+
+
+def verify_files(manifest: Path, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str]) -> FilesCheck:
+    """`neffbuild verify`: is every file of the manifest's bundles in cache_dir (see check_files)?"""
+    loaded, plan = _plan_for(manifest, cache_dir, env)
+    opened = store.open(env, manifest_default=loaded.manifest.store)
+    return FilesCheck(cache_dir, opened.url, check_files(plan, opened, cache_dir))
+
+
+def _plan_for(manifest: Path, cache_dir: Path, env: Mapping[str, str]) -> tuple[LoadedManifest, Plan]:
+    loaded = load_manifest(manifest)
+    plan = make_plan(loaded, env)
+    if not cache_dir.is_dir():
+        raise InputError(f"--cache-dir {cache_dir}: no such directory", hint="pull into it first")
+    return loaded, plan
 
 
 def replay(
@@ -339,20 +381,21 @@ def check_files(plan: Plan, store: Store, cache_dir: Path) -> tuple[UnitFiles, .
     return tuple(results)
 
 
-def files_error(results: tuple[UnitFiles, ...], cache_dir: Path, store_url: str) -> NeffbuildError | None:
+def files_error(check: FilesCheck) -> NeffbuildError | None:
     """Units the store has no bundle for are not built (8): pulling cannot help. Otherwise missing
     or changed files are an integrity failure (4): pull again."""
+    results = check.units
     not_built = [r for r in results if not r.built]
     if not_built:
         return NotFoundError(
-            f"{len(not_built)} of {len(results)} units have no bundle in {store_url}: "
+            f"{len(not_built)} of {len(results)} units have no bundle in {check.store_url}: "
             + ", ".join(f"{r.unit_id} (key {r.key})" for r in not_built),
             hint="build them (`neffbuild build MANIFEST`), then pull",
         )
     bad = [r for r in results if not r.ok]
     if bad:
         return IntegrityError(
-            f"{len(bad)} of {len(results)} units are not fully in {cache_dir}: " + ", ".join(r.unit_id for r in bad),
+            f"{len(bad)} of {len(results)} units are not fully in {check.cache_dir}: " + ", ".join(r.unit_id for r in bad),
             hint="run `neffbuild pull` again",
         )
     return None

@@ -18,6 +18,7 @@ from neffbuild.doctor import (
     fingerprint_diff,
     load_release,
     mount_of,
+    not_ready,
     report_json,
     report_lines,
     run_doctor,
@@ -84,7 +85,9 @@ def test_this_machine_fails_backend_devices_and_default_cache_dir():
     persistent = by_name(report, "persistent")
     assert persistent.status == "fail" and "/tmp" in persistent.detail  # the compiler's default dies at reboot
     assert by_name(report, "versions").status == "skip"
-    assert not report.ok and report.exit_code == 11
+    assert not report.ok
+    error = not_ready(report)
+    assert error is not None and error.exit_code == 11 and "persistent" in error.message
     text = "\n".join(report_lines(report))
     assert "FAIL  persistent" in text and "fix:" in text
     assert report_json(report)["ok"] is False

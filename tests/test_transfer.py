@@ -88,3 +88,17 @@ def test_cli_push_then_tag_rolls_back(local_release: tuple[str, str, int], s3_ur
     assert [e["release"] for e in record["history"]] == [release_id, newer, release_id]
     missing = cli("tag", "main", "0" * 32, "--store", s3_url, *endpoint, env=env)
     assert missing.returncode == 8 and "push it" in missing.stderr
+
+
+@pytest.mark.s3
+def test_endpoint_flag_beats_the_environment(local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli) -> None:
+    """--endpoint-url reaches the store as a parameter: a wrong AWS_ENDPOINT_URL is not used."""
+    url, release_id, _ = local_release
+    env = {**s3_env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}  # nothing listens on the discard port
+    endpoint = ["--endpoint-url", s3_env["AWS_ENDPOINT_URL"]]
+    assert cli("push", "main", "--from", url, "--to", s3_url, *endpoint, env=env).returncode == 0
+    pulled = cli("pull", "main", "--store", s3_url, *endpoint, "--cache-dir", str(tmp_path / "c"), "--json", env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["release_id"] == release_id
+    without = cli("pull", "main", "--store", s3_url, "--cache-dir", str(tmp_path / "d"), env=env)
+    assert without.returncode == 3, without.stderr

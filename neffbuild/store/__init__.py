@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.errors import InputError
@@ -30,3 +31,15 @@ def open_store(
     from neffbuild.store.local import LocalStore
 
     return LocalStore(Path(url), create=create)
+
+
+@dataclass(frozen=True)
+class StoreChoice:
+    """Where the user said the store is (--store, --endpoint-url), opened by the core."""
+
+    url: str | None = None
+    endpoint_url: str | None = None
+
+    def open(self, env: Mapping[str, str], *, manifest_default: str | None = None, create: bool = False) -> Store:
+        url = resolve_store_url(self.url, env, manifest_default)
+        return open_store(url, create=create, env=env, endpoint_url=self.endpoint_url)
