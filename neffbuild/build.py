@@ -176,21 +176,35 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
         outcome = build_unit(unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify)
     except Interrupted:
         raise
-    except NeffbuildError as exc:
-        log = keep_logs(scratch, run.logs_dir / unit_dir_name(unit.unit_id))
-        run.notify(unit.unit_id, "failed")
-        return UnitOutcome(
-            unit.unit_id,
-            unit.key,
-            "failed",
-            error=f"{exc.message} ({exc.hint})" if exc.hint else exc.message,
-            seconds=time.monotonic() - started,
-            log=str(log) if log else None,
-            log_tail=log_tail(log),
-            worker_traceback=exc.debug_detail,
-        )
+    except (NeffbuildError, OSError) as exc:  # an OSError here is this unit's (its scratch, its files), not the build's
+        return _failed(unit, run, scratch, exc, started)
     run.notify(unit.unit_id, "built")
     return replace(outcome, seconds=time.monotonic() - started)
+
+
+def _failed(unit: BuildUnit, run: _Run, scratch: Path, exc: NeffbuildError | OSError, started: float) -> UnitOutcome:
+    """The failed unit's outcome, with its worker's log kept (if it can be: that is not worth
+    failing the whole build for)."""
+    if isinstance(exc, NeffbuildError):
+        error, debug = (f"{exc.message} ({exc.hint})" if exc.hint else exc.message), exc.debug_detail
+    else:
+        error, debug = f"{exc.filename or scratch}: {exc.strerror or exc}", None
+    try:
+        log = keep_logs(scratch, run.logs_dir / unit_dir_name(unit.unit_id))
+    except OSError as kept:
+        log = None
+        error += f"; its log could not be kept ({kept.filename or run.logs_dir}: {kept.strerror or kept})"
+    run.notify(unit.unit_id, "failed")
+    return UnitOutcome(
+        unit.unit_id,
+        unit.key,
+        "failed",
+        error=error,
+        seconds=time.monotonic() - started,
+        log=str(log) if log else None,
+        log_tail=log_tail(log),
+        worker_traceback=debug,
+    )
 
 
 def build_unit(
@@ -308,7 +322,7 @@ def failure(report: BuildReport) -> BuildError:
     for o in failed:
         if o is not first:  # the first one's error is the message
             details.append(str(o.error))
-        details.append(f"  log: {o.log or '(none: the worker never started)'}")
+        details.append(f"  log: {o.log or '(none kept)'}")
         if o is first and o.log_tail:
             details.extend(f"  | {line}" for line in o.log_tail)
     return BuildError(

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import xxhash
 
-from neffbuild.errors import DiskError, IntegrityError
+from neffbuild.errors import DiskError, IntegrityError, StoreError
 from neffbuild.names import INCOMPLETE_SUFFIX
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -111,7 +111,14 @@ def _bounded(chunks: Iterable[bytes | memoryview], target: BlobTarget, origin: s
     """The chunks, stopped as soon as they exceed the size the release declares: a source that
     never ends (a FIFO, /dev/zero, a body without a length) fails here, not on a full disk."""
     size = 0
-    for chunk in chunks:
+    source = iter(chunks)
+    while True:
+        try:
+            chunk = next(source)
+        except StopIteration:
+            return
+        except OSError as exc:  # the source's failure, not the target's: a store read, not the disk
+            raise StoreError(f"{origin}: read failed ({exc.strerror or exc})", hint="check the store's filesystem or connection") from None
         size += len(chunk)
         if size > target.size:  # checked before it is written: nothing past the size is kept
             raise IntegrityError(
@@ -371,14 +378,23 @@ def disk_error(exc: OSError, path: Path) -> DiskError:
 
 
 def sync_filesystem(path: Path) -> None:
-    """Flush the filesystem holding path (Linux syncfs; elsewhere a global sync)."""
+    """Flush the filesystem holding path (Linux syncfs; elsewhere a global sync, which reports
+    nothing). A failed flush is a DiskError: what was written may not survive a power cut, so
+    nothing may be recorded as durable (pull's state file)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise disk_error(exc, path) from None
     try:
-        if not hasattr(libc, "syncfs") or libc.syncfs(fd) != 0:
+        if not hasattr(libc, "syncfs"):
             os.sync()
+        elif libc.syncfs(fd) != 0:
+            code = ctypes.get_errno()
+            raise DiskError(
+                f"{path}: flushing its filesystem to disk failed: {os.strerror(code)}",
+                hint="the device reported a write error, so the files just written may be lost: "
+                "check the disk (dmesg), then pull again",
+            )
     finally:
         os.close(fd)

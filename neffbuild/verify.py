@@ -236,8 +236,12 @@ def _replay_entry(units: list[BuildUnit], run: _Replay) -> list[UnitReplay]:
 
 
 def _with_kept_log(exc: NeffbuildError, scratch: Path, dest: Path) -> BuildError:
-    log = keep_logs(scratch, dest)
-    details = [f"  log: {log}", *(f"  | {line}" for line in log_tail(log))] if log else []
+    try:
+        log = keep_logs(scratch, dest)
+    except OSError as kept:  # the replay's error is what matters; say why its log is not there
+        details = [f"  log: not kept ({kept.filename or dest}: {kept.strerror or kept})"]
+    else:
+        details = [f"  log: {log}", *(f"  | {line}" for line in log_tail(log))] if log else []
     return BuildError(exc.message, hint="--debug shows the worker's traceback", details=details, debug_detail=exc.debug_detail)
 
 

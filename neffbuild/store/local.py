@@ -65,8 +65,8 @@ class LocalStore:
             return None
         except _NotRegular as exc:
             raise StoreError(f"{marker}: a {exc.kind}, not a store marker", hint=MARKER_HINT) from None
-        except OSError as exc:
-            raise disk_error(exc, marker) from None
+        except OSError as exc:  # reading the store, whatever disk it is on
+            raise StoreError(f"{marker}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions") from None
 
     @property
     def url(self) -> str:
@@ -120,7 +120,7 @@ class LocalStore:
         except OSError as exc:
             raise StoreError(f"{origin}: cannot read it ({exc.strerror or exc}) (needed for {target.dest})", hint="check the store's permissions") from None
         with stream:
-            write_verified(target, _chunks(stream, target.size + 1, origin), origin=origin)
+            write_verified(target, _chunks(stream, target.size + 1), origin=origin)
 
     @contextmanager
     def open_blob(self, digest: str) -> Iterator[BinaryIO]:
@@ -131,6 +131,8 @@ class LocalStore:
             raise NotFoundError(f"blob {digest} missing from store {self.url}", hint="re-push the release") from None
         except _NotRegular as exc:
             raise IntegrityError(f"{where} is a {exc.kind}, not a regular file", hint=CORRUPT_HINT) from None
+        except OSError as exc:
+            raise StoreError(f"{where}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions") from None
         with stream:
             yield stream
 
@@ -154,8 +156,14 @@ class LocalStore:
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         folder = self.root / kind
-        if folder.is_dir():
-            yield from sorted(p.stem for p in folder.glob("*.json"))
+        try:
+            with os.scandir(folder) as entries:  # unlike Path.glob, it reports a refusal
+                names = sorted(e.name[: -len(".json")] for e in entries if e.name.endswith(".json"))
+        except (FileNotFoundError, NotADirectoryError):
+            names = []
+        except OSError as exc:
+            raise StoreError(f"{folder}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions") from None
+        yield from names
 
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
         data = self.get_doc("tags", name)
@@ -215,15 +223,10 @@ _KINDS = {
 }  # fmt: skip
 
 
-def _chunks(stream: BinaryIO, limit: int, origin: str) -> Iterator[bytes]:
-    """At most limit bytes of stream, in chunks (a file that keeps growing is not read forever)."""
-    while limit > 0:
-        try:
-            chunk = stream.read(min(CHUNK, limit))
-        except OSError as exc:
-            raise StoreError(f"{origin}: read failed ({exc.strerror or exc})", hint="check the store's filesystem") from None
-        if not chunk:
-            return
+def _chunks(stream: BinaryIO, limit: int) -> Iterator[bytes]:
+    """At most limit bytes of stream, in chunks (a file that keeps growing is not read forever);
+    a read error is the store's (write_verified says so)."""
+    while limit > 0 and (chunk := stream.read(min(CHUNK, limit))):
         limit -= len(chunk)
         yield chunk
 

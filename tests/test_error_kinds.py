@@ -1,0 +1,135 @@
+"""Each fault is reported as what it is, produced for real: a flush the device fails, a store file
+this process may not read, a unit whose failure cannot even keep its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from neffbuild.store import open_store
+from neffbuild.store.base import MARKER, blob_key
+from tests.conftest import write_manifest
+from tests.storekit import publish_release_of, write_files
+from tests.test_build import damaged_model  # noqa: F401  (a fixture)
+
+
+def cli_without_override(*args: str) -> subprocess.CompletedProcess[str]:
+    """`neffbuild ARGS` subject to file permissions: as root (tests here run as root), with the
+    capabilities that bypass them dropped from the process's bounding set."""
+    command = [sys.executable, "-m", "neffbuild", *args]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to drop root's permission override")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+@pytest.fixture
+def store_with_release(tmp_path: Path) -> tuple[Path, str]:
+    store = open_store(str(tmp_path / "store"), create=True)
+    sources = write_files(tmp_path / "src", {"a.bin": 3000, "b.bin": 5000})
+    return Path(store.url), publish_release_of(store, tmp_path / "src", sources, tag="t")
+
+
+def test_an_unreadable_store_blob_is_a_store_error(store_with_release: tuple[Path, str], tmp_path: Path) -> None:
+    root, release_id = store_with_release
+    blob = next((root / "blobs").glob("*/*"))
+    blob.chmod(0o000)
+    result = cli_without_override("pull", "t", "--store", str(root), "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 3, result.stderr
+    assert f"error: {root}/{blob_key(blob.name)}: cannot read it (Permission denied)" in result.stderr
+    assert "hint: check the store's permissions" in result.stderr and "free space" not in result.stderr
+
+
+def test_an_unreadable_marker_is_a_store_error(store_with_release: tuple[Path, str], tmp_path: Path) -> None:
+    root, _ = store_with_release
+    (root / MARKER).chmod(0o000)
+    result = cli_without_override("pull", "t", "--store", str(root), "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 3, result.stderr
+    assert f"error: {root / MARKER}: cannot read it (Permission denied)" in result.stderr
+    assert "internal error" not in result.stderr and not (tmp_path / "cache").exists()
+
+
+def test_an_unlistable_releases_dir_is_a_store_error(store_with_release: tuple[Path, str], tmp_path: Path) -> None:
+    root, release_id = store_with_release
+    (root / "releases").chmod(0o300)  # enterable, not listable: a lookup by prefix must list it
+    result = cli_without_override("pull", release_id[:8], "--store", str(root), "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 3, result.stderr
+    assert f"error: {root / 'releases'}: cannot list it (Permission denied)" in result.stderr
+
+
+# -- a flush the device fails: an ext4 image on a loop device whose backing file cannot grow ------
+
+
+@pytest.fixture
+def failing_disk(tmp_path: Path) -> Iterator[Path]:
+    """A mounted filesystem that takes writes into memory and fails them when flushed: ext4 on a
+    64 MiB sparse image that lives on a 6 MiB tmpfs (the loop device gets EIO past 6 MiB)."""
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("losetup", "mkfs.ext4", "mount", "umount")):
+        pytest.skip("needs root, losetup and mkfs.ext4 to build a failing disk")
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    undo: list[list[str]] = []
+
+    def run(*cmd: str) -> str:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot build a failing disk here: {' '.join(cmd)}: {done.stderr.strip()}")
+        return done.stdout.strip()
+
+    try:
+        run("mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(backing))
+        undo.append(["umount", str(backing)])
+        image = backing / "img"
+        with image.open("wb") as f:
+            f.truncate(64 << 20)  # sparse: the tmpfs holds only what is written
+        loop = run("losetup", "-f", "--show", str(image))
+        undo.append(["losetup", "-d", loop])
+        run("mkfs.ext4", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1", loop)
+        run("mount", loop, str(mnt))
+        undo.append(["umount", str(mnt)])
+        yield mnt
+    finally:
+        for cmd in reversed(undo):
+            subprocess.run(cmd, capture_output=True, check=False)
+
+
+def test_a_failed_flush_after_a_pull_is_a_disk_error_and_records_nothing(failing_disk: Path, tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "store"), create=True)
+    # 24 MiB in files under 8 MiB (written through the page cache, so their writes succeed)
+    sources = write_files(tmp_path / "src", {f"f{i:02d}.bin": 1 << 20 for i in range(24)})
+    publish_release_of(store, tmp_path / "src", sources, tag="t")
+    cache = failing_disk / "cache"
+    result = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "pull", "t", "--store", store.url, "--cache-dir", str(cache)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 10, result.stderr
+    assert f"error: {cache}: flushing its filesystem to disk failed: Input/output error" in result.stderr
+    assert "hint: the device reported a write error" in result.stderr
+    assert not (cache / ".neffbuild" / "state.json").exists()  # nothing claims the files are durable
+
+
+# -- a unit's own OSError is that unit's failure -------------------------------------------------
+
+
+def test_a_unit_whose_log_cannot_be_kept_fails_alone_not_the_build(damaged_model: Path, tmp_path: Path, cli) -> None:  # noqa: F811
+    manifest = write_manifest(tmp_path / "m.toml", damaged_model, widths=(128,))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "logs").write_text("a file where the logs dir goes")
+    result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(work), "--json")
+    assert result.returncode == 5, result.stderr
+    assert "internal error" not in result.stderr
+    assert "1 of 1 units failed; first: klein/128x128x1: worker failed:" in result.stderr
+    assert f"its log could not be kept ({work / 'logs'}" in result.stderr and "log: (none kept)" in result.stderr
+    [outcome] = json.loads(result.stdout)["outcomes"]
+    assert outcome["status"] == "failed" and "its log could not be kept" in outcome["error"]
