@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import base64
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,14 +45,18 @@ from neffbuild.hashing import CHUNK
 from neffbuild.materialize import BlobTarget, write_verified
 from neffbuild.store import dataplane, packs, sigv4
 from neffbuild.store.base import (
+    DELETE_BATCH,
     DOC_MAX,
     MARKER,
     MARKER_MAX,
     STORE_FORMAT,
     BlobSource,
     DocKind,
+    ObjectInfo,
     blob_key,
+    check_deletable,
     check_marker,
+    deletion_failed,
     doc_key,
 )
 
@@ -208,6 +212,28 @@ class S3Store:
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         names = [rel[len(kind) + 1 : -len(".json")] for rel in self._list(f"{kind}/") if rel.endswith(".json")]
         yield from sorted(n for n in names if "/" not in n)
+
+    def get_docs(self, kind: DocKind, names: Iterable[str], jobs: int) -> dict[str, bytes | None]:
+        unique = sorted(set(names))
+        return dict(zip(unique, dataplane.run_all([lambda n=n: self.get_doc(kind, n) for n in unique], jobs), strict=True))
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        return self.data.objects(prefix, self.location.prefix)
+
+    def delete_objects(self, keys: Iterable[str]) -> None:
+        todo = [check_deletable(k) for k in keys]
+        failures: list[tuple[str, str]] = []
+        for start in range(0, len(todo), DELETE_BATCH):
+            batch = todo[start : start + DELETE_BATCH]
+            with _translated(self.location, batch[0]):
+                answer = self.client.delete_objects(
+                    Bucket=self.location.bucket, Delete={"Objects": [{"Key": self.location.key(k)} for k in batch], "Quiet": True}
+                )
+            for error in answer.get("Errors", ()):
+                key = str(error.get("Key", "")).removeprefix(self.location.prefix)
+                failures.append((key, f"{error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")))
+        if failures:
+            raise deletion_failed(self.url, failures)
 
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
         got = self.data.read(doc_key("tags", name))
