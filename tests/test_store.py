@@ -247,10 +247,10 @@ def test_missing_blobs_and_idempotent_upload(store: Store, tmp_path: Path) -> No
 @pytest.fixture(params=["ranges", "stream"])
 def large_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """S3 fetches a few large blobs as parallel ranges and many as one stream each: test both."""
-    from neffbuild.store import s3
+    from neffbuild.store import s3transfer
 
     if request.param == "stream":
-        monkeypatch.setattr(s3, "STREAM_MIN", 1)
+        monkeypatch.setattr(s3transfer, "STREAM_MIN", 1)
     return request.param
 
 
@@ -360,13 +360,13 @@ def test_s3_packs_small_blobs_with_an_index(s3_url: str, s3_env: dict[str, str],
 
 @pytest.mark.s3
 def test_s3_many_loose_blobs_are_checked_by_listing(s3_url: str, s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from neffbuild.store import s3
+    from neffbuild.store import s3packs
 
     store = open_store(s3_url, create=True, env=s3_env)
     sources = write_files(tmp_path / "src", {f"{i}.bin": 100 + i for i in range(5)})
     for s in sources[:3]:
         store.put_blob(s.digest, s.path)
-    monkeypatch.setattr(s3, "HEAD_LIMIT", 1)
+    monkeypatch.setattr(s3packs, "HEAD_LIMIT", 1)
     assert store.missing_blobs({s.digest for s in sources}) == {s.digest for s in sources[3:]}
 
 
@@ -409,9 +409,9 @@ def test_listings_follow_every_page(kind: str, store: Store) -> None:
     names = [f"r{i}" for i in range(5)]
     for name in names:
         store.put_doc("releases", name, DOC)
-    keys = store.data.list("releases/", store.location.prefix, page_size=2)  # type: ignore[attr-defined]
+    keys = store.reader.list("releases/", store.location.prefix, page_size=2)  # type: ignore[attr-defined]
     assert keys == [f"releases/{n}.json" for n in names]
-    listed = store.data.objects("releases/", store.location.prefix, page_size=2)  # type: ignore[attr-defined]
+    listed = store.reader.objects("releases/", store.location.prefix, page_size=2)  # type: ignore[attr-defined]
     assert [(o.key, o.size) for o in listed] == [(f"releases/{n}.json", len(DOC)) for n in names]
     assert list(store.list_docs("releases")) == names
 
@@ -577,3 +577,18 @@ def test_a_published_release_has_a_locator_where_the_store_packs(store: Store, e
     assert packs.index_key(pack_id) in keys
     publish_release_of(store, tmp_path / "src", sources)  # an unchanged re-publish writes nothing
     assert keys_of(store, env) == keys
+
+
+def test_only_the_s3_store_modules_import_botocore() -> None:
+    import ast
+
+    import neffbuild
+
+    root = Path(neffbuild.__file__).parent
+    importers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] in ("botocore", "boto3") for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers and all(p.startswith("store/s3") for p in importers), importers
