@@ -150,7 +150,14 @@ class Backend(ABC):
     # -- worker side: runs in the fresh process, may import torch ------------------------------
 
     def prepare_process(self, shape_count: int) -> None:
-        """Process-wide settings before anything compiles."""
+        """Process-wide settings before anything compiles (a backend adds its runtime's first)."""
+        import torch._dynamo
+
+        # Each static shape is one more recompile of the same code; the default limit (8) makes
+        # the ninth shape fail hard under fullgraph=True.
+        limit = max(8, 2 * shape_count + 2)
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * limit)
 
     def run_device(self, entry: ModelEntry) -> str:
         """The torch device the worker moves the pipeline to."""
@@ -166,16 +173,7 @@ class Backend(ABC):
 
     def load_pipeline(self, entry: ModelEntry, model_ref: str) -> Any:
         """Load the pipeline the way serving does: the ordinary from_pretrained path."""
-        import diffusers
-        import torch
-
-        pipeline_class = getattr(diffusers, entry.pipeline, None)
-        if pipeline_class is None:
-            raise ValueError(f"diffusers {diffusers.__version__} has no pipeline class {entry.pipeline!r}")
-        kwargs: dict[str, Any] = {"torch_dtype": getattr(torch, entry.dtype)}
-        if entry.revision:
-            kwargs["revision"] = entry.revision
-        return pipeline_class.from_pretrained(model_ref, **kwargs)
+        return pipeline_class(entry).from_pretrained(model_ref, **load_arguments(entry))
 
     def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
         """Move the pipeline to its device and compile the listed components; return what to call."""
@@ -184,13 +182,44 @@ class Backend(ABC):
             compile_components(pipe, entry, self.compiler(), self.compiler_name)
         return pipe
 
-    @abstractmethod
     def counters(self) -> dict[str, int]:
-        """A snapshot of the compiler's cumulative hit/miss counters in this process."""
+        """A snapshot of the cumulative counters in this process: the compiler's, and the graphs
+        each listed component received."""
+        return {**self.compiler_counters(), **graph_counters()}
+
+    @abstractmethod
+    def compiler_counters(self) -> dict[str, int]:
+        """The compiler's cumulative cache hit/miss counters, by dotted name."""
 
     @abstractmethod
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         """How many compiles (cache misses) a counter delta shows."""
+
+
+def pipeline_class(entry: ModelEntry) -> Any:
+    import diffusers
+
+    found = getattr(diffusers, entry.pipeline, None)
+    if found is None:
+        raise ValueError(f"diffusers {diffusers.__version__} has no pipeline class {entry.pipeline!r}")
+    return found
+
+
+def load_arguments(entry: ModelEntry) -> dict[str, Any]:
+    """What every from_pretrained of an entry's models takes: its dtype and revision."""
+    import torch
+
+    kwargs: dict[str, Any] = {"torch_dtype": getattr(torch, entry.dtype)}
+    if entry.revision:
+        kwargs["revision"] = entry.revision
+    return kwargs
+
+
+def dynamo_counters(*groups: str) -> dict[str, int]:
+    """torch._dynamo.utils.counters of these groups, as `group.name`."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{name}": int(value) for group in groups for name, value in counters[group].items()}
 
 
 def cpu_isa_flags(cpuinfo: str) -> str:

@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Backend, Problem, UnitScope, cpu_isa_flags, graph_counters, relevant_env
+from neffbuild.backends.base import Backend, Problem, UnitScope, cpu_isa_flags, dynamo_counters, relevant_env
 from neffbuild.backends.serving import INDUCTOR
 
 if TYPE_CHECKING:
@@ -155,15 +155,6 @@ class InductorBackend(Backend):
     def is_content_keyed(self, path: str) -> bool:
         return bool(_CONTENT_KEYED.match(path))
 
-    def prepare_process(self, shape_count: int) -> None:
-        import torch._dynamo
-
-        # Each static shape is one more recompile of the same code; the default limit (8)
-        # makes the ninth shape fail hard under fullgraph=True.
-        limit = max(8, 2 * shape_count + 2)
-        torch._dynamo.config.recompile_limit = limit
-        torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * limit)
-
     def compiler(self) -> Any:
         import torch
 
@@ -176,17 +167,8 @@ class InductorBackend(Backend):
             return compile_fx
         return wrapper(None, None, False)
 
-    def counters(self) -> dict[str, int]:
-        from torch._dynamo.utils import counters
-
-        return {
-            **{
-                f"{group}.{name}": int(value)
-                for group in ("inductor", "aot_autograd", "stats")
-                for name, value in counters[group].items()
-            },
-            **graph_counters(),
-        }
+    def compiler_counters(self) -> dict[str, int]:
+        return dynamo_counters("inductor", "aot_autograd", "stats")
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         return sum(delta.get(name, 0) for name in _MISS_COUNTERS)

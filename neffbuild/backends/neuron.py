@@ -33,7 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Backend, Problem, UnitScope, graph_counters
+from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters, load_arguments, pipeline_class
 from neffbuild.backends.serving import NEURON
 
 if TYPE_CHECKING:
@@ -295,19 +295,13 @@ class NeuronBackend(Backend):
         return self._env.get(COMPILE_BACKEND_ENV) or "neuron"
 
     def prepare_process(self, shape_count: int) -> None:
-        import torch._dynamo
-
         if self.device == "neuron":
             _import_torch_neuronx()
         if self.compile_backend == "neuron":
             import torch_neuronx.metrics
 
             torch_neuronx.metrics.set_enabled(True)
-        # Each static shape is one more recompile of the same code; the default limit (8) makes
-        # the ninth shape fail hard under fullgraph=True.
-        limit = max(8, 2 * shape_count + 2)
-        torch._dynamo.config.recompile_limit = limit
-        torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * limit)
+        super().prepare_process(shape_count)
 
     def load_pipeline(self, entry: ModelEntry, model_ref: str) -> Any:
         if entry.tensor_parallel == 1:
@@ -316,27 +310,20 @@ class NeuronBackend(Backend):
             # Without it diffusers silently loads on CPU memory, then refuses to shard.
             raise RuntimeError("tensor_parallel > 1 loads through accelerate's meta device: pip install accelerate")
         import diffusers
-        import torch
 
-        kwargs: dict[str, Any] = {"torch_dtype": getattr(torch, entry.dtype)}
-        if entry.revision:
-            kwargs["revision"] = entry.revision
+        kwargs = load_arguments(entry)
         # from_pretrained with a TP config streams each rank's slice straight into its DTensor.
         config = diffusers.TensorParallelConfig(mesh=_tp_mesh(entry.tensor_parallel, self.device))
         transformer = diffusers.AutoModel.from_pretrained(
             model_ref, subfolder="transformer", parallel_config=config, low_cpu_mem_usage=True, **kwargs
         )
-        pipeline_class = getattr(diffusers, entry.pipeline)
-        return pipeline_class.from_pretrained(model_ref, transformer=transformer, **kwargs)
+        return pipeline_class(entry).from_pretrained(model_ref, transformer=transformer, **kwargs)
 
-    def counters(self) -> dict[str, int]:
-        if self.compile_backend != "neuron":
-            from torch._dynamo.utils import counters
-
-            values = dict(counters[self.compile_backend])
-        else:
-            values = _neuron_counters()
-        return {**{f"neuron.{k}": int(v) for k, v in values.items()}, **graph_counters()}
+    def compiler_counters(self) -> dict[str, int]:
+        if self.compile_backend != "neuron":  # a substitute counts in Dynamo's counters, by its name
+            values = dynamo_counters(self.compile_backend)
+            return {f"neuron.{k.removeprefix(self.compile_backend + '.')}": v for k, v in values.items()}
+        return {f"neuron.{k}": int(v) for k, v in _neuron_counters().items()}
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         # neuronx-cc runs; a NEFF loaded from the persistent cache is a hit, not a compile.
