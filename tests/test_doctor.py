@@ -76,10 +76,9 @@ def _has_module(name: str) -> bool:
 def test_this_machine_fails_backend_devices_and_default_cache_dir():
     report = run_doctor(env={}, backend="neuron")
     assert report.backend == "neuron" and report.cache_dir == Path("/tmp/neff_cache")
-    if not by_name(report, "backend").status == "pass":  # torch-neuronx absent here
-        assert "torch_neuronx" in by_name(report, "backend").detail and by_name(report, "backend").fix
-    if not list(Path("/dev").glob("neuron[0-9]*")):
-        assert by_name(report, "devices").status == "fail" and "neuron-ls" in by_name(report, "devices").fix
+    # What this machine has decides each status: the checks read it, so do we.
+    assert by_name(report, "backend").status == ("pass" if _has_module("torch_neuronx") else "fail")
+    assert by_name(report, "devices").status == ("pass" if list(Path("/dev").glob("neuron[0-9]*")) else "fail")
     persistent = by_name(report, "persistent")
     assert persistent.status == "fail" and "/tmp" in persistent.detail  # the compiler's default dies at reboot
     assert by_name(report, "versions").status == "skip"
@@ -87,6 +86,16 @@ def test_this_machine_fails_backend_devices_and_default_cache_dir():
     text = "\n".join(report_lines(report))
     assert "FAIL  persistent" in text and "fix:" in text
     assert report_json(report)["ok"] is False
+
+
+def test_a_host_without_torch_neuronx_or_devices_fails_both_with_fixes(tmp_path):
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvme0").touch()  # a device node that is not a NeuronCore
+    host = HostView(dev_dir=tmp_path / "dev", module_available=lambda name: False)
+    report = run_doctor(env={}, cache_dir=tmp_path / "cache", backend="neuron", host=host)
+    backend, devices = by_name(report, "backend"), by_name(report, "devices")
+    assert backend.status == "fail" and "torch_neuronx" in backend.detail and "torch-neuronx" in backend.fix
+    assert devices.status == "fail" and str(tmp_path / "dev") in devices.detail and "neuron-ls" in devices.fix
 
 
 def test_tmpfs_cache_dir_fails(tmp_path):
