@@ -102,3 +102,65 @@ def test_sigterm_to_the_parent_only_leaves_no_worker_and_no_scratch(tiny_model: 
         assert not (tmp_path / "store" / "tags").exists() or not list((tmp_path / "store" / "tags").iterdir())
     finally:
         proc.kill()
+
+
+# -- make_release: merging the units' files into one cache-dir listing ---------------------------
+
+D1, D2, D3 = "1" * 32, "2" * 32, "3" * 32
+
+
+@pytest.fixture
+def two_unit_plan(tmp_path: Path):
+    from tests.test_plan import MANIFEST, facts_provider
+    from neffbuild.manifest import load_manifest
+    from neffbuild.plan import make_plan
+    from tests.conftest import write_model_index
+
+    (tmp_path / "model" / "transformer").mkdir(parents=True)
+    write_model_index(tmp_path / "model")
+    (tmp_path / "m.toml").write_text(MANIFEST)
+    plan = make_plan(load_manifest(tmp_path / "m.toml"), {}, facts_provider())
+    assert len(plan.units) == 2
+    return plan
+
+
+def record_of(unit, files: dict[str, str], **fingerprint: str):
+    from neffbuild.bundle import BundleRecord, FileEntry, Timings
+
+    return BundleRecord(
+        key=unit.key, unit_id=unit.unit_id, unit=dict(unit.normalized), backend="inductor",
+        fingerprint={**unit.fingerprint, **fingerprint}, files=tuple(FileEntry(p, 1, d) for p, d in sorted(files.items())),
+        counters={}, timings=Timings(), created_at="2026-01-01T00:00:00Z", neffbuild_version="t",
+    )  # fmt: skip
+
+
+def test_make_release_refuses_two_files_at_one_path_that_is_no_content_key(two_unit_plan) -> None:
+    from neffbuild.backends.inductor import InductorBackend
+    from neffbuild.build import make_release
+    from neffbuild.errors import ConflictError
+
+    a, b = two_unit_plan.units
+    records = [record_of(a, {"model_config.json": D1}), record_of(b, {"model_config.json": D2})]
+    with pytest.raises(ConflictError, match=rf"model_config.json: units {a.unit_id} and {b.unit_id} produced different files"):
+        make_release(two_unit_plan, records, InductorBackend())
+
+
+def test_make_release_keeps_one_copy_of_a_shared_content_keyed_path(two_unit_plan) -> None:
+    from neffbuild.backends.inductor import InductorBackend
+    from neffbuild.build import make_release
+    from neffbuild.bundle import SharedPath
+
+    a, b = two_unit_plan.units
+    kernel, entry = "ab/cabc123.so", "fxgraph/x/key/entry"
+    records = [
+        record_of(a, {kernel: D2, entry: D1, "a/only": D1}),
+        record_of(b, {kernel: D1, entry: D1}, threads="4", **{"cpu.isa": "avx2"}),
+    ]
+    release = make_release(two_unit_plan, records, InductorBackend())
+    assert [(f.path, f.digest) for f in release.files] == [("a/only", D1), (kernel, D2 if a.key < b.key else D1), (entry, D1)]
+    kept = D2 if a.key < b.key else D1
+    assert release.shared == (SharedPath(path=kernel, kept=kept, dropped=(D1 if kept == D2 else D2,)),)
+    # The release's fingerprint holds only what every unit shares.
+    assert "threads" not in release.fingerprint and "cpu.isa" not in release.fingerprint
+    assert release.fingerprint == {k: v for k, v in a.fingerprint.items() if k not in ("threads", "cpu.isa")}
+    assert [u.unit_id for u in release.units] == [a.unit_id, b.unit_id] and release.env == dict(two_unit_plan.runtime_env)

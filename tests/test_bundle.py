@@ -20,6 +20,7 @@ from neffbuild.bundle import (
     Timings,
     dump,
     parse,
+    unit_key,
 )
 from neffbuild.errors import IntegrityError
 from neffbuild.names import reserved_problem
@@ -47,7 +48,14 @@ def test_release_id_is_the_digest_of_canonical_json() -> None:
     # Pinned: a change here would rename every release ever published (and re-upload them).
     doc = release()
     assert dump(doc).startswith(b'{"backend":"inductor","cache_env"')
+    assert doc.release_id == "a952b154162ab4dce815aca7b35846dc"
     assert doc.release_id != release(env={"OMP_NUM_THREADS": "4"}).release_id
+
+
+def test_unit_key_formula_is_pinned() -> None:
+    # A change here would rename every bundle ever published: every host would miss once.
+    assert unit_key({"shape": {"height": 128}}, {"torch": "2.13.0"}) == "24eebb42ab4fb9308c430e9be1fe0989"
+    assert unit_key({"shape": {"height": 128}}, {"torch": "2.13.1"}) != "24eebb42ab4fb9308c430e9be1fe0989"
 
 
 def mutated(edit) -> bytes:

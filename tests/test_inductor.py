@@ -1,5 +1,6 @@
 """The inductor backend on real compiles: every listed component is proven compiled, and what
-the key leaves out really changes no graph. One shape, one build, shared by the tests here."""
+the key leaves out really changes no graph. One shape, one build, shared by the slow tests here.
+Which files of a cache dir a bundle takes is tested fast, on a layout Inductor writes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import pytest
 from neffbuild.manifest import load_manifest
 from neffbuild.plan import make_plan
 from tests.conftest import write_manifest
-
-pytestmark = pytest.mark.slow
 
 COMPONENTS = 'components = ["transformer"]'
 
@@ -55,6 +54,7 @@ def replay(cli, manifest: Path, store: Path, cache: Path) -> tuple[int, dict]:
     return result.returncode, json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_a_method_component_records_graphs_and_replays_with_zero_compiles(built_with_decode: Built, tmp_path: Path, cli) -> None:
     (outcome,) = built_with_decode.report["outcomes"]
     assert outcome["status"] == "built" and outcome["compiles"] >= 2
@@ -67,6 +67,7 @@ def test_a_method_component_records_graphs_and_replays_with_zero_compiles(built_
     assert unit["counters"]["graphs.vae.decode"] >= 1  # decode ran compiled, from the cache
 
 
+@pytest.mark.slow
 def test_a_component_whose_forward_never_runs_fails_the_build_naming_it(tmp_path: Path, tiny_model: Path, cli) -> None:
     manifest = manifest_with(tmp_path / "vae.toml", tiny_model, '["transformer", "vae"]')
     result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--json")
@@ -75,6 +76,7 @@ def test_a_component_whose_forward_never_runs_fails_the_build_naming_it(tmp_path
     assert not (tmp_path / "store" / "tags").exists() or not list((tmp_path / "store" / "tags").iterdir())
 
 
+@pytest.mark.slow
 def test_other_steps_and_prompt_text_keep_the_keys_and_replay_with_zero_compiles(
     built_with_decode: Built, tiny_model: Path, tmp_path: Path, cli
 ) -> None:
@@ -90,3 +92,26 @@ def test_other_steps_and_prompt_text_keep_the_keys_and_replay_with_zero_compiles
     code, report = replay(cli, changed, built_with_decode.store, tmp_path / "cache")
     assert code == 0, report
     assert all(u["compiles"] == 0 and u["written"] == [] for u in report["units"])
+
+
+def test_select_files_takes_cache_entries_and_kernels_only(tmp_path: Path) -> None:
+    """The layout of a CPU compile (design notes), with what must never be bundled beside it."""
+    from neffbuild.backends.inductor import InductorBackend
+
+    kept = [
+        "aotautograd/akey/entry", "fxgraph/ab/fkey/entry", "ab/cabc.main.cpp", "ab/cabc.so", "ab/wrapper.py",
+        "triton/0/tkey/kernel.cubin",
+    ]  # fmt: skip
+    never = [
+        ".neffbuild/state.json", "locks/fkey.lock", "fxgraph/ab/fkey/entry.lock", "ab/cabc.so.tmp", "ab/tmpx1y2",
+        "precompiled_headers/h.gch", "torch_compile_debug/run/log.txt", "aotautograd/akey/tmp_entry",
+    ]  # fmt: skip
+    for rel in kept + never:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    (tmp_path / "ab" / "link.so").symlink_to(tmp_path / "ab" / "cabc.so")  # a link could point anywhere
+    backend = InductorBackend()
+    assert backend.select_files(tmp_path) == sorted(kept)
+    # Every path named by a hash of what it holds: two builds' copies of one serve alike.
+    assert all(backend.is_content_keyed(p) for p in kept)
+    assert not any(backend.is_content_keyed(p) for p in ("model_config.json", "fxgraph/entry", "ab/c/d.so"))

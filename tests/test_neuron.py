@@ -268,6 +268,26 @@ def test_components_compile_through_the_real_compiler_and_count_their_graphs(tmp
     assert len(backend.select_files(tmp_path / "cache")) == 2  # transformer and vae.decode graphs
 
 
+@pytest.mark.parametrize("name", ["inductor", "neuron"])
+def test_every_backend_raises_the_recompile_limit_above_the_shape_count(name):
+    """The shared step: the ninth static shape must not fail under fullgraph=True."""
+    import torch._dynamo
+
+    backend = get_backend("inductor") if name == "inductor" else NeuronBackend(env={COMPILE_BACKEND_ENV: "inductor", DEVICE_ENV: "cpu"})
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=8):  # restored afterwards
+        backend.prepare_process(20)
+        assert torch._dynamo.config.recompile_limit >= 20 and torch._dynamo.config.accumulated_recompile_limit >= 256
+
+
+def test_every_from_pretrained_gets_the_entrys_dtype_and_revision():
+    import torch
+
+    from neffbuild.backends.base import load_arguments
+
+    assert load_arguments(entry(dtype="bfloat16", revision="abc")) == {"torch_dtype": torch.bfloat16, "revision": "abc"}
+    assert load_arguments(entry(dtype="float32")) == {"torch_dtype": torch.float32}
+
+
 def test_a_component_without_graphs_gets_a_hint_naming_the_method():
     from neffbuild.backends.base import no_graph_hint
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -423,6 +424,15 @@ def test_plan_json_shows_units_keys_and_named_fingerprint_fields(manifest: Path,
     fingerprint = doc["units"][0]["fingerprint"]
     for field in ("torch", "cpu.isa", "cpu.capability", "cxx", "threads", "python.prefix", "diffusers"):
         assert fingerprint[field], field
-    # The CLI's keys are the ones the library computes from the same probe.
-    assert all(len(u["key"]) == 32 for u in doc["units"])
+    # The CLI's keys are the ones the library computes from the same probe of this host.
+    library = make_plan(load_manifest(manifest), dict(os.environ))
+    assert {u["unit_id"]: u["key"] for u in doc["units"]} == {u.unit_id: u.key for u in library.units}
     assert doc["env"]["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+
+
+def test_keys_are_stable_across_processes(manifest: Path, cli) -> None:
+    """Two processes with different hash seeds (set and dict order, object ids) key alike."""
+    runs = [cli("plan", str(manifest), "--json", env={"PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    first, second = ({u["unit_id"]: u["key"] for u in json.loads(r.stdout)["units"]} for r in runs)
+    assert first == second and len(set(first.values())) == 2

@@ -31,11 +31,13 @@ import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Backend, Problem, graph_counters
+from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters, load_arguments, pipeline_class
 from neffbuild.backends.serving import NEURON
-from neffbuild.manifest import LoadedManifest, ModelEntry, is_local_model
+
+if TYPE_CHECKING:
+    from neffbuild.manifest import LoadedManifest, ModelEntry
 
 COMPILE_BACKEND_ENV = "NEFFBUILD_NEURON_COMPILE_BACKEND"
 DEVICE_ENV = "NEFFBUILD_NEURON_DEVICE"
@@ -122,7 +124,13 @@ def compile_target(family: str | None) -> str | None:
 class NeuronBackend(Backend):
     name = "neuron"
     cache_env = NEURON.cache_env
+    default_device = "neuron"
     fact_names = (*_VERSION_FIELDS, "target", "instance.type")
+    # What neuronx-cc produces and how TorchNeuron keys it, plus what the native key leaves out
+    # but changes a NEFF: the compiler and torch-neuronx versions.
+    breaking_fields = ("backend", "device", "torch", "torch-neuronx", "neuronx-cc", "neuron.*", "env.*")
+    # Model code (the NEFF key holds the traced StableHLO itself) and the interpreter's version.
+    informational_fields = ("diffusers", "transformers", "python")
     caches_eager = True  # eager mode compiles (and caches) each op on its first run
 
     def __init__(
@@ -147,21 +155,21 @@ class NeuronBackend(Backend):
         facts["target"] = compile_target(instance_family(facts["instance.type"])) or "unknown"
         return facts
 
-    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
+    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         target = _target(facts, env)
         fields = {
             "backend": self.name,
-            "device": entry.device,
+            "device": unit.device,
             **{k: facts.get(k, ABSENT) for k in _VERSION_FIELDS},
             "neuron.target": target,
             "neuron.lnc": env.get("NEURON_LOGICAL_NC_CONFIG") or _DEFAULT_LNC.get(target, "unknown"),
             "neuron.opt_level": env.get("NEURON_COMPILER_OPT_LEVEL") or UNSET,
             "neuron.cc_flags": env.get("NEURON_CC_FLAGS") or UNSET,
-            "neuron.tp": str(entry.tensor_parallel),
+            "neuron.tp": str(unit.tensor_parallel),
             "neuron.compile_backend": env.get(COMPILE_BACKEND_ENV) or "neuron",
             "neuron.device": env.get(DEVICE_ENV) or "neuron",
         }
-        fields.update(_keyed_env(env, entry))
+        fields.update(_keyed_env(env, unit))
         return dict(sorted(fields.items()))
 
     def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
@@ -287,19 +295,13 @@ class NeuronBackend(Backend):
         return self._env.get(COMPILE_BACKEND_ENV) or "neuron"
 
     def prepare_process(self, shape_count: int) -> None:
-        import torch._dynamo
-
         if self.device == "neuron":
             _import_torch_neuronx()
         if self.compile_backend == "neuron":
             import torch_neuronx.metrics
 
             torch_neuronx.metrics.set_enabled(True)
-        # Each static shape is one more recompile of the same code; the default limit (8) makes
-        # the ninth shape fail hard under fullgraph=True.
-        limit = max(8, 2 * shape_count + 2)
-        torch._dynamo.config.recompile_limit = limit
-        torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * limit)
+        super().prepare_process(shape_count)
 
     def load_pipeline(self, entry: ModelEntry, model_ref: str) -> Any:
         if entry.tensor_parallel == 1:
@@ -308,27 +310,20 @@ class NeuronBackend(Backend):
             # Without it diffusers silently loads on CPU memory, then refuses to shard.
             raise RuntimeError("tensor_parallel > 1 loads through accelerate's meta device: pip install accelerate")
         import diffusers
-        import torch
 
-        kwargs: dict[str, Any] = {"torch_dtype": getattr(torch, entry.dtype)}
-        if entry.revision:
-            kwargs["revision"] = entry.revision
+        kwargs = load_arguments(entry)
         # from_pretrained with a TP config streams each rank's slice straight into its DTensor.
         config = diffusers.TensorParallelConfig(mesh=_tp_mesh(entry.tensor_parallel, self.device))
         transformer = diffusers.AutoModel.from_pretrained(
             model_ref, subfolder="transformer", parallel_config=config, low_cpu_mem_usage=True, **kwargs
         )
-        pipeline_class = getattr(diffusers, entry.pipeline)
-        return pipeline_class.from_pretrained(model_ref, transformer=transformer, **kwargs)
+        return pipeline_class(entry).from_pretrained(model_ref, transformer=transformer, **kwargs)
 
-    def counters(self) -> dict[str, int]:
-        if self.compile_backend != "neuron":
-            from torch._dynamo.utils import counters
-
-            values = dict(counters[self.compile_backend])
-        else:
-            values = _neuron_counters()
-        return {**{f"neuron.{k}": int(v) for k, v in values.items()}, **graph_counters()}
+    def compiler_counters(self) -> dict[str, int]:
+        if self.compile_backend != "neuron":  # a substitute counts in Dynamo's counters, by its name
+            values = dynamo_counters(self.compile_backend)
+            return {f"neuron.{k.removeprefix(self.compile_backend + '.')}": v for k, v in values.items()}
+        return {f"neuron.{k}": int(v) for k, v in _neuron_counters().items()}
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         # neuronx-cc runs; a NEFF loaded from the persistent cache is a hit, not a compile.
@@ -343,18 +338,20 @@ def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:
     return env.get(TARGET_ENV) or (declared if declared and declared != "unknown" else None) or probed or "unknown"
 
 
-def _keyed_env(env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
+def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
     return {
         f"env.{k}": v
         for k, v in sorted(env.items())
         if k not in _ENV_NOT_KEYED
         and not k.startswith(_ENV_NOT_KEYED_PREFIXES)
-        and (k.startswith(_ENV_PREFIXES) or k in entry.env)
+        and (k.startswith(_ENV_PREFIXES) or k in unit.env)
     }
 
 
 def _transformer_config(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, Any]:
     """The local model's transformer/config.json, or {} (hub model, or unreadable)."""
+    from neffbuild.manifest import is_local_model
+
     if not is_local_model(entry.model):
         return {}
     try:
