@@ -194,19 +194,22 @@ def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None,
 
 
 @cli.command("env")
-@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.argument("ref", metavar="[TAG_OR_RELEASE]", required=False)
 @click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False))
 @store_option
 @_allow_env_option
 @_env_file_option
 @json_option
-def env_command(ref: str, cache_dir: Path, store_url: str | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
-    """Print the environment a serving process needs for REF's cache (shell `export` lines)."""
+def env_command(ref: str | None, cache_dir: Path, store_url: str | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
+    """Print the environment a serving process needs for the release installed in --cache-dir
+    (shell `export` lines), read from the cache dir: no store needed. REF, if given, must be it."""
     from neffbuild.pull import serving_env
     from neffbuild.store import open_store, resolve_store_url
 
-    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
-    Console(as_json).exports(serving_env(store, ref, cache_dir, allow_env=allow_env, env_file=env_file))
+    def store() -> Any:  # opened only for a cache dir that recorded no release (older pulls)
+        return open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+
+    Console(as_json).exports(serving_env(cache_dir, ref, open_store=store, allow_env=allow_env, env_file=env_file))
 
 
 @cli.command()
