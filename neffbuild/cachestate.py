@@ -27,16 +27,19 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neffbuild.bundle import Release, decode_doc, to_json
-from neffbuild.errors import IntegrityError
+from neffbuild.errors import InputError, IntegrityError, NotFoundError
 from neffbuild.hashing import is_digest
 from neffbuild.materialize import disk_error, open_dir_beneath
 from neffbuild.names import STATE_DIR
+
+if TYPE_CHECKING:
+    from neffbuild.store.base import Store
 
 STATE_FORMAT = "neffbuild.cache-state/2"
 STATE_FILE = "state.json"
@@ -189,3 +192,51 @@ def read_cache_state(cache_dir: Path) -> tuple[bytes | None, CacheState]:
 
 def state_path(cache_dir: Path) -> Path:
     return cache_dir / STATE_DIR / STATE_FILE
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A release named for a cache dir (the installed one, or REF's), with its units' key parts."""
+
+    release_id: str
+    release: Release
+    tag: str | None
+    units: tuple[InstalledUnit, ...]
+    source: str
+
+
+def find_target(
+    state: CacheState,
+    cache_dir: Path,
+    ref: str | None,
+    open_store: Callable[[], Store] | None,
+    *,
+    store_named: bool = False,
+    with_units: bool = True,
+) -> Target:
+    """REF's release (and its units' key parts): from the cache dir's state when it is the
+    installed one (a tag only while no store is named: it may have moved), else from the store."""
+    installed = state.installed
+    if installed is not None and ref in (None, installed.release_id, *(() if store_named else (installed.tag,))):
+        return Target(installed.release_id, installed.release, installed.tag or None, installed.units, str(state_path(cache_dir)))
+    if ref is None:
+        raise NotFoundError(
+            f"{cache_dir}: no installed release recorded (never pulled, or pulled by an older neffbuild)",
+            hint="pull it (a complete cache fetches nothing and records it), or name the release and its store: TAG --store S",
+        )
+    if open_store is None:
+        raise InputError(f"{ref}: not the release installed in {cache_dir}", hint="pass --store to read it from the store")
+    from neffbuild.pull import release_units, resolve
+
+    store = open_store()
+    resolved = resolve(store, ref)
+    if installed is not None and installed.release_id == resolved.release_id:
+        return Target(installed.release_id, installed.release, resolved.tag, installed.units, str(state_path(cache_dir)))
+    units = release_units(store, resolved, 16) if with_units else ()
+    return Target(resolved.release_id, resolved.release, resolved.tag, units, store.url)
+
+
+def accepted_env(state: CacheState, target: Target) -> tuple[str, ...]:
+    """Variables the pull accepted with --allow-env (they are in its exports) stay accepted."""
+    installed = state.installed
+    return tuple(installed.exports) if installed is not None and installed.release_id == target.release_id else ()

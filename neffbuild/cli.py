@@ -271,6 +271,35 @@ def schema() -> None:
     click.echo(json.dumps(manifest_json_schema(), indent=2))
 
 
+# ---- status (issue 11) ----------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("ref", metavar="[MANIFEST|TAG|RELEASE]", required=False)
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir the server will use.")
+@store_option
+@click.option("--verify", "verify_digests", is_flag=True, help="Also hash every file (default: sizes only).")
+@json_option
+def status(ref: str | None, cache_dir: Path, store_url: str | None, verify_digests: bool, as_json: bool) -> None:
+    """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
+    hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
+    Reads the cache dir; the store only for a release other than the installed one."""
+    from neffbuild.output import print_status
+    from neffbuild.status import status as run_status
+    from neffbuild.status import status_error
+
+    def store() -> Any:
+        from neffbuild.store import open_store, resolve_store_url
+
+        return open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+
+    named = bool(store_url or os.environ.get("NEFFBUILD_STORE"))  # then a tag is judged where it points now
+    report = run_status(cache_dir, ref, env=os.environ, open_store=store, store_named=named, verify=verify_digests)
+    print_status(Console(as_json), report)
+    if error := status_error(report):
+        raise error
+
+
 def main(argv: list[str] | None = None) -> None:
     """The one exit point: typed errors become one line plus a hint and their exit code."""
     # What start-up imported lives as long as the process: keep it out of every later garbage

@@ -32,10 +32,11 @@ from neffbuild.cachestate import (
     encode_state,
     load_state,
     open_state_dir,
+    accepted_env,
+    find_target,
     read_cache_state,
-    state_path,
 )
-from neffbuild.errors import InputError, IntegrityError, NotFoundError
+from neffbuild.errors import IntegrityError, NotFoundError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.hashing import is_digest
 from neffbuild.materialize import (
@@ -123,26 +124,14 @@ def serving_env(
     """
     cache_dir = cache_dir.expanduser().resolve()
     _, state = read_cache_state(cache_dir)
-    installed = state.installed
-    if installed is None or ref not in (None, installed.release_id, installed.tag):
-        if ref is None:
-            raise NotFoundError(
-                f"{cache_dir}: no installed release recorded (never pulled, or pulled by an older neffbuild)",
-                hint="pull it (a complete cache fetches nothing and records the release), or name the release: env TAG --store S",
-            )
-        if open_store is None:
-            raise InputError(f"{ref}: not the release installed in {cache_dir}", hint="pass --store to resolve it")
-        resolved = resolve(open_store(), ref)
-        if state.release_id not in (None, resolved.release_id):
-            raise NotFoundError(
-                f"{ref} is release {resolved.release_id}, but {cache_dir} holds release {state.release_id}",
-                hint=f"pull {ref} first, or run `neffbuild env --cache-dir {cache_dir}` for what it holds",
-            )
-        if installed is None:
-            exports = release_exports(resolved, cache_dir, allow_env)
-    if installed is not None:
-        # Names the pull accepted (--allow-env then) stay accepted; the cache variable is this dir.
-        exports = exports_for(installed.release, cache_dir, str(state_path(cache_dir)), (*allow_env, *installed.exports))
+    target = find_target(state, cache_dir, ref, open_store, with_units=False)
+    if state.release_id not in (None, target.release_id):
+        raise NotFoundError(
+            f"{ref} is release {target.release_id}, but {cache_dir} holds release {state.release_id}",
+            hint=f"pull {ref} first, or run `neffbuild env --cache-dir {cache_dir}` for what it holds",
+        )
+    # Names the pull accepted (--allow-env then) stay accepted; the cache variable is this dir.
+    exports = exports_for(target.release, cache_dir, target.source, (*allow_env, *accepted_env(state, target)))
     if env_file is not None:
         write_env_file(env_file, env_file_text(exports))
     return exports

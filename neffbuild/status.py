@@ -1,0 +1,204 @@
+"""`neffbuild status`: will this host hit, unit by unit, and if not, why? Read from the cache dir.
+
+For each unit of a release it predicts what a server started now would do:
+- `hit`: its key is the same on this host and every file it needs is present with its size;
+- `mismatch`: its key would differ here (the host check names each field, old -> new);
+- `missing`: files absent (or, with --verify, not the recorded bytes);
+- `stale`: its files are present, but the cache dir holds another release (or one it cannot name);
+- `absent`: a unit the manifest declares that the release does not have.
+The installed release, its units and exports come from the cache dir's state (neffbuild.cachestate),
+so the store is needed only for a release other than the installed one. Nothing is hashed unless
+verify. A prediction: `verify --replay` is the proof (it runs each unit and counts compiles).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from neffbuild.cachestate import CacheState, Files, InstalledUnit, Target, accepted_env, find_target, read_cache_state
+from neffbuild.errors import StatusMiss
+from neffbuild.exports import exports_for
+from neffbuild.materialize import Beneath, disk_error
+
+if TYPE_CHECKING:
+    from neffbuild.bundle import FileEntry, Release
+    from neffbuild.store.base import Store
+
+UnitState = Literal["hit", "mismatch", "missing", "stale", "absent"]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldChange:
+    """One fingerprint (or unit) field that differs: as built, and as this host has it."""
+
+    field: str
+    built: str
+    here: str
+    breaking: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.built or '(absent)'} -> {self.here or '(absent)'}"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitStatus:
+    unit_id: str
+    key: str
+    state: UnitState
+    files: int = 0
+    bytes: int = 0
+    missing_files: int = 0
+    missing_bytes: int = 0
+    corrupt_files: int = 0  # of the missing ones: present with the size but other bytes (--verify)
+    changes: tuple[FieldChange, ...] = ()  # mismatch: the breaking fields; else informational ones
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    cache_dir: Path
+    release_id: str
+    release_name: str
+    tag: str | None
+    source: str  # where the release was read: the cache dir's state, or a store URL
+    installed_release_id: str | None
+    installed_at: str | None
+    verified: bool
+    units: tuple[UnitStatus, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(u.state == "hit" for u in self.units)
+
+    def count(self, state: UnitState) -> int:
+        return sum(u.state == state for u in self.units)
+
+
+# (units, release, serving env) -> per unit id, the fields that differ on this host
+HostCheck = Callable[[Sequence[InstalledUnit], "Release", Mapping[str, str]], Mapping[str, Sequence[FieldChange]]]
+
+
+def status(
+    cache_dir: Path,
+    ref: str | None = None,
+    *,
+    env: Mapping[str, str],
+    open_store: Callable[[], Store] | None = None,
+    store_named: bool = False,
+    verify: bool = False,
+    host_check: HostCheck | None = None,
+) -> StatusReport:
+    """Judge cache_dir for REF's release (default: the installed one) on this host. A tag is
+    judged where it points now if a store is named (store_named), else as it was installed."""
+    cache_dir = cache_dir.expanduser().resolve()
+    _, state = read_cache_state(cache_dir)
+    target = find_target(state, cache_dir, ref, open_store, store_named=store_named)
+    # The host as the server will run: this environment with the release's exports applied.
+    exports = exports_for(target.release, cache_dir, target.source, accepted_env(state, target))
+    changes = host_check(target.units, target.release, {**env, **exports}) if host_check else {}
+    return judge(cache_dir, state, target, changes, verify=verify)
+
+
+def judge(
+    cache_dir: Path, state: CacheState, target: Target, changes: Mapping[str, Sequence[FieldChange]], *, verify: bool
+) -> StatusReport:
+    by_path = {f.path: f for f in target.release.files}
+    found = presence(cache_dir, target.release.files, state.files, verify=verify)
+    current = state.release_id == target.release_id
+    units = []
+    for unit in target.units:
+        entries = [by_path[p] for p in unit.paths if p in by_path]
+        absent = [e for e in entries if found[e.path] != "ok"]
+        differing = tuple(changes.get(unit.unit_id, ()))
+        breaking = tuple(c for c in differing if c.breaking)
+        if breaking:
+            state_name: UnitState = "mismatch"
+        elif absent:
+            state_name = "missing"
+        else:
+            state_name = "hit" if current else "stale"
+        units.append(
+            UnitStatus(
+                unit_id=unit.unit_id,
+                key=unit.key,
+                state=state_name,
+                files=len(entries),
+                bytes=sum(e.size for e in entries),
+                missing_files=len(absent),
+                missing_bytes=sum(e.size for e in absent),
+                corrupt_files=sum(found[e.path] == "corrupt" for e in absent),
+                changes=breaking or differing,
+            )
+        )
+    installed = state.installed
+    return StatusReport(
+        cache_dir=cache_dir,
+        release_id=target.release_id,
+        release_name=target.release.name,
+        tag=target.tag,
+        source=target.source,
+        installed_release_id=state.release_id,
+        installed_at=installed.installed_at if installed else None,
+        verified=verify,
+        units=tuple(units),
+    )
+
+
+Presence = Literal["ok", "absent", "corrupt"]
+
+
+def presence(cache_dir: Path, files: Sequence[FileEntry], written: Files, *, verify: bool) -> dict[str, Presence]:
+    """Each release file: a regular file with its size ("ok"; with verify, also its digest), or not.
+    A file pull wrote for another release (the state has its size and mtime, another digest) is
+    not this one's, hashing or not. Read the way pull lands files (no link below the cache dir
+    followed), in path order."""
+    try:
+        root = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {f.path: "absent" for f in files}
+    except OSError as exc:
+        raise disk_error(exc, cache_dir) from None
+    found: dict[str, Presence] = {}
+    try:
+        with Beneath(root, cache_dir) as tree:
+            for entry in sorted(files, key=lambda f: f.path):
+                try:
+                    st = tree.lstat(entry.path)
+                    other = written.get(entry.path)
+                    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+                        found[entry.path] = "absent"
+                    elif other is not None and other[:2] == (st.st_size, st.st_mtime_ns) and other[2] != entry.digest:
+                        found[entry.path] = "absent"
+                    elif verify and tree.hash_file(entry.path, entry.size) != entry.digest:
+                        found[entry.path] = "corrupt"
+                    else:
+                        found[entry.path] = "ok"
+                except OSError as exc:
+                    raise disk_error(exc, cache_dir / entry.path) from None
+    finally:
+        os.close(root)
+    return found
+
+
+def status_error(report: StatusReport) -> StatusMiss | None:
+    """The error a status that predicts any miss ends with (after the report is printed)."""
+    if report.ok:
+        return None
+    counts = ", ".join(f"{report.count(s)} {s}" for s in ("mismatch", "missing", "stale", "absent") if report.count(s))
+    fields = sorted({c.field for u in report.units if u.state == "mismatch" for c in u.changes})
+    named = f" ({', '.join(fields[:6])})" if fields else ""
+    hints = []
+    if report.count("missing") or report.count("stale"):
+        hints.append(f"`neffbuild pull {report.tag or report.release_id} --cache-dir {report.cache_dir}` fetches what is missing")
+    if report.count("mismatch"):
+        hints.append("a mismatch needs this host's environment to match the build's, or a build on this host")
+    if report.count("absent"):
+        hints.append("build the manifest to add the units its release lacks")
+    return StatusMiss(
+        f"{len(report.units) - report.count('hit')} of {len(report.units)} units of {report.release_name} would not hit here: {counts}{named}",
+        hint="; ".join(hints),
+    )
