@@ -288,13 +288,21 @@ def status(ref: str | None, cache_dir: Path, store_url: str | None, verify_diges
     from neffbuild.status import status as run_status
     from neffbuild.status import status_error
 
+    the_plan, manifest_store = None, None
+    if ref is not None and (ref.endswith(".toml") or Path(ref).is_file()):  # a MANIFEST: its tag, and its units
+        from neffbuild.manifest import load_manifest
+        from neffbuild.plan import make_plan
+
+        the_plan = make_plan(load_manifest(Path(ref)), os.environ)
+        manifest_store = the_plan.loaded.manifest.store
+
     def store() -> Any:
         from neffbuild.store import open_store, resolve_store_url
 
-        return open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+        return open_store(resolve_store_url(store_url, os.environ, manifest_store), env=os.environ)
 
     named = bool(store_url or os.environ.get("NEFFBUILD_STORE"))  # then a tag is judged where it points now
-    report = run_status(cache_dir, ref, env=os.environ, open_store=store, store_named=named, verify=verify_digests)
+    report = run_status(cache_dir, ref, env=os.environ, open_store=store, store_named=named, verify=verify_digests, plan=the_plan)
     print_status(Console(as_json), report)
     if error := status_error(report):
         raise error

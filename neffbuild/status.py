@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -27,6 +27,7 @@ from neffbuild.materialize import Beneath, disk_error
 
 if TYPE_CHECKING:
     from neffbuild.bundle import FileEntry, Release
+    from neffbuild.plan import Plan
     from neffbuild.store.base import Store
 
 UnitState = Literal["hit", "mismatch", "missing", "stale", "absent"]
@@ -91,16 +92,53 @@ def status(
     store_named: bool = False,
     verify: bool = False,
     host_check: HostCheck | None = None,
+    plan: Plan | None = None,
 ) -> StatusReport:
     """Judge cache_dir for REF's release (default: the installed one) on this host. A tag is
-    judged where it points now if a store is named (store_named), else as it was installed."""
+    judged where it points now if a store is named (store_named), else as it was installed.
+    With a manifest's plan, REF is its tag, and units the manifest declares that the release
+    lacks (by id, or with another normalised unit) are reported too."""
     cache_dir = cache_dir.expanduser().resolve()
     _, state = read_cache_state(cache_dir)
+    if plan is not None:
+        ref = plan.loaded.manifest.name
     target = find_target(state, cache_dir, ref, open_store, store_named=store_named)
     # The host as the server will run: this environment with the release's exports applied.
     exports = exports_for(target.release, cache_dir, target.source, accepted_env(state, target))
-    changes = host_check(target.units, target.release, {**env, **exports}) if host_check else {}
-    return judge(cache_dir, state, target, changes, verify=verify)
+    changes = dict(host_check(target.units, target.release, {**env, **exports})) if host_check else {}
+    if plan is not None:
+        changes = _manifest_changes(plan, target, changes)
+    report = judge(cache_dir, state, target, changes, verify=verify)
+    if plan is None:
+        return report
+    have = {u.unit_id for u in target.units}
+    lacking = tuple(UnitStatus(u.unit_id, u.key, "absent") for u in plan.units if u.unit_id not in have)
+    return replace(report, units=report.units + lacking)
+
+
+def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[FieldChange]]) -> dict[str, Sequence[FieldChange]]:
+    """Add, for each unit the manifest now describes otherwise than the release built it, the
+    unit fields that differ (`unit.shape`, `unit.call`, ...): its key would differ anywhere."""
+    planned = {u.unit_id: u for u in plan.units}
+    out = dict(changes)
+    for unit in target.units:
+        now = planned.get(unit.unit_id)
+        if now is None:
+            continue
+        differing = [
+            FieldChange(f"unit.{name}", _shown(unit.unit.get(name)), _shown(now.normalized.get(name)))
+            for name in sorted(set(unit.unit) | set(now.normalized))
+            if unit.unit.get(name) != now.normalized.get(name)
+        ]
+        if differing:
+            out[unit.unit_id] = (*out.get(unit.unit_id, ()), *differing)
+    return out
+
+
+def _shown(value: object) -> str:
+    import json
+
+    return "" if value is None else value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 def judge(
