@@ -22,6 +22,7 @@ import dataclasses
 import json
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from neffbuild.names import reserved_problem, tag_problem
 BUNDLE_FORMAT = "neffbuild.bundle/1"
 RELEASE_FORMAT = "neffbuild.release/1"
 TAG_FORMAT = "neffbuild.tag/1"
+UNIT_FORMAT = "neffbuild.unit/2"
 
 MAX_DEPTH = 16  # our documents nest 4 deep; a unit's free-form parts a few more
 NAME_MAX = 255  # bytes in one path component (ext4, xfs, ...)
@@ -203,6 +205,13 @@ class TagRecord:
     release: str = _checked(_digest)
     history: tuple[TagEvent, ...]
     format: str = TAG_FORMAT
+
+
+def unit_key(unit: Mapping[str, Any], fingerprint: Mapping[str, str]) -> str:
+    """A bundle's key: its normalised unit (plan.normalize_unit) and the environment fingerprint
+    its backend reports. plan keys units with it; a host check recomputes a bundle's key with
+    this host's fingerprint in place of the build's."""
+    return hash_bytes(canonical_json({"format": UNIT_FORMAT, "unit": unit, "fingerprint": fingerprint}))
 
 
 Doc = TypeVar("Doc")

@@ -14,14 +14,14 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from neffbuild.backends import get_backend
 from neffbuild.bundle import Release, parse
 from neffbuild.errors import HostNotReady, InputError
-from neffbuild.manifest import ModelEntry, ShapeSet
+from neffbuild.hostcheck import Facts, check_host, read_facts
 
 Status = Literal["pass", "fail", "skip"]
 GiB = 1 << 30
@@ -95,7 +95,7 @@ class HostView:
     volatile_dirs: tuple[str, ...] = ("/tmp", "/var/tmp", "/run", "/dev/shm")
     module_available: Callable[[str], bool] = _module_available
     min_free_bytes: int = 1 * GiB
-    facts: Callable[[str, Mapping[str, str], str], Mapping[str, str]] | None = field(default=None)
+    facts: Facts = read_facts
 
 
 def run_doctor(
@@ -113,7 +113,7 @@ def run_doctor(
     checks = (
         check_module(info, host),
         check_devices(info, host),
-        check_versions(name, release, env, host),
+        check_versions(release, env, host),
         check_persistent(where, host, cache_env),
         check_writable(where),
         check_free_space(where, release, host),
@@ -163,48 +163,20 @@ def check_devices(info: BackendHost, host: HostView) -> Check:
     )
 
 
-def check_versions(name: str, release: Release | None, env: Mapping[str, str], host: HostView) -> Check:
+def check_versions(release: Release | None, env: Mapping[str, str], host: HostView) -> Check:
     if release is None:
         return Check("versions", "skip", "no release given (pass --release FILE, or a tag with --store)")
-    serving_env = {**env, **release.env}  # what `neffbuild env` exports for the server
-    ours = host_fingerprint(name, release, serving_env, host)
-    diffs = fingerprint_diff(release.fingerprint, ours)
-    if not diffs:
-        return Check("versions", "pass", f"matches release {release.name} ({len(release.fingerprint)} fields)")
+    report = check_host(release, env, facts=host.facts)
+    if report.ok:
+        notes = "".join(f"; informational: {d.line()}" for d in report.informational)
+        return Check("versions", "pass", f"matches release {release.name} ({len(release.fingerprint)} fields){notes}")
+    lines = [d.line() for d in report.breaking]
     return Check(
         "versions",
         "fail",
-        "differs from release " + release.name + ": " + "; ".join(diffs[:6]) + (" …" if len(diffs) > 6 else ""),
+        "differs from release " + release.name + ": " + "; ".join(lines[:6]) + (" …" if len(lines) > 6 else ""),
         "install the versions and settings the release was built with, or rebuild it on this environment",
     )
-
-
-def host_fingerprint(name: str, release: Release, env: Mapping[str, str], host: HostView) -> dict[str, str]:
-    backend = get_backend(name)
-    fp = release.fingerprint
-    # The release's fields that come from its entries (device, tensor parallel, env) are copied
-    # into a probe entry, so only what this host contributes can differ.
-    probe = ModelEntry(
-        id="doctor",
-        model="doctor/probe",
-        revision="doctor",
-        pipeline="DoctorProbePipeline",
-        backend=name,
-        device=fp.get("device", "neuron" if name == "neuron" else "cpu"),
-        tensor_parallel=int(fp.get("neuron.tp", "1")),
-        env=dict(release.env),
-        shapes=[ShapeSet(height=16, width=16)],
-    )
-    facts = host.facts(name, env, probe.device) if host.facts else backend.collect_facts(env, probe.device)
-    return backend.fingerprint(facts, env, probe)
-
-
-def fingerprint_diff(built: Mapping[str, str], here: Mapping[str, str]) -> list[str]:
-    """What differs, field by field; an env.* variable set only here also changes keys."""
-    diffs = [f"{k}: built {v!r}, here {here.get(k, '(missing)')!r}" for k, v in sorted(built.items()) if here.get(k) != v]
-    extra = sorted(k for k in here if k.startswith("env.") and k not in built)
-    diffs += [f"{k}: here {here[k]!r}, not set at build" for k in extra]
-    return diffs
 
 
 def check_persistent(cache_dir: Path, host: HostView, cache_env: str) -> Check:

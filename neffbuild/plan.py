@@ -19,11 +19,11 @@ from typing import Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
+from neffbuild.bundle import unit_key
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.manifest import LoadedManifest, ModelEntry, Shape, is_local_model
 
-UNIT_FORMAT = "neffbuild.unit/2"
 TEXT = "<text>"  # a prompt text left out of the key: its place (and count) stays in
 # Config-like files that define a local model's graphs; weights only change values, not code.
 _MODEL_CONFIG_SUFFIXES = {".json", ".txt", ".model", ".jinja"}
@@ -76,17 +76,18 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
     other_host: dict[str, tuple[str, str]] = {}
     units: list[BuildUnit] = []
     for entry in loaded.manifest.models:
-        unit_env = {**backend.runtime_env(), **entry.env}
+        scope = backend.scope(entry)
+        unit_env = dict(scope.env)
         if entry.device not in facts_cache:
             probed = facts_provider(backend, {**env, **unit_env}, entry.device)
             other_host.update({k: (v, probed.get(k, "")) for k, v in declared.items() if probed.get(k) != v})
             facts_cache[entry.device] = _usable_facts(loaded, backend, {**probed, **declared}, {**env, **unit_env})
-        fingerprint = backend.fingerprint(facts_cache[entry.device], {**env, **unit_env}, entry)
+        fingerprint = backend.fingerprint(facts_cache[entry.device], {**env, **unit_env}, scope)
         identity = model_identity(loaded, entry)
         keyed_call, left_out = split_call(entry)
         for shape in entry.expanded_shapes():
             normalized = normalize_unit(entry, shape, identity, unit_env, keyed_call)
-            key = hash_bytes(canonical_json({"format": UNIT_FORMAT, "unit": normalized, "fingerprint": fingerprint}))
+            key = unit_key(normalized, fingerprint)
             units.append(
                 BuildUnit(
                     unit_id=f"{entry.id}/{entry.unit_label(shape)}",

@@ -15,7 +15,6 @@ from neffbuild.doctor import (
     check_free_space,
     check_persistent,
     check_writable,
-    fingerprint_diff,
     load_release,
     mount_of,
     report_json,
@@ -158,7 +157,7 @@ def test_versions_against_a_release_name_each_difference(tmp_path):
     report = run_doctor(env={}, cache_dir=tmp_path, release=release(built), host=host)
     versions = by_name(report, "versions")
     assert versions.status == "fail"
-    assert "neuronx-cc: built '2.21.33', here 'absent'" in versions.detail and "torch-neuronx" in versions.detail
+    assert "neuronx-cc: build has '2.21.33', this host 'absent'" in versions.detail and "torch-neuronx" in versions.detail
     same = run_doctor(env={}, cache_dir=tmp_path, release=release(host_fingerprint()), host=host)
     assert by_name(same, "versions").status == "pass"
 
@@ -170,12 +169,13 @@ def test_release_env_is_what_the_server_runs_with(tmp_path):
     assert by_name(run_doctor(env={}, cache_dir=tmp_path, release=rel, host=host), "versions").status == "pass"
     extra = {"TORCH_NEURONX_COMPLEX_DECOMPOSE": "0"}
     check = by_name(run_doctor(env=extra, cache_dir=tmp_path, release=rel, host=host), "versions")
-    assert check.status == "fail" and "env.TORCH_NEURONX_COMPLEX_DECOMPOSE: here '0', not set at build" in check.detail
+    assert check.status == "fail" and "env.TORCH_NEURONX_COMPLEX_DECOMPOSE: this host sets '0', the build did not" in check.detail
 
 
-def test_fingerprint_diff_is_symmetric_for_env_only():
-    assert fingerprint_diff({"a": "1"}, {"a": "1", "b": "2"}) == []
-    assert fingerprint_diff({"a": "1"}, {}) == ["a: built '1', here '(missing)'"]
+def test_informational_differences_pass_and_are_named(tmp_path):
+    rel = release(host_fingerprint(diffusers="0.41.0"))
+    check = by_name(run_doctor(env={}, cache_dir=tmp_path, release=rel, host=persistent_host(facts=fake_facts(HERE_FACTS))), "versions")
+    assert check.status == "pass" and "informational: diffusers: build has '0.41.0', this host '0.42.1'" in check.detail
 
 
 def test_all_pass_on_a_good_host(tmp_path):

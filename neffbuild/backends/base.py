@@ -4,7 +4,9 @@ The core (plan, build, pull, verify) never imports torch. A backend answers two 
 questions: on the planning side, which files of its cache dir form a bundle, what in the
 environment keys them and whether this host can build them; inside a worker process (a fresh
 interpreter per build unit), how to load the pipeline, compile it and count compiles. Only the
-worker-side methods (and collect_facts) may import torch.
+worker-side methods may import torch; collect_facts reads files, so that `status` and `pull`
+can judge a host in a fraction of a second (it imports torch only for a fact no file holds).
+This module imports neither torch nor the manifest's validation library for the same reason.
 
 Every listed component is compiled through a GraphCounter, so a build can prove that each one
 actually ran compiled (a VAE compiled as `vae` wraps forward, while pipelines call vae.decode).
@@ -16,11 +18,13 @@ import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from neffbuild.manifest import LoadedManifest, ModelEntry
+if TYPE_CHECKING:
+    from neffbuild.manifest import LoadedManifest, ModelEntry
 
 # torch._dynamo.utils.counters group the GraphCounters write; reported as "graphs.<component>".
 GRAPH_GROUP = "neffbuild.graphs"
@@ -39,22 +43,75 @@ class Problem:
         return f"{self.field}: {self.message}"
 
 
+class UnitScope(Protocol):
+    """What of a unit its fingerprint depends on: a manifest entry, or a Scope read from a
+    bundle's normalised unit (so a host is judged without the manifest)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def tensor_parallel(self) -> int: ...
+    @property
+    def env(self) -> Mapping[str, str]: ...  # variables the unit sets: keyed whatever their name
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    device: str
+    tensor_parallel: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of_unit(cls, unit: Mapping[str, Any]) -> Scope:
+        """The scope a normalised unit (plan.normalize_unit, as a bundle records it) was keyed in."""
+        env = unit.get("env")
+        tp = unit.get("tensor_parallel")
+        return cls(
+            device=str(unit.get("device", "")),
+            tensor_parallel=tp if isinstance(tp, int) and not isinstance(tp, bool) else 1,
+            env={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
+        )
+
+
 class Backend(ABC):
     name: ClassVar[str]
     cache_env: ClassVar[str]  # the variable that points the compiler at its cache dir
+    default_device: ClassVar[str]
     # Facts a manifest's [toolchain] table may declare, to plan keys for a host other than this one.
     fact_names: ClassVar[tuple[str, ...]]
     caches_eager: ClassVar[bool] = False  # does mode "eager" leave anything in the cache dir?
+    # Fingerprint fields (fnmatch patterns) by what a difference does on a host. Breaking: it
+    # changes kernels or the compiler's own keys (a miss, or a "hit" that computes garbage).
+    # Informational: our key holds it, but the compiler's cache still serves. A field in neither
+    # list counts as breaking; a test keeps every field this host reports declared.
+    breaking_fields: ClassVar[tuple[str, ...]]
+    informational_fields: ClassVar[tuple[str, ...]] = ()
 
-    # -- planning side: no torch import here except inside collect_facts -----------------------
+    # -- planning side: no torch import here, except for facts no file holds -------------------
 
     @abstractmethod
     def collect_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
-        """Probe this host (versions, CPU, compiler). Impure; tests pass facts in instead."""
+        """Read this host's facts (versions, CPU, compiler) for a process running with `env`.
+        Impure; tests pass facts in instead."""
+
+    def worker_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
+        """The facts as the compiler reports them, inside a worker (torch imported): where one
+        that collect_facts derives from files disagrees, the build fails naming it, rather than
+        publishing a key built on a wrong guess."""
+        return self.collect_facts(env, device)
 
     @abstractmethod
-    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
+    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         """Everything outside the unit that changes the artifact or silently breaks a hit. Pure."""
+
+    def scope(self, entry: ModelEntry) -> Scope:
+        """The scope plan and worker key an entry's units in; what a bundle's unit records."""
+        return Scope(device=entry.device, tensor_parallel=entry.tensor_parallel, env={**self.runtime_env(), **entry.env})
+
+    def is_breaking(self, name: str) -> bool:
+        if any(fnmatchcase(name, p) for p in self.breaking_fields):
+            return True
+        return not any(fnmatchcase(name, p) for p in self.informational_fields)
 
     def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
         """Backend-specific problems with an entry, found before compiling (e.g. TP degree). Pure."""

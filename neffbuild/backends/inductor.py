@@ -18,11 +18,13 @@ import sys
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Backend, Problem, cpu_isa_flags, graph_counters, relevant_env
+from neffbuild.backends.base import Backend, Problem, UnitScope, cpu_isa_flags, graph_counters, relevant_env
 from neffbuild.backends.serving import INDUCTOR
-from neffbuild.manifest import ModelEntry
+
+if TYPE_CHECKING:
+    from neffbuild.manifest import ModelEntry
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
 # two builds may write the same path with different bytes (e.g. .so files embed their build
@@ -38,49 +40,79 @@ _ENV_NAMES = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "TORCH_COMPILE_CACHE_KEY
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 _ENV_SKIP = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_COMPILE_DEBUG_DIR"}
 _MISS_COUNTERS = ("inductor.fxgraph_cache_miss", "aot_autograd.autograd_cache_miss")
+# What ATEN_CPU_CAPABILITY takes away from the ISA Inductor picks kernels for (its
+# cpu_vec_isa.pick_vec_isa): "default" leaves scalar code, "avx2" everything below AVX-512.
+_CAPPED = {
+    "default": re.compile(r"^(avx\w*|amx\w*|fma|f16c|asimd\w*|sve\w*|neon|bf16|i8mm|fp16)$"),
+    "avx2": re.compile(r"^(avx512\w*|amx\w*)$"),
+}
 
 
 class InductorBackend(Backend):
     name = "inductor"
     cache_env = INDUCTOR.cache_env
+    default_device = "cpu"
     fact_names = (
         "torch", "torch.git", "python", "python.prefix", "platform", "cpu.isa", "cpu.capability",
         "threads.default", "cxx.default", "diffusers", "transformers", "triton", "cuda", "cuda.device",
     )  # fmt: skip
+    # Kernels and Inductor's keys: torch (version, sources), Triton and the GPU for CUDA kernels,
+    # the vector ISA and thread count kernels are generated for, the C++ compiler, the Python
+    # (headers and absolute include paths in every kernel's command line), compiler variables.
+    breaking_fields = (
+        "backend", "device", "torch", "torch.git", "triton", "cuda", "cuda.device", "cpu.isa",
+        "cpu.capability", "cxx", "threads", "python", "python.prefix", "platform", "env.*",
+    )  # fmt: skip
+    # Model code: Inductor keys the traced graph itself, so a new version misses at most where
+    # the code it traces changed, and never serves a stale kernel.
+    informational_fields = ("diffusers", "transformers")
 
     def collect_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
-        import torch
-
+        # From files: torch's version.py, /proc/cpuinfo, /sys topology, package metadata. Only
+        # a CUDA device's name, and the dispatch capability off x86, need torch itself.
+        cpuinfo = _read("/proc/cpuinfo")
+        torch_version = _torch_version_file()
         facts = {
-            "torch": torch.__version__,
-            "torch.git": torch.version.git_version,
+            "torch": torch_version.get("__version__", ""),
+            "torch.git": torch_version.get("git_version", ""),
             "python": f"{platform.python_implementation()} {platform.python_version()}",
             "python.prefix": sys.prefix,
             "platform": f"{sys.platform}-{platform.machine()}",
-            "cpu.isa": cpu_isa_flags(_read("/proc/cpuinfo")),
-            "cpu.capability": torch.backends.cpu.get_cpu_capability(),
-            "threads.default": str(torch.get_num_threads()),
+            "cpu.isa": cpu_isa_flags(cpuinfo),
+            "cpu.capability": dispatch_capability(cpu_isa_flags(cpuinfo), platform.machine()) or _torch_capability(),
+            "threads.default": default_threads(env),
             "cxx.default": _compiler_version(env.get("CXX") or "g++"),
         }
         for package in ("diffusers", "transformers", "triton"):
             facts[package] = _version(package)
-        if device == "cuda" and torch.cuda.is_available():
-            facts["cuda"] = str(torch.version.cuda)
-            facts["cuda.device"] = torch.cuda.get_device_name(0)
+        if device == "cuda":
+            facts.update(_cuda_facts())
         return facts
 
-    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
+    def worker_facts(self, env: Mapping[str, str], device: str) -> dict[str, str]:
+        import torch
+
+        # torch's own answers for what collect_facts derives from files (the worker runs with env).
+        facts = self.collect_facts(env, device)
+        facts["cpu.capability"] = torch.backends.cpu.get_cpu_capability()
+        facts["threads.default"] = str(torch.get_num_threads())
+        return facts
+
+    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         fields = {
             "backend": self.name,
             **{k: v for k, v in facts.items() if not k.endswith(".default") and v},
             # Variables that override a probed default: the value the compile will actually see.
             "threads": env.get("OMP_NUM_THREADS") or facts.get("threads.default", ""),
             "cxx": facts.get("cxx.default", ""),
-            "device": entry.device,
+            "device": unit.device,
         }
+        if facts.get("cpu.isa"):
+            # The ISA Inductor generates kernels for: ATEN_CPU_CAPABILITY caps what the CPU has.
+            fields["cpu.isa"] = effective_isa(facts["cpu.isa"], env.get("ATEN_CPU_CAPABILITY", ""))
         if env.get("ATEN_CPU_CAPABILITY"):
             fields["cpu.capability"] = env["ATEN_CPU_CAPABILITY"].lower()
-        fields.update(relevant_env(env, _ENV_NAMES + tuple(entry.env), _ENV_PREFIXES, _ENV_SKIP))
+        fields.update(relevant_env(env, _ENV_NAMES + tuple(unit.env), _ENV_PREFIXES, _ENV_SKIP))
         return dict(sorted(fields.items()))
 
     def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
@@ -158,6 +190,62 @@ class InductorBackend(Backend):
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         return sum(delta.get(name, 0) for name in _MISS_COUNTERS)
+
+
+def effective_isa(isa: str, capability: str) -> str:
+    """The CPU flags whose kernels Inductor generates under ATEN_CPU_CAPABILITY (unset: all)."""
+    capped = _CAPPED.get(capability.lower())
+    if capped is None:
+        return isa
+    return ",".join(f for f in isa.split(",") if f and not capped.match(f)) or "none"
+
+
+def dispatch_capability(isa: str, machine: str) -> str | None:
+    """torch.backends.cpu.get_cpu_capability() with ATEN_CPU_CAPABILITY unset, from CPU flags as
+    ATen's DispatchStub decides it on x86; None elsewhere (only torch can say)."""
+    if machine not in ("x86_64", "AMD64"):
+        return None
+    flags = set(isa.split(","))
+    if {"avx512vl", "avx512bw", "avx512dq", "fma"} <= flags:
+        return "AVX512"
+    return "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
+
+
+def default_threads(env: Mapping[str, str]) -> str:
+    """torch.get_num_threads() when OMP_NUM_THREADS is unset: MKL_NUM_THREADS, else one thread per
+    physical core (torch counts cores, not hardware threads, of every CPU the system has)."""
+    if (mkl := env.get("MKL_NUM_THREADS", "").strip()).isdigit() and int(mkl) > 0:
+        return str(int(mkl))
+    cores = set()
+    for topology in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        cores.add((_read(str(topology / "physical_package_id")).strip(), _read(str(topology / "core_id")).strip()))
+    return str(len(cores) or os.cpu_count() or 1)
+
+
+def _torch_version_file() -> dict[str, str]:
+    """torch/version.py's string assignments, read as text: importing torch takes seconds."""
+    try:
+        spec = importlib.util.find_spec("torch")  # a top-level package: located, not imported
+    except (ImportError, ValueError):
+        return {}
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    text = _read(str(Path(next(iter(spec.submodule_search_locations))) / "version.py"))
+    return dict(re.findall(r"^(\w+)(?:\s*:[^=\n]*)?\s*=\s*'([^'\n]*)'", text, re.MULTILINE))
+
+
+def _torch_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _cuda_facts() -> dict[str, str]:
+    import torch  # the device name has no file that orders devices as CUDA does
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"cuda": str(torch.version.cuda), "cuda.device": torch.cuda.get_device_name(0)}
 
 
 def _read(path: str) -> str:

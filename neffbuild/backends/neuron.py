@@ -31,11 +31,13 @@ import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Backend, Problem, graph_counters
+from neffbuild.backends.base import Backend, Problem, UnitScope, graph_counters
 from neffbuild.backends.serving import NEURON
-from neffbuild.manifest import LoadedManifest, ModelEntry, is_local_model
+
+if TYPE_CHECKING:
+    from neffbuild.manifest import LoadedManifest, ModelEntry
 
 COMPILE_BACKEND_ENV = "NEFFBUILD_NEURON_COMPILE_BACKEND"
 DEVICE_ENV = "NEFFBUILD_NEURON_DEVICE"
@@ -122,7 +124,13 @@ def compile_target(family: str | None) -> str | None:
 class NeuronBackend(Backend):
     name = "neuron"
     cache_env = NEURON.cache_env
+    default_device = "neuron"
     fact_names = (*_VERSION_FIELDS, "target", "instance.type")
+    # What neuronx-cc produces and how TorchNeuron keys it, plus what the native key leaves out
+    # but changes a NEFF: the compiler and torch-neuronx versions.
+    breaking_fields = ("backend", "device", "torch", "torch-neuronx", "neuronx-cc", "neuron.*", "env.*")
+    # Model code (the NEFF key holds the traced StableHLO itself) and the interpreter's version.
+    informational_fields = ("diffusers", "transformers", "python")
     caches_eager = True  # eager mode compiles (and caches) each op on its first run
 
     def __init__(
@@ -147,21 +155,21 @@ class NeuronBackend(Backend):
         facts["target"] = compile_target(instance_family(facts["instance.type"])) or "unknown"
         return facts
 
-    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
+    def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         target = _target(facts, env)
         fields = {
             "backend": self.name,
-            "device": entry.device,
+            "device": unit.device,
             **{k: facts.get(k, ABSENT) for k in _VERSION_FIELDS},
             "neuron.target": target,
             "neuron.lnc": env.get("NEURON_LOGICAL_NC_CONFIG") or _DEFAULT_LNC.get(target, "unknown"),
             "neuron.opt_level": env.get("NEURON_COMPILER_OPT_LEVEL") or UNSET,
             "neuron.cc_flags": env.get("NEURON_CC_FLAGS") or UNSET,
-            "neuron.tp": str(entry.tensor_parallel),
+            "neuron.tp": str(unit.tensor_parallel),
             "neuron.compile_backend": env.get(COMPILE_BACKEND_ENV) or "neuron",
             "neuron.device": env.get(DEVICE_ENV) or "neuron",
         }
-        fields.update(_keyed_env(env, entry))
+        fields.update(_keyed_env(env, unit))
         return dict(sorted(fields.items()))
 
     def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
@@ -343,18 +351,20 @@ def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:
     return env.get(TARGET_ENV) or (declared if declared and declared != "unknown" else None) or probed or "unknown"
 
 
-def _keyed_env(env: Mapping[str, str], entry: ModelEntry) -> dict[str, str]:
+def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
     return {
         f"env.{k}": v
         for k, v in sorted(env.items())
         if k not in _ENV_NOT_KEYED
         and not k.startswith(_ENV_NOT_KEYED_PREFIXES)
-        and (k.startswith(_ENV_PREFIXES) or k in entry.env)
+        and (k.startswith(_ENV_PREFIXES) or k in unit.env)
     }
 
 
 def _transformer_config(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, Any]:
     """The local model's transformer/config.json, or {} (hub model, or unreadable)."""
+    from neffbuild.manifest import is_local_model
+
     if not is_local_model(entry.model):
         return {}
     try:

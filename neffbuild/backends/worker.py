@@ -40,8 +40,8 @@ def call_kwargs(entry: ModelEntry, shape: Shape) -> dict[str, Any]:
 
 
 def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerResult:
-    facts = backend.collect_facts(env, job.entry.device)
-    fingerprint = backend.fingerprint(facts, env, job.entry)
+    facts = backend.worker_facts(env, job.entry.device)
+    fingerprint = backend.fingerprint(facts, env, backend.scope(job.entry))
     backend.prepare_process(len(job.shapes))
     started = time.perf_counter()
     pipe = backend.load_pipeline(job.entry, job.model_ref)
