@@ -6,7 +6,7 @@ Format `neffbuild.cache-state/2`:
     {"format": "neffbuild.cache-state/2",
      "installed": {"release_id", "tag" ("" if pulled by id), "store" (its URL), "installed_at",
                    "release" (the release document itself), "exports" (what pull printed),
-                   "units": [{"unit_id", "key", "unit", "fingerprint", "paths"}]  (from the bundles)},
+                   "units": [{"unit_id", "key", "backend", "unit", "fingerprint", "paths"}]  (from the bundles)},
      "files": {path: [size, mtime_ns, digest]}}   (what pull wrote: saves re-hashing)
 
 `installed` answers "which release is this, and what did it set" with no store round trip (a tag
@@ -54,6 +54,7 @@ class InstalledUnit:
 
     unit_id: str
     key: str
+    backend: str
     unit: dict[str, Any]
     fingerprint: dict[str, str]
     paths: tuple[str, ...]

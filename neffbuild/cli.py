@@ -137,14 +137,19 @@ _env_file_option = click.option(
 @jobs_option
 @_allow_env_option
 @_env_file_option
+@click.option("--no-host-check", is_flag=True, help="Pull even if this host's environment differs from the build's in a field that changes kernels.")
 @json_option
-def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
-    """Materialise a release's cache files into --cache-dir (only missing ones move)."""
+def pull(
+    ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, no_host_check: bool, as_json: bool
+) -> None:
+    """Materialise a release's cache files into --cache-dir (only missing ones move), after
+    checking that this host would hit them (exit 7 naming each field that differs)."""
     from neffbuild.pull import pull as run_pull
     from neffbuild.store import open_store, resolve_store_url
 
     store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
-    report = run_pull(store, ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file)
+    host_env = None if no_host_check else os.environ
+    report = run_pull(store, ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env)
     Console(as_json).pull(report)
 
 

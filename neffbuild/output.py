@@ -165,6 +165,8 @@ class Console:
         if self.as_json:
             self._json(report)
             return
+        for warning in report.host_warnings:
+            print(f"warning: {warning} (informational: kernels are unaffected)", file=sys.stderr)
         print(
             f"pulled {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
             f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s",
@@ -380,7 +382,7 @@ def print_status(self: Console, report: StatusReport) -> None:
     for u in report.units:  # why each miss, whole lines whatever the width
         if u.state == "mismatch":
             for change in u.changes:
-                self.out.print(f"{u.unit_id}: mismatch: {change}", markup=False)
+                self.out.print(f"{u.unit_id}: mismatch: {change.line()}", markup=False)
         elif u.state == "missing":
             corrupt = f", {u.corrupt_files} with other bytes" if u.corrupt_files else ""
             self.out.print(f"{u.unit_id}: missing: {u.missing_files} of {u.files} files ({_size(u.missing_bytes)}){corrupt}", markup=False)
@@ -388,7 +390,7 @@ def print_status(self: Console, report: StatusReport) -> None:
             self.out.print(f"{u.unit_id}: stale: its files are present, the cache dir holds another release", markup=False)
         elif u.state == "absent":
             self.out.print(f"{u.unit_id}: absent: the manifest declares it, the release does not have it", markup=False)
-    notes = sorted({str(c) for u in report.units if u.state != "mismatch" for c in u.changes})
+    notes = sorted({c.line() for u in report.units if u.state != "mismatch" for c in u.changes})
     for note in notes:  # informational: the key differs, the compiler's cache still serves
         print(f"warning: {note} (informational: kernels are unaffected)", file=sys.stderr)
     checked = "sizes and digests" if report.verified else "sizes"

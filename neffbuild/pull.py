@@ -36,7 +36,7 @@ from neffbuild.cachestate import (
     find_target,
     read_cache_state,
 )
-from neffbuild.errors import IntegrityError, NotFoundError
+from neffbuild.errors import EnvironmentMismatch, IntegrityError, NotFoundError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.hashing import is_digest
 from neffbuild.materialize import (
@@ -73,6 +73,8 @@ class PullReport:
     bytes_total: int
     seconds: float
     exports: Mapping[str, str]
+    host_checked: bool = False  # the release was compared with this host before anything moved
+    host_warnings: tuple[str, ...] = ()  # informational differences: our key differs, kernels do not
 
 
 def resolve(store: Store, ref: str) -> ResolvedRelease:
@@ -138,12 +140,21 @@ def serving_env(
 
 
 def pull(
-    store: Store, ref: str, cache_dir: Path, *, jobs: int = 16, allow_env: Collection[str] = (), env_file: Path | None = None
+    store: Store,
+    ref: str,
+    cache_dir: Path,
+    *,
+    jobs: int = 16,
+    allow_env: Collection[str] = (),
+    env_file: Path | None = None,
+    host_env: Mapping[str, str] | None = None,
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
-    Everything that can refuse (the release, its exports, a link in the cache dir) is checked
-    before anything is written; a cache that is complete is only read.
+    Everything that can refuse (the release, its exports, this host, a link in the cache dir) is
+    checked before anything is written; a cache that is complete is only read. With host_env
+    (the environment the server will run in, before the release's exports), the host is
+    compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     """
     started = time.perf_counter()
     resolved = resolve(store, ref)
@@ -152,6 +163,7 @@ def pull(
     env_text = env_file_text(exports) if env_file is not None else ""
     old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
+    warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     with _open_root(cache_dir) as root:
         found = _scan(root, cache_dir, resolved.release.files, old.files)
         missing = [f for f in resolved.release.files if found[f.path] is None]
@@ -169,7 +181,27 @@ def pull(
         bytes_total=resolved.release.total_size,
         seconds=time.perf_counter() - started,
         exports=exports,
+        host_checked=host_env is not None,
+        host_warnings=warnings,
     )
+
+
+def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ...]:
+    """Compare this host, as the server will run (serving), with each unit's bundle: breaking
+    differences refuse the pull (before any byte moves); informational ones are returned."""
+    if not installed.units:
+        return ()
+    from neffbuild.hostcheck import check_host
+
+    report = check_host(installed.units, serving)
+    if report.breaking:
+        units = sum(u.breaking for u in report.units)
+        raise EnvironmentMismatch(
+            f"{units} of {len(report.units)} units of {installed.release.name} would not hit on this host: "
+            + "; ".join(d.line() for d in report.breaking),
+            hint="serve it where the build's environment is (or rebuild it here); `neffbuild status` shows each unit; --no-host-check pulls anyway",
+        )
+    return tuple(d.line() for d in report.informational)
 
 
 def _complete(
@@ -337,7 +369,7 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
         record = parse(BundleRecord, data, where)
         if record.key != key or record.unit_id != unit_id:
             raise IntegrityError(f"{where}: records {record.unit_id} ({record.key}), not {unit_id}", hint="the object is corrupt; rebuild the release")
-        return InstalledUnit(unit_id, key, record.unit, record.fingerprint, tuple(f.path for f in record.files))
+        return InstalledUnit(unit_id, key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
 
     refs = [(u.unit_id, u.key) for u in resolved.release.units]
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(refs), 32)), thread_name_prefix="neffbuild-bundles") as pool:

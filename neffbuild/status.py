@@ -23,27 +23,15 @@ from typing import TYPE_CHECKING, Literal
 from neffbuild.cachestate import CacheState, Files, InstalledUnit, Target, accepted_env, find_target, read_cache_state
 from neffbuild.errors import StatusMiss
 from neffbuild.exports import exports_for
+from neffbuild.hostcheck import FieldDiff, HostReport, check_host
 from neffbuild.materialize import Beneath, disk_error
 
 if TYPE_CHECKING:
-    from neffbuild.bundle import FileEntry, Release
+    from neffbuild.bundle import FileEntry
     from neffbuild.plan import Plan
     from neffbuild.store.base import Store
 
 UnitState = Literal["hit", "mismatch", "missing", "stale", "absent"]
-
-
-@dataclass(frozen=True, slots=True)
-class FieldChange:
-    """One fingerprint (or unit) field that differs: as built, and as this host has it."""
-
-    field: str
-    built: str
-    here: str
-    breaking: bool = True
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.built or '(absent)'} -> {self.here or '(absent)'}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +44,8 @@ class UnitStatus:
     missing_files: int = 0
     missing_bytes: int = 0
     corrupt_files: int = 0  # of the missing ones: present with the size but other bytes (--verify)
-    changes: tuple[FieldChange, ...] = ()  # mismatch: the breaking fields; else informational ones
+    changes: tuple[FieldDiff, ...] = ()  # mismatch: the breaking fields; else informational ones
+    host_key: str = ""  # the key this host gives the unit (equal to key when nothing differs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +68,8 @@ class StatusReport:
         return sum(u.state == state for u in self.units)
 
 
-# (units, release, serving env) -> per unit id, the fields that differ on this host
-HostCheck = Callable[[Sequence[InstalledUnit], "Release", Mapping[str, str]], Mapping[str, Sequence[FieldChange]]]
+# units, as the server will run (this environment, the release's exports over it) -> the host's verdict
+HostCheck = Callable[[Sequence[InstalledUnit], Mapping[str, str]], HostReport]
 
 
 def status(
@@ -91,7 +80,7 @@ def status(
     open_store: Callable[[], Store] | None = None,
     store_named: bool = False,
     verify: bool = False,
-    host_check: HostCheck | None = None,
+    host_check: HostCheck = check_host,
     plan: Plan | None = None,
 ) -> StatusReport:
     """Judge cache_dir for REF's release (default: the installed one) on this host. A tag is
@@ -105,10 +94,11 @@ def status(
     target = find_target(state, cache_dir, ref, open_store, store_named=store_named)
     # The host as the server will run: this environment with the release's exports applied.
     exports = exports_for(target.release, cache_dir, target.source, accepted_env(state, target))
-    changes = dict(host_check(target.units, target.release, {**env, **exports})) if host_check else {}
+    checked = host_check(target.units, {**env, **exports}).units if target.units else ()
+    changes: dict[str, Sequence[FieldDiff]] = {u.unit_id: u.diffs for u in checked}
     if plan is not None:
         changes = _manifest_changes(plan, target, changes)
-    report = judge(cache_dir, state, target, changes, verify=verify)
+    report = judge(cache_dir, state, target, changes, {u.unit_id: u.host_key for u in checked}, verify=verify)
     if plan is None:
         return report
     have = {u.unit_id for u in target.units}
@@ -116,7 +106,7 @@ def status(
     return replace(report, units=report.units + lacking)
 
 
-def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[FieldChange]]) -> dict[str, Sequence[FieldChange]]:
+def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[FieldDiff]]) -> dict[str, Sequence[FieldDiff]]:
     """Add, for each unit the manifest now describes otherwise than the release built it, the
     unit fields that differ (`unit.shape`, `unit.call`, ...): its key would differ anywhere."""
     planned = {u.unit_id: u for u in plan.units}
@@ -126,7 +116,7 @@ def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[Fi
         if now is None:
             continue
         differing = [
-            FieldChange(f"unit.{name}", _shown(unit.unit.get(name)), _shown(now.normalized.get(name)))
+            FieldDiff(f"unit.{name}", _shown(unit.unit.get(name)), _shown(now.normalized.get(name)), breaking=True)
             for name in sorted(set(unit.unit) | set(now.normalized))
             if unit.unit.get(name) != now.normalized.get(name)
         ]
@@ -135,14 +125,20 @@ def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[Fi
     return out
 
 
-def _shown(value: object) -> str:
+def _shown(value: object) -> str | None:
     import json
 
-    return "" if value is None else value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return None if value is None else value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 def judge(
-    cache_dir: Path, state: CacheState, target: Target, changes: Mapping[str, Sequence[FieldChange]], *, verify: bool
+    cache_dir: Path,
+    state: CacheState,
+    target: Target,
+    changes: Mapping[str, Sequence[FieldDiff]],
+    host_keys: Mapping[str, str],
+    *,
+    verify: bool,
 ) -> StatusReport:
     by_path = {f.path: f for f in target.release.files}
     found = presence(cache_dir, target.release.files, state.files, verify=verify)
@@ -170,6 +166,7 @@ def judge(
                 missing_bytes=sum(e.size for e in absent),
                 corrupt_files=sum(found[e.path] == "corrupt" for e in absent),
                 changes=breaking or differing,
+                host_key=host_keys.get(unit.unit_id, ""),
             )
         )
     installed = state.installed
@@ -227,7 +224,7 @@ def status_error(report: StatusReport) -> StatusMiss | None:
     if report.ok:
         return None
     counts = ", ".join(f"{report.count(s)} {s}" for s in ("mismatch", "missing", "stale", "absent") if report.count(s))
-    fields = sorted({c.field for u in report.units if u.state == "mismatch" for c in u.changes})
+    fields = sorted({c.name for u in report.units if u.state == "mismatch" for c in u.changes})
     named = f" ({', '.join(fields[:6])})" if fields else ""
     hints = []
     if report.count("missing") or report.count("stale"):

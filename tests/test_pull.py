@@ -30,6 +30,7 @@ from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
+from tests.storekit import this_host
 
 
 def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: str = "t", **release_fields: Any) -> str:
@@ -45,14 +46,15 @@ def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: st
         sources.append(BlobSource(digest.hex, digest.size, path))
         entries.append(FileEntry(path=rel, size=digest.size, digest=digest.hex))
     key = hash_bytes(repr(sorted(files.items())).encode())
+    fingerprint = this_host({}, release_fields.get("env", {"OMP_NUM_THREADS": "2"}))  # built here: pull finds no difference
     record = BundleRecord(
-        key=key, unit_id="m/1x1x1", unit={}, backend="inductor", fingerprint={}, files=tuple(entries),
+        key=key, unit_id="m/1x1x1", unit={}, backend="inductor", fingerprint=fingerprint, files=tuple(entries),
         counters={}, timings=Timings(), created_at="2026-01-01T00:00:00+00:00", neffbuild_version="test",
     )
     publish_bundle(store, record, sources, jobs=2)
     release = Release(
         name=tag, manifest_digest="0" * 32, backend="inductor", cache_env="TORCHINDUCTOR_CACHE_DIR",
-        env={"OMP_NUM_THREADS": "2"}, fingerprint={}, units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
+        env={"OMP_NUM_THREADS": "2"}, fingerprint=fingerprint, units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
         files=tuple(sorted(entries, key=lambda e: e.path)),
     )
     release = dataclasses.replace(release, **release_fields)
@@ -534,3 +536,48 @@ def test_a_state_whose_release_was_edited_reads_as_unknown(store: LocalStore, tm
     result = cli("env", "--cache-dir", str(cache))
     assert result.returncode == 8 and "no installed release recorded" in result.stderr
     assert parse_state((cache / STATE_DIR / "state.json").read_bytes()).files.keys() == FILES.keys()
+
+
+# ---- preflight: the host is compared with the release before any byte moves (issue 11) -----------
+
+from tests.test_status import publish_units, without_flag  # noqa: E402
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, str]]:
+    if request.param == "s3":
+        return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_env")
+    return str(tmp_path / "store"), {}
+
+
+def test_a_breaking_mismatch_refuses_the_pull_before_anything_is_written(any_store, tmp_path: Path, cli) -> None:
+    url, env = any_store
+    from neffbuild.store import open_store
+
+    store = open_store(url, create=True, env=env)
+    publish_units(store, tmp_path / "src", tag="prod", edit=lambda fp: {**fp, "cpu.isa": fp["cpu.isa"] + ",avx10_9"})
+    cache = tmp_path / "cache"
+    refused = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env=env)
+    assert refused.returncode == 7, refused.stderr
+    assert "2 of 2 units of prod would not hit on this host: cpu.isa: build has avx10_9, this host lacks it" in refused.stderr
+    assert "--no-host-check" in refused.stderr and refused.stdout == ""
+    assert not cache.exists()  # nothing made, not even the directory
+    cache.mkdir()
+    (cache / "keep.txt").write_text("mine")
+    before = snapshot(cache)
+    assert cli("pull", "prod", "--store", url, "--cache-dir", str(cache), "--json", env=env).returncode == 7
+    assert snapshot(cache) == before  # byte-identical: no file, no state, no lock
+    forced = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), "--no-host-check", "--json", env=env)
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["host_checked"] is False and (cache / "a/k1.so").exists()
+
+
+def test_under_aten_cpu_capability_default_pull_exits_7_naming_it(tmp_path: Path, cli) -> None:
+    from neffbuild.store import open_store
+
+    url = str(tmp_path / "store")
+    publish_units(open_store(url, create=True, env={}), tmp_path / "src", tag="prod", edit=without_flag)
+    cache = tmp_path / "cache"
+    result = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env={"ATEN_CPU_CAPABILITY": "default"})
+    assert result.returncode == 7 and "env.ATEN_CPU_CAPABILITY: this host sets 'default', the build did not" in result.stderr
+    assert not cache.exists()
