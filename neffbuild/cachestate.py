@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.bundle import Release, decode_doc, to_json
+from neffbuild.bundle import FileEntry, Release, ReleaseUnit, SharedPath, decode_doc, to_json
 from neffbuild.errors import InputError, IntegrityError, NotFoundError
-from neffbuild.hashing import is_digest
+from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.materialize import disk_error, open_dir_beneath
 from neffbuild.names import STATE_DIR
 
@@ -122,14 +122,40 @@ def _files(value: Any) -> Files:
     return files
 
 
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """Installed without its release: decoded strictly."""
+
+    release_id: str
+    tag: str
+    store: str
+    installed_at: str
+    exports: dict[str, str]
+    units: tuple[InstalledUnit, ...]
+
+
 def _installed(value: Any) -> Installed | None:
-    try:
-        installed = decode_doc(Installed, value, STATE_FILE)
-    except IntegrityError:
+    """The installed record, if whole. Its release document is checked by its digest, which is
+    its id: the bytes pull parsed strictly from the store, so they are rebuilt without a second
+    strict parse (status reads this on every call; a 2,000-file release took 80 ms that way)."""
+    if not isinstance(value, dict) or not isinstance(release := value.get("release"), dict):
         return None
-    if installed.release.release_id != installed.release_id:
-        return None  # edited by hand or damaged: its exports cannot be trusted to match
-    return installed
+    try:
+        if hash_bytes(canonical_json(release)) != value.get("release_id"):
+            return None  # edited by hand or damaged: its exports cannot be trusted to match
+        head = decode_doc(_Head, {k: v for k, v in value.items() if k != "release"}, STATE_FILE)
+        return Installed(**{f: getattr(head, f) for f in _Head.__slots__}, release=_release(release))
+    except (IntegrityError, TypeError, KeyError, ValueError, RecursionError):
+        return None
+
+
+def _release(raw: dict[str, Any]) -> Release:
+    return Release(**{
+        **raw,
+        "files": tuple(FileEntry(**f) for f in raw["files"]),
+        "units": tuple(ReleaseUnit(**u) for u in raw["units"]),
+        "shared": tuple(SharedPath(**{**p, "dropped": tuple(p["dropped"])}) for p in raw["shared"]),
+    })  # fmt: skip
 
 
 def encode_state(installed: Installed, files: Mapping[str, tuple[int, int, str]]) -> bytes:
