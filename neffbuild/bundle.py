@@ -250,6 +250,15 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
         ) from None
 
 
+def decode_doc(kind: type[Doc], raw: Any, where: str) -> Doc:
+    """Already-parsed JSON as a document of kind, as strictly as parse (no format check: the
+    caller's container carries the format)."""
+    try:
+        return _decode(kind, raw, ())
+    except _Invalid as exc:
+        raise IntegrityError(f"{where}: invalid {kind.__name__} at {_shown(exc.loc)}: {exc.msg}") from None
+
+
 Loc = tuple[str | int, ...]  # where in the document: keys and indices, shown only on error
 
 

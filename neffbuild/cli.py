@@ -120,12 +120,17 @@ _env_file_option = click.option(
 @jobs_option
 @_allow_env_option
 @_env_file_option
+@click.option("--no-host-check", is_flag=True, help="Pull even if this host's environment differs from the build's in a field that changes kernels.")
 @json_option
-def pull(ref: str, cache_dir: Path, store: StoreChoice, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
-    """Materialise a release's cache files into --cache-dir (only missing ones move)."""
+def pull(
+    ref: str, cache_dir: Path, store: StoreChoice, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, no_host_check: bool, as_json: bool
+) -> None:
+    """Materialise a release's cache files into --cache-dir (only missing ones move), after
+    checking that this host would hit them (exit 7 naming each field that differs)."""
     from neffbuild.pull import pull as run_pull
 
-    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file)
+    host_env = None if no_host_check else os.environ
+    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env)
     Console(as_json).pull(report)
 
 
@@ -161,17 +166,19 @@ def verify(manifest: Path, cache_dir: Path, replay: bool, store: StoreChoice, ou
 
 
 @cli.command("env")
-@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.argument("ref", metavar="[TAG_OR_RELEASE]", required=False)
 @click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False))
 @store_option
 @_allow_env_option
 @_env_file_option
 @json_option
-def env_command(ref: str, cache_dir: Path, store: StoreChoice, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
-    """Print the environment a serving process needs for REF's cache (shell `export` lines)."""
+def env_command(ref: str | None, cache_dir: Path, store: StoreChoice, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
+    """Print the environment a serving process needs for the release installed in --cache-dir
+    (shell `export` lines), read from the cache dir: no store needed. REF, if given, must be it."""
     from neffbuild.pull import serving_env
 
-    Console(as_json).exports(serving_env(store.open(os.environ), ref, cache_dir, allow_env=allow_env, env_file=env_file))
+    # The store is opened only for a cache dir that recorded no release (older pulls).
+    Console(as_json).exports(serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allow_env, env_file=env_file))
 
 
 @cli.command()
@@ -225,6 +232,28 @@ def schema() -> None:
     from neffbuild.manifest import manifest_json_schema
 
     click.echo(json.dumps(manifest_json_schema(), indent=2))
+
+
+# ---- status (issue 11) ----------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("ref", metavar="[MANIFEST|TAG|RELEASE]", required=False)
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir the server will use.")
+@store_option
+@click.option("--verify", "verify_digests", is_flag=True, help="Also hash every file (default: sizes only).")
+@json_option
+def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests: bool, as_json: bool) -> None:
+    """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
+    hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
+    Reads the cache dir; the store only for a release other than the installed one."""
+    from neffbuild.output import print_status
+    from neffbuild.status import status_error, status_of
+
+    report = status_of(ref, cache_dir, store, env=os.environ, verify=verify_digests)
+    print_status(Console(as_json), report)
+    if error := status_error(report):
+        raise error
 
 
 def main(argv: list[str] | None = None) -> None:

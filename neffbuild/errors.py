@@ -92,6 +92,12 @@ class HostNotReady(NeffbuildError):
     exit_code = 11
 
 
+class StatusMiss(NeffbuildError):
+    """`status` predicts a unit would not hit: missing, stale, mismatched or absent."""
+
+    exit_code = 12
+
+
 class Interrupted(NeffbuildError):
     """SIGINT or SIGTERM stopped a build or replay; its exit code is the shell's 128 + signal."""
 

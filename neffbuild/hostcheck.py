@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, Scope
@@ -97,11 +98,27 @@ def host_fingerprint(backend: Backend, scope: Scope, env: Mapping[str, str], fac
     return backend.fingerprint(facts(backend, env, scope.device), env, scope)
 
 
-def check_host(subject: Release | Sequence[BundleRecord], env: Mapping[str, str], *, facts: Facts = read_facts) -> HostReport:
+class KeyedUnit(Protocol):
+    """What of a bundle a host check reads: a BundleRecord, or a unit a cache dir's state keeps."""
+
+    @property
+    def unit_id(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def unit(self) -> Mapping[str, Any]: ...
+    @property
+    def fingerprint(self) -> Mapping[str, str]: ...
+
+
+def check_host(subject: Release | Sequence[BundleRecord] | Sequence[KeyedUnit], env: Mapping[str, str], *, facts: Facts = read_facts) -> HostReport:
     """Compare this host (run with env, the release's exports applied) with a release's common
     fingerprint, or with each bundle's fingerprint and key."""
     if isinstance(subject, Release):
         return _check_release(subject, env, facts)
+    facts = _once(facts)  # units of one entry share device and env: read the host once for them
     records = list(subject)
     backends = sorted({r.backend for r in records})
     if len(backends) != 1:
@@ -117,6 +134,18 @@ def check_host(subject: Release | Sequence[BundleRecord], env: Mapping[str, str]
         units.append(UnitCheck(record.unit_id, record.key, unit_key(record.unit, here), diffs))
     unique = {d: None for u in units for d in u.diffs}
     return HostReport(backend.name, tuple(units), tuple(sorted(unique, key=lambda d: (d.name, d.built or "", d.here or ""))))
+
+
+def _once(facts: Facts) -> Facts:
+    seen: dict[tuple[str, str, tuple[tuple[str, str], ...]], Mapping[str, str]] = {}
+
+    def read(backend: Backend, env: Mapping[str, str], device: str) -> Mapping[str, str]:
+        key = (backend.name, device, tuple(sorted(env.items())))
+        if key not in seen:
+            seen[key] = facts(backend, env, device)
+        return seen[key]
+
+    return read
 
 
 def _check_release(release: Release, env: Mapping[str, str], facts: Facts) -> HostReport:

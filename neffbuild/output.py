@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from neffbuild.doctor import DoctorReport
     from neffbuild.plan import Plan
     from neffbuild.pull import PullReport
+    from neffbuild.status import StatusReport
     from neffbuild.transfer import PushResult
     from neffbuild.verify import ReplayReport, UnitFiles
 
@@ -164,6 +165,8 @@ class Console:
         if self.as_json:
             self._json(report)
             return
+        for warning in report.host_warnings:
+            print(f"warning: {warning} (informational: kernels are unaffected)", file=sys.stderr)
         print(
             f"pulled {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
             f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s",
@@ -355,3 +358,43 @@ def _plain_progress(heartbeat_s: float) -> Iterator[Callable[[str, str], None]]:
     finally:
         stop.set()
         beat.join()
+
+
+# ---- status (issue 11) ----------------------------------------------------------------------
+
+
+_STYLES.update({"mismatch": "red", "missing": "red", "absent": "red", "stale": "yellow"})
+
+
+def print_status(self: Console, report: StatusReport) -> None:
+    """A status report: what the cache dir holds, a row per unit, informational differences."""
+    if self.as_json:
+        self._json({**jsonable(report), "ok": report.ok})
+        return
+    installed = report.installed_release_id or "unknown"
+    if report.installed_release_id == report.release_id:
+        installed = f"this release, since {report.installed_at}" if report.installed_at else "this release"
+    name = f"{report.tag} ({report.release_id})" if report.tag else report.release_id
+    print(f"release {name}, read from {report.source}", file=sys.stderr)
+    print(f"cache dir {report.cache_dir} holds: {installed}", file=sys.stderr)
+    rows = [(u.unit_id, u.state, _files(u.files, u.bytes), u.key) for u in report.units]
+    self._table(f"status of {report.release_name} on this host", [("unit", True), ("status", True), ("files", False), ("key", False)], rows)
+    for u in report.units:  # why each miss, whole lines whatever the width
+        if u.state == "mismatch":
+            for change in u.changes:
+                self.out.print(f"{u.unit_id}: mismatch: {change.line()}", markup=False)
+        elif u.state == "missing":
+            corrupt = f", {u.corrupt_files} with other bytes" if u.corrupt_files else ""
+            self.out.print(f"{u.unit_id}: missing: {u.missing_files} of {u.files} files ({_size(u.missing_bytes)}){corrupt}", markup=False)
+        elif u.state == "stale":
+            self.out.print(f"{u.unit_id}: stale: its files are present, the cache dir holds another release", markup=False)
+        elif u.state == "absent":
+            self.out.print(f"{u.unit_id}: absent: the manifest declares it, the release does not have it", markup=False)
+    notes = sorted({c.line() for u in report.units if u.state != "mismatch" for c in u.changes})
+    for note in notes:  # informational: the key differs, the compiler's cache still serves
+        print(f"warning: {note} (informational: kernels are unaffected)", file=sys.stderr)
+    checked = "sizes and digests" if report.verified else "sizes"
+    self.out.print(
+        f"{report.count('hit')} of {len(report.units)} units will hit ({checked} checked); a prediction: verify --replay proves it",
+        markup=False,
+    )

@@ -13,32 +13,43 @@ link is never "present"; pull replaces it with the verified file.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import stat
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from neffbuild.atomic import write_atomic_at
-from neffbuild.bundle import FileEntry
+from neffbuild.bundle import BundleRecord, FileEntry
+from neffbuild.cachestate import (
+    STATE_FILE,
+    CacheState,
+    Installed,
+    InstalledUnit,
+    encode_state,
+    load_state,
+    open_state_dir,
+    accepted_env,
+    find_target,
+    read_cache_state,
+)
+from neffbuild.errors import EnvironmentMismatch, IntegrityError, NotFoundError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.materialize import (
     BlobTarget,
     Beneath,
     disk_error,
-    open_dir_beneath,
     sync_filesystem,
 )
 from neffbuild.names import STATE_DIR, is_temp_name
-from neffbuild.refs import ResolvedRelease, resolve
+from neffbuild.refs import ResolvedRelease, find_doc, resolve
 from neffbuild.store.base import Store
 
-STATE_FILE = "state.json"
 LOCK_FILE = "pull.lock"
-STATE_MAX = 256 << 20  # a larger state file is not ours: ignored (it only saves re-hashing)
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
 
@@ -54,6 +65,8 @@ class PullReport:
     bytes_total: int
     seconds: float
     exports: Mapping[str, str]
+    host_checked: bool = False  # the release was compared with this host before anything moved
+    host_warnings: tuple[str, ...] = ()  # informational differences: our key differs, kernels do not
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
@@ -62,34 +75,66 @@ def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Colle
 
 
 def serving_env(
-    store: Store, ref: str, cache_dir: Path, *, allow_env: Collection[str] = (), env_file: Path | None = None
+    cache_dir: Path,
+    ref: str | None = None,
+    *,
+    open_store: Callable[[], Store] | None = None,
+    allow_env: Collection[str] = (),
+    env_file: Path | None = None,
 ) -> dict[str, str]:
-    """The exports for ref's release served from cache_dir (`neffbuild env`); written to env_file too."""
-    exports = release_exports(resolve(store, ref), cache_dir.expanduser().resolve(), allow_env)
+    """The exports for the release installed in cache_dir (`neffbuild env`); written to env_file too.
+
+    They come from the cache dir's state, with no store round trip: a tag that moved since the
+    pull must not hand out another release's settings. REF, if given, must be what is installed
+    (its tag or id; another tag is resolved in the store to compare ids). Only a cache dir with
+    no recorded release (never pulled, or by a neffbuild before state version 2) resolves REF in
+    the store as before, and even then refuses a release other than the one it recorded.
+    """
+    cache_dir = cache_dir.expanduser().resolve()
+    _, state = read_cache_state(cache_dir)
+    target = find_target(state, cache_dir, ref, open_store, with_units=False)
+    if state.release_id not in (None, target.release_id):
+        raise NotFoundError(
+            f"{ref} is release {target.release_id}, but {cache_dir} holds release {state.release_id}",
+            hint=f"pull {ref} first, or run `neffbuild env --cache-dir {cache_dir}` for what it holds",
+        )
+    # Names the pull accepted (--allow-env then) stay accepted; the cache variable is this dir.
+    exports = exports_for(target.release, cache_dir, target.source, (*allow_env, *accepted_env(state, target)))
     if env_file is not None:
         write_env_file(env_file, env_file_text(exports))
     return exports
 
 
 def pull(
-    store: Store, ref: str, cache_dir: Path, *, jobs: int = 16, allow_env: Collection[str] = (), env_file: Path | None = None
+    store: Store,
+    ref: str,
+    cache_dir: Path,
+    *,
+    jobs: int = 16,
+    allow_env: Collection[str] = (),
+    env_file: Path | None = None,
+    host_env: Mapping[str, str] | None = None,
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
-    Everything that can refuse (the release, its exports, a link in the cache dir) is checked
-    before anything is written; a cache that is complete is only read.
+    Everything that can refuse (the release, its exports, this host, a link in the cache dir) is
+    checked before anything is written; a cache that is complete is only read. With host_env
+    (the environment the server will run in, before the release's exports), the host is
+    compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     """
     started = time.perf_counter()
     resolved = resolve(store, ref)
     cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
     exports = release_exports(resolved, cache_dir, allow_env)
     env_text = env_file_text(exports) if env_file is not None else ""
+    old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
+    installed = _installed(store, resolved, exports, old, jobs)
+    warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     with _open_root(cache_dir) as root:
-        old_state, state = _read_state(root, cache_dir)
-        found = _scan(root, cache_dir, resolved.release.files, state)
+        found = _scan(root, cache_dir, resolved.release.files, old.files)
         missing = [f for f in resolved.release.files if found[f.path] is None]
-        if missing or _state_bytes(resolved, found) != old_state:
-            missing = _complete(store, resolved, root, cache_dir, found, jobs)
+        if missing or _state_bytes(installed, found) != old_bytes:
+            missing = _complete(store, resolved, root, cache_dir, found, jobs, installed)
     if env_file is not None:
         write_env_file(env_file, env_text)
     return PullReport(
@@ -102,20 +147,42 @@ def pull(
         bytes_total=resolved.release.total_size,
         seconds=time.perf_counter() - started,
         exports=exports,
+        host_checked=host_env is not None,
+        host_warnings=warnings,
     )
 
 
-def _complete(store: Store, resolved: ResolvedRelease, root: int, cache_dir: Path, found: dict[str, os.stat_result | None], jobs: int) -> list[FileEntry]:
+def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ...]:
+    """Compare this host, as the server will run (serving), with each unit's bundle: breaking
+    differences refuse the pull (before any byte moves); informational ones are returned."""
+    if not installed.units:
+        return ()
+    from neffbuild.hostcheck import check_host
+
+    report = check_host(installed.units, serving)
+    if report.breaking:
+        units = sum(u.breaking for u in report.units)
+        raise EnvironmentMismatch(
+            f"{units} of {len(report.units)} units of {installed.release.name} would not hit on this host: "
+            + "; ".join(d.line() for d in report.breaking),
+            hint="serve it where the build's environment is (or rebuild it here); `neffbuild status` shows each unit; --no-host-check pulls anyway",
+        )
+    return tuple(d.line() for d in report.informational)
+
+
+def _complete(
+    store: Store, resolved: ResolvedRelease, root: int, cache_dir: Path, found: dict[str, os.stat_result | None], jobs: int, installed: Installed
+) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
-    state_dir = _open_state_dir(root, cache_dir, create=True)
+    state_dir = open_state_dir(root, cache_dir, create=True)
     assert state_dir is not None
     try:
         # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
         with _exclusive(state_dir, cache_dir / STATE_DIR / LOCK_FILE):
-            old_state, state = _load_state(state_dir)
+            old_state, state = load_state(state_dir)
             # Another pull may have landed some while we waited for the lock.
             missing = [f for f in resolved.release.files if found[f.path] is None]
-            found.update(_scan(root, cache_dir, missing, state))
+            found.update(_scan(root, cache_dir, missing, state.files))
             missing = [f for f in missing if found[f.path] is None]
             if missing:
                 remove_stale_temp_files(cache_dir)
@@ -127,7 +194,7 @@ def _complete(store: Store, resolved: ResolvedRelease, root: int, cache_dir: Pat
                 sync_filesystem(cache_dir)
                 with Beneath(root, cache_dir) as tree:
                     found.update({f.path: _stat(tree, f.path, cache_dir) for f in missing})
-            _save_state(state_dir, cache_dir, _state_bytes(resolved, found), old_state)
+            _save_state(state_dir, cache_dir, _state_bytes(installed, found), old_state)
     finally:
         os.close(state_dir)
     return missing
@@ -150,28 +217,6 @@ def _open_root(cache_dir: Path) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
-
-
-def _open_state_dir(root: int, cache_dir: Path, *, create: bool) -> int | None:
-    """cache_dir/.neffbuild, made if create, else None when missing; a symlink there is refused
-    (state and lock are never written outside the cache dir)."""
-    try:
-        return open_dir_beneath(root, cache_dir, (STATE_DIR,), create=create)
-    except OSError as exc:
-        if isinstance(exc, FileNotFoundError) and not create:
-            return None
-        raise disk_error(exc, cache_dir / STATE_DIR) from None
-
-
-def _read_state(root: int, cache_dir: Path) -> tuple[bytes | None, dict[str, tuple[int, int, str]]]:
-    """The state as _load_state reads it, without making the state dir."""
-    state_dir = _open_state_dir(root, cache_dir, create=False)
-    if state_dir is None:
-        return None, {}
-    try:
-        return _load_state(state_dir)
-    finally:
-        os.close(state_dir)
 
 
 @contextmanager
@@ -253,51 +298,46 @@ def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
     return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
-def parse_state(data: bytes) -> dict[str, tuple[int, int, str]]:
-    """The state file's entries; anything malformed is dropped (a lost entry costs one re-hash)."""
-    try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return {}
-    files = raw.get("files") if isinstance(raw, dict) else None
-    if not isinstance(files, dict):
-        return {}
-    state = {}
-    for path, entry in files.items():
-        if (
-            isinstance(entry, list)
-            and len(entry) == 3
-            and all(type(v) is int for v in entry[:2])
-            and isinstance(entry[2], str)
-        ):
-            state[path] = (entry[0], entry[1], entry[2])
-    return state
-
-
-def _load_state(state_dir: int) -> tuple[bytes | None, dict[str, tuple[int, int, str]]]:
-    """(the state file's bytes, its entries); a missing, foreign or broken file reads as empty."""
-    try:
-        fd = os.open(STATE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
-    except OSError:
-        return None, {}
-    try:
-        with os.fdopen(fd, "rb") as src:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size > STATE_MAX:
-                return None, {}
-            data = src.read(STATE_MAX + 1)
-    except OSError:
-        return None, {}
-    return data, parse_state(data)
-
-
-def _state_bytes(resolved: ResolvedRelease, found: Mapping[str, os.stat_result | None]) -> bytes:
+def _state_bytes(installed: Installed, found: Mapping[str, os.stat_result | None]) -> bytes:
     files = {}
-    for entry in resolved.release.files:
+    for entry in installed.release.files:
         st = found.get(entry.path)
         if st is not None:
-            files[entry.path] = [entry.size, st.st_mtime_ns, entry.digest]
-    return json.dumps({"release": resolved.release_id, "tag": resolved.tag, "files": files}).encode()
+            files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
+    return encode_state(installed, files)
+
+
+def _installed(store: Store, resolved: ResolvedRelease, exports: Mapping[str, str], old: CacheState, jobs: int) -> Installed:
+    """What the state will record for this pull. The units and the install time carry over from
+    the state when it already holds this release, so a no-op pull reads no bundle and writes nothing."""
+    same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None
+    return Installed(
+        release_id=resolved.release_id,
+        tag=resolved.tag or "",
+        store=store.url,
+        installed_at=same.installed_at if same else datetime.now(UTC).isoformat(timespec="seconds"),
+        release=resolved.release,
+        exports=dict(exports),
+        units=same.units if same else release_units(store, resolved, jobs),
+    )
+
+
+def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[InstalledUnit, ...]:
+    """Each unit of the release as its bundle records it (read in parallel); a bundle the store
+    lacks or that does not match its key is an error: the store is damaged."""
+
+    def load(ref: tuple[str, str]) -> InstalledUnit:
+        unit_id, key = ref
+        record = find_doc(store, BundleRecord, key)
+        if record is None:
+            raise IntegrityError(f"{resolved.where}: unit {unit_id} names bundle {key}, which the store lacks", hint="the store is damaged; rebuild the release or push it again")
+        if record.unit_id != unit_id:
+            raise IntegrityError(f"{store.url}/bundles/{key}.json: records {record.unit_id}, not {unit_id}", hint="the object is corrupt; rebuild the release")
+        return InstalledUnit(unit_id, key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
+
+    refs = [(u.unit_id, u.key) for u in resolved.release.units]
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(refs), 32)), thread_name_prefix="neffbuild-bundles") as pool:
+        return tuple(pool.map(load, refs))
 
 
 def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None) -> None:

@@ -8,8 +8,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+from neffbuild.backends import get_backend
+from neffbuild.backends.base import Scope
 from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, Timings
 from neffbuild.hashing import hash_bytes, hash_file
+from neffbuild.hostcheck import host_fingerprint
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.store.base import BlobSource, Store, blob_key
 from tests.s3server import ACCESS_KEY, SECRET_KEY
@@ -36,18 +39,26 @@ def small_and_large(root: Path, *, small: int = 40, seed: int = 0) -> list[BlobS
     return write_files(root, sizes, seed=seed)
 
 
+def this_host(unit: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+    """The fingerprint a build of unit on this host records, for a release that exports env: a
+    `pull` here (which compares the two first) then finds nothing that differs."""
+    scope = Scope.of_unit(unit)
+    return host_fingerprint(get_backend("inductor"), scope, {**os.environ, **env, **scope.env})
+
+
 def publish_release_of(store: Store, root: Path, sources: list[BlobSource], *, name: str = "rel", tag: str | None = None) -> str:
     """Publish sources as one bundle and one release (as `neffbuild build` would); its id."""
     files = tuple(sorted((FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest) for s in sources), key=lambda f: f.path))
     key = hash_bytes(repr((name, files)).encode())
+    fingerprint = this_host({"name": name}, {})
     record = BundleRecord(
-        key=key, unit_id=f"{name}/unit", unit={"name": name}, backend="inductor", fingerprint={"torch": "test"},
+        key=key, unit_id=f"{name}/unit", unit={"name": name}, backend="inductor", fingerprint=fingerprint,
         files=files, counters={}, timings=Timings(), created_at="2025-01-01T00:00:00+00:00", neffbuild_version="test",
     )  # fmt: skip
     publish_bundle(store, record, sources, jobs=8)
     release = Release(
         name=name, manifest_digest="0" * 32, backend="inductor", cache_env="TORCHINDUCTOR_CACHE_DIR", env={},
-        fingerprint={"torch": "test"}, units=(ReleaseUnit(unit_id=record.unit_id, key=key),), files=files,
+        fingerprint=fingerprint, units=(ReleaseUnit(unit_id=record.unit_id, key=key),), files=files,
     )  # fmt: skip
     release_id = publish_release(store, release)
     if tag:

@@ -109,3 +109,27 @@ def test_verify_checks_the_cache_files_against_the_store(tiny_manifest: Path, bu
     assert bad.returncode == 4
     corrupt = [p for unit in json.loads(bad.stdout) for p in unit["corrupt"]]
     assert victim.relative_to(cache).as_posix() in corrupt
+
+
+def test_status_predicts_hits_on_the_pulled_cache_and_a_mismatch_under_another_cpu_capability(
+    tiny_manifest: Path, built_store: Path, pulled: Path, tmp_path: Path, cli
+) -> None:
+    # From the cache dir alone: no store named.
+    ok = cli("status", "--cache-dir", str(pulled), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert {u["state"] for u in json.loads(ok.stdout)["units"]} == {"hit"}
+    by_manifest = cli("status", str(tiny_manifest), "--cache-dir", str(pulled), "--json")
+    assert by_manifest.returncode == 0, by_manifest.stderr
+    assert [u["unit_id"] for u in json.loads(by_manifest.stdout)["units"]] == ["klein/128x128x1", "klein/128x256x1"]
+    # The server would run with scalar kernels: every unit's key differs, and status says why.
+    scalar = {"ATEN_CPU_CAPABILITY": "default"}
+    capped = cli("status", "--cache-dir", str(pulled), "--json", env=scalar)
+    assert capped.returncode == 12, capped.stderr
+    report = json.loads(capped.stdout)
+    assert {u["state"] for u in report["units"]} == {"mismatch"}
+    assert "env.ATEN_CPU_CAPABILITY" in {c["name"] for u in report["units"] for c in u["changes"]}
+    assert "env.ATEN_CPU_CAPABILITY" in capped.stderr
+    fresh = tmp_path / "host-c"
+    refused = cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(fresh), env=scalar)
+    assert refused.returncode == 7 and "env.ATEN_CPU_CAPABILITY: this host sets 'default'" in refused.stderr
+    assert not fresh.exists()

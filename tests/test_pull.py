@@ -30,6 +30,7 @@ from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
+from tests.storekit import this_host
 
 
 def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: str = "t", **release_fields: Any) -> str:
@@ -45,14 +46,15 @@ def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: st
         sources.append(BlobSource(digest.hex, digest.size, path))
         entries.append(FileEntry(path=rel, size=digest.size, digest=digest.hex))
     key = hash_bytes(repr(sorted(files.items())).encode())
+    fingerprint = this_host({}, release_fields.get("env", {"OMP_NUM_THREADS": "2"}))  # built here: pull finds no difference
     record = BundleRecord(
-        key=key, unit_id="m/1x1x1", unit={}, backend="inductor", fingerprint={}, files=tuple(entries),
+        key=key, unit_id="m/1x1x1", unit={}, backend="inductor", fingerprint=fingerprint, files=tuple(entries),
         counters={}, timings=Timings(), created_at="2026-01-01T00:00:00+00:00", neffbuild_version="test",
     )
     publish_bundle(store, record, sources, jobs=2)
     release = Release(
         name=tag, manifest_digest="0" * 32, backend="inductor", cache_env="TORCHINDUCTOR_CACHE_DIR",
-        env={"OMP_NUM_THREADS": "2"}, fingerprint={}, units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
+        env={"OMP_NUM_THREADS": "2"}, fingerprint=fingerprint, units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
         files=tuple(sorted(entries, key=lambda e: e.path)),
     )
     release = dataclasses.replace(release, **release_fields)
@@ -404,7 +406,7 @@ def test_a_complete_cache_on_a_full_disk_still_pulls(store: LocalStore, tmp_path
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from neffbuild.pull import parse_state  # noqa: E402
+from neffbuild.cachestate import parse_state  # noqa: E402
 
 _state_json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
@@ -421,7 +423,7 @@ _state_entry = st.lists(st.integers() | st.text(max_size=4) | st.booleans() | st
 def test_fuzz_the_state_loader_never_fails(raw: bytes) -> None:
     state = parse_state(raw)
     assert all(
-        type(size) is int and type(mtime) is int and isinstance(digest, str) for size, mtime, digest in state.values()
+        type(size) is int and type(mtime) is int and isinstance(digest, str) for size, mtime, digest in state.files.values()
     )
 
 
@@ -433,3 +435,149 @@ def test_a_broken_state_file_costs_only_a_re_hash(store: LocalStore, tmp_path: P
         (cache / STATE_DIR / "state.json").write_bytes(broken)
         assert pull(store, "t", cache).files_fetched == 0
         assert json.loads((cache / STATE_DIR / "state.json").read_bytes())["files"].keys() == FILES.keys()
+
+
+# ---- the cache dir's state, version 2: which release is installed, and how (issue 11) ------------
+
+from neffbuild.bundle import to_json  # noqa: E402
+from neffbuild.cachestate import STATE_FORMAT  # noqa: E402
+
+
+def read_state_doc(cache: Path) -> dict:
+    return json.loads((cache / STATE_DIR / "state.json").read_bytes())
+
+
+def test_the_state_records_the_installed_release_and_how(store: LocalStore, tmp_path: Path) -> None:
+    release_id = publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    report = pull(store, "t", cache)
+    doc = read_state_doc(cache)
+    installed = doc["installed"]
+    assert doc["format"] == STATE_FORMAT == "neffbuild.cache-state/2"
+    assert (installed["release_id"], installed["tag"], installed["store"]) == (release_id, "t", str(store.root))
+    stored = parse(Release, store.get_doc("releases", release_id), "r")
+    assert installed["release"] == json.loads(json.dumps(to_json(stored)))  # the document itself
+    assert installed["exports"] == dict(report.exports) == {"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve()), "OMP_NUM_THREADS": "2"}
+    assert installed["installed_at"].endswith("+00:00")
+    [unit] = installed["units"]
+    assert (unit["unit_id"], sorted(unit["paths"])) == ("m/1x1x1", sorted(FILES))
+    assert doc["files"].keys() == FILES.keys()
+
+
+def test_a_no_op_pull_keeps_the_install_time_and_a_new_release_records_its_own(store: LocalStore, tmp_path: Path) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    first = (cache / STATE_DIR / "state.json").read_bytes()
+    time.sleep(1.1)  # install times have one-second resolution
+    pull(store, "t", cache)
+    assert (cache / STATE_DIR / "state.json").read_bytes() == first
+    other = publish_files(store, {"x.so": b"x"}, tmp_path)
+    pull(store, "t", cache)
+    installed = read_state_doc(cache)["installed"]
+    assert installed["release_id"] == other and installed["installed_at"] > json.loads(first)["installed"]["installed_at"]
+
+
+def test_env_reads_the_installed_release_without_the_store_even_after_the_tag_moved(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    assert pull_cli(cli, store, cache).returncode == 0
+    publish_files(store, {"x.so": b"x"}, tmp_path, env={"OMP_NUM_THREADS": "64"})  # the tag moves on
+    gone = tmp_path / "no-store-here"
+    for args in ((), ("t",)):
+        result = cli("env", *args, "--cache-dir", str(cache), "--store", str(gone))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == f"export TORCHINDUCTOR_CACHE_DIR={cache}\nexport OMP_NUM_THREADS=2\n"
+    # A cache dir never pulled into: REF is resolved in the store, as before state version 2.
+    other = cli("env", "t", "--cache-dir", str(tmp_path / "fresh"), "--store", str(store.root))
+    assert other.returncode == 0 and "OMP_NUM_THREADS=64" in other.stdout
+    # Another tag is resolved in the store: accepted if it names the installed release, else refused.
+    move_tag(store, "next", read_state_doc(cache)["installed"]["release_id"])
+    same = cli("env", "next", "--cache-dir", str(cache), "--store", str(store.root))
+    assert same.returncode == 0 and "OMP_NUM_THREADS=2" in same.stdout  # another name for the installed release
+    move_tag(store, "next", json.loads((store.root / "tags" / "t.json").read_text())["release"])
+    moved = cli("env", "next", "--cache-dir", str(cache), "--store", str(store.root))
+    assert moved.returncode == 8 and "holds release" in moved.stderr
+
+
+def test_env_of_a_cache_dir_without_a_recorded_release_says_what_to_do(tmp_path: Path, cli) -> None:
+    result = cli("env", "--cache-dir", str(tmp_path / "empty"))
+    assert result.returncode == 8 and "no installed release recorded" in result.stderr and "hint: pull it" in result.stderr
+    assert not (tmp_path / "empty").exists()
+
+
+def test_a_version_1_state_is_read_and_replaced_once(store: LocalStore, tmp_path: Path, cli) -> None:
+    """A cache dir pulled by neffbuild before state version 2: its hashes still serve, its
+    release id still tells a moved tag apart; the first pull rewrites the state, then never again."""
+    release_id = publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    v1 = {"release": release_id, "tag": "t", "files": read_state_doc(cache)["files"]}
+    (cache / STATE_DIR / "state.json").write_text(json.dumps(v1))
+    assert cli("env", "--cache-dir", str(cache)).returncode == 8  # release document unknown
+    legacy = cli("env", "t", "--cache-dir", str(cache), "--store", str(store.root))
+    assert legacy.returncode == 0 and "OMP_NUM_THREADS=2" in legacy.stdout
+    publish_files(store, {"x.so": b"x"}, tmp_path)  # the tag moves on
+    assert cli("env", "t", "--cache-dir", str(cache), "--store", str(store.root)).returncode == 8
+    assert pull(store, release_id, cache).files_fetched == 0  # no re-hash needed either: v1 entries serve
+    assert read_state_doc(cache)["format"] == STATE_FORMAT
+    before = snapshot(cache)
+    assert pull(store, release_id, cache).files_fetched == 0
+    assert snapshot(cache) == before
+
+
+def test_a_state_whose_release_was_edited_reads_as_unknown(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    doc = read_state_doc(cache)
+    doc["installed"]["release"]["env"] = {"OMP_NUM_THREADS": "1"}  # no longer its release id's document
+    (cache / STATE_DIR / "state.json").write_text(json.dumps(doc))
+    result = cli("env", "--cache-dir", str(cache))
+    assert result.returncode == 8 and "no installed release recorded" in result.stderr
+    assert parse_state((cache / STATE_DIR / "state.json").read_bytes()).files.keys() == FILES.keys()
+
+
+# ---- preflight: the host is compared with the release before any byte moves (issue 11) -----------
+
+from tests.test_status import publish_units, without_flag  # noqa: E402
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, str]]:
+    if request.param == "s3":
+        return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_env")
+    return str(tmp_path / "store"), {}
+
+
+def test_a_breaking_mismatch_refuses_the_pull_before_anything_is_written(any_store, tmp_path: Path, cli) -> None:
+    url, env = any_store
+    from neffbuild.store import open_store
+
+    store = open_store(url, create=True, env=env)
+    publish_units(store, tmp_path / "src", tag="prod", edit=lambda fp: {**fp, "cpu.isa": fp["cpu.isa"] + ",avx10_9"})
+    cache = tmp_path / "cache"
+    refused = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env=env)
+    assert refused.returncode == 7, refused.stderr
+    assert "2 of 2 units of prod would not hit on this host: cpu.isa: build has avx10_9, this host lacks it" in refused.stderr
+    assert "--no-host-check" in refused.stderr and refused.stdout == ""
+    assert not cache.exists()  # nothing made, not even the directory
+    cache.mkdir()
+    (cache / "keep.txt").write_text("mine")
+    before = snapshot(cache)
+    assert cli("pull", "prod", "--store", url, "--cache-dir", str(cache), "--json", env=env).returncode == 7
+    assert snapshot(cache) == before  # byte-identical: no file, no state, no lock
+    forced = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), "--no-host-check", "--json", env=env)
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["host_checked"] is False and (cache / "a/k1.so").exists()
+
+
+def test_under_aten_cpu_capability_default_pull_exits_7_naming_it(tmp_path: Path, cli) -> None:
+    from neffbuild.store import open_store
+
+    url = str(tmp_path / "store")
+    publish_units(open_store(url, create=True, env={}), tmp_path / "src", tag="prod", edit=without_flag)
+    cache = tmp_path / "cache"
+    result = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env={"ATEN_CPU_CAPABILITY": "default"})
+    assert result.returncode == 7 and "env.ATEN_CPU_CAPABILITY: this host sets 'default', the build did not" in result.stderr
+    assert not cache.exists()
