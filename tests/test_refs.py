@@ -135,8 +135,11 @@ def test_cli_pulls_by_tag_history_and_prefix(tmp_path: Path, cli) -> None:
     result = cli("pull", "prod@1", "--store", store.url, "--cache-dir", str(tmp_path / "c"), "--json")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "c").iterdir() if p.name != ".neffbuild") == ["a.bin", "b1.bin"]
-    result = cli("env", ids[2][:7], "--store", store.url, "--cache-dir", str(tmp_path / "c"))
+    result = cli("env", ids[1][:7], "--store", store.url, "--cache-dir", str(tmp_path / "c"))
     assert result.returncode == 0, result.stderr
+    # A prefix of another release resolves too, and env refuses it: the cache dir holds ids[1].
+    result = cli("env", ids[2][:7], "--store", store.url, "--cache-dir", str(tmp_path / "c"))
+    assert result.returncode == 8 and f"is release {ids[2]}, but" in result.stderr
     absent = next(c * 6 for c in "0123456789abcdef" if not any(i.startswith(c * 6) for i in ids))
     result = cli("pull", absent, "--store", store.url, "--cache-dir", str(tmp_path / "d"))
     assert result.returncode == 8 and f"no tag, and no release id starting with '{absent}'" in result.stderr
