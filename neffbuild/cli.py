@@ -268,6 +268,31 @@ def schema() -> None:
     click.echo(json.dumps(manifest_json_schema(), indent=2))
 
 
+# ---- inspection: ls, show, diff, du (neffbuild/inspect/) -----------------------------------------
+
+
+def _inspected_store(store_url: str | None) -> Any:
+    from neffbuild.store import open_store, resolve_store_url
+
+    return open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+
+
+@cli.command("ls")
+@click.option("--tag", "tag_name", metavar="NAME", help="Show this tag's history (NAME@N names each release) instead.")
+@store_option
+@json_option
+def ls_command(tag_name: str | None, store_url: str | None, as_json: bool) -> None:
+    """List the store's tags and releases, newest first."""
+    from neffbuild import output
+    from neffbuild.inspect.ls import list_store, tag_history
+
+    store = _inspected_store(store_url)
+    if tag_name is not None:
+        output.tag_history(Console(as_json), tag_history(store, tag_name))
+    else:
+        output.listing(Console(as_json), list_store(store))
+
+
 def main(argv: list[str] | None = None) -> None:
     """The one exit point: typed errors become one line plus a hint and their exit code."""
     # What start-up imported lives as long as the process: keep it out of every later garbage

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from neffbuild.build import BuildReport
     from neffbuild.bundle import TagRecord
     from neffbuild.doctor import DoctorReport
+    from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.plan import Plan
     from neffbuild.pull import PullReport
     from neffbuild.transfer import PushResult
@@ -355,3 +356,42 @@ def _plain_progress(heartbeat_s: float) -> Iterator[Callable[[str, str], None]]:
     finally:
         stop.set()
         beat.join()
+
+
+# ---- inspection: ls, show, diff, du (neffbuild/inspect/) -----------------------------------------
+
+
+def _when(at: str | None) -> str:
+    """An ISO time as `2026-12-03 20:58` (UTC): the seconds and zone say little in a table."""
+    return at[:16].replace("T", " ") if at else "-"
+
+
+def listing(console: Console, listing: Listing) -> None:
+    if console.as_json:
+        console._json(listing)
+        return
+    console._table(
+        f"tags in {listing.store}",
+        [("tag", True), ("release", True), ("name", False), ("moved", False), ("by", False), ("moves", False)],
+        [(t.name, t.release, t.release_name or "(missing)", _when(t.moved_at), t.by, str(t.history)) for t in listing.tags],
+    )
+    console._table(
+        f"releases in {listing.store}, newest first",
+        [("release", True), ("created", False), ("size", False), ("units", False), ("files", False), ("tags", False)]
+        + [("name", False), ("backend", False), ("toolchain", False)],
+        [
+            (r.release_id, _when(r.created), _size(r.bytes), str(r.units), str(r.files), ",".join(r.tags) or "-", r.name, r.backend, r.toolchain)
+            for r in listing.releases
+        ],
+    )
+
+
+def tag_history(console: Console, history: TagHistory) -> None:
+    if console.as_json:
+        console._json(history)
+        return
+    console._table(
+        f"tag {history.tag} in {history.store}, newest first",
+        [("ref", True), ("release", True), ("name", False), ("at", False), ("by", False)],
+        [(e.ref, e.release, e.release_name or "(missing)", _when(e.at), e.by) for e in history.events],
+    )
