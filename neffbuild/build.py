@@ -23,7 +23,7 @@ from pathlib import Path
 from neffbuild import __version__
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, components_without_graphs, no_graph_hint
-from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath, Timings, parse
+from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath, Timings
 from neffbuild.errors import BuildError, ConflictError, Interrupted, NeffbuildError
 from neffbuild.hashing import hash_file
 from neffbuild.jobs import (
@@ -42,6 +42,7 @@ from neffbuild.jobs import (
 )
 from neffbuild.plan import BuildUnit, Plan, check_buildable
 from neffbuild.publish import move_tag, publish_bundle, publish_release
+from neffbuild.refs import load_doc
 from neffbuild.store.base import BlobSource, Store
 
 # (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
@@ -115,7 +116,7 @@ def build(
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None)
     if report.failed:
         return report
-    records = [_load_bundle(store, u) for u in plan.units]
+    records = [load_doc(store, BundleRecord, u.key, hint=f"{u.unit_id}: it vanished during the build; rerun it") for u in plan.units]
     release = make_release(plan, records, backend)
     release_id = publish_release(store, release)
     move_tag(store, name, release_id)
@@ -227,13 +228,6 @@ def _check_fingerprint(unit: BuildUnit, seen: Mapping[str, str]) -> None:
     if differing:
         detail = ", ".join(f"{k}: planned {unit.fingerprint.get(k)!r}, worker {seen.get(k)!r}" for k in differing[:4])
         raise BuildError(f"{unit.unit_id}: worker environment differs from the plan ({detail})", hint="do not change the environment during a build")
-
-
-def _load_bundle(store: Store, unit: BuildUnit) -> BundleRecord:
-    data = store.get_doc("bundles", unit.key)
-    if data is None:
-        raise BuildError(f"{unit.unit_id}: bundle {unit.key} vanished from {store.url}")
-    return parse(BundleRecord, data, f"{store.url}/bundles/{unit.key}.json")
 
 
 def make_release(plan: Plan, records: Sequence[BundleRecord], backend: Backend) -> Release:

@@ -236,11 +236,11 @@ def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None,
 @_with_endpoint
 def push(ref: str, from_url: str, to_url: str, jobs: int | None, as_json: bool) -> None:
     """Copy a release and its tag to another store, uploading only what that store lacks."""
-    from neffbuild.names import check_ref
+    from neffbuild.refs import parse_ref
     from neffbuild.store import open_store
     from neffbuild.transfer import push as run_push
 
-    check_ref(ref)  # before --to is created
+    parse_ref(ref)  # before --to is created
     src = open_store(from_url, env=os.environ)
     result = run_push(ref, src, open_store(to_url, create=True, env=os.environ), jobs=jobs or 16)
     Console(as_json).push(result)

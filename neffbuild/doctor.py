@@ -259,13 +259,13 @@ def check_free_space(cache_dir: Path, release: Release | None, host: HostView) -
 
 
 def load_release(ref: str, store_url: str | None, env: Mapping[str, str]) -> Release:
-    """A release document from a file, or a tag / release id resolved in a store."""
+    """A release document from a file, or a reference (neffbuild.refs) resolved in a store."""
     path = Path(ref)
     if path.suffix == ".json" and path.is_file():
         return parse(Release, path.read_bytes(), str(path))
     if store_url is None:
         raise InputError(f"{ref!r} is not a release file", hint="give a release JSON file, or a tag with --store")
-    from neffbuild.pull import resolve
+    from neffbuild.refs import resolve
     from neffbuild.store import open_store
 
     return resolve(open_store(store_url, env=env), ref).release

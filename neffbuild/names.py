@@ -42,16 +42,6 @@ def check_tag(name: str, what: str = "tag") -> str:
     return name
 
 
-def check_ref(ref: str) -> str:
-    """A TAG_OR_RELEASE argument: a release id (32 lowercase hex digits) or a tag name."""
-    if is_digest(ref) or tag_problem(ref) is None:
-        return ref
-    raise InputError(
-        f"{ref!r} is neither a tag name nor a release id",
-        hint="give a tag (letters, digits, '.', '_', '-') or a 32-hex-digit release id",
-    )
-
-
 def check_digest(value: str, what: str) -> str:
     if not is_digest(value):
         raise InputError(f"{what}: {value!r} is not a 32-hex-digit id", hint="copy the id from `neffbuild tag` or `build --json`")

@@ -8,9 +8,10 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from neffbuild.bundle import BundleRecord, Release, TagEvent, TagRecord, dump, parse
+from neffbuild.bundle import BundleRecord, Release, TagEvent, TagRecord, dump
 from neffbuild.errors import ConflictError, NotFoundError
 from neffbuild.names import check_digest, check_tag
+from neffbuild.refs import read_tag
 from neffbuild.store.base import BlobSource, Store
 
 TAG_RETRIES = 20
@@ -43,10 +44,10 @@ def move_tag(store: Store, name: str, release_id: str, *, by: str | None = None)
         raise NotFoundError(f"release {release_id} is not in {store.url}", hint="publish or push it before tagging")
     event = TagEvent(release=release_id, at=datetime.now(UTC).isoformat(timespec="seconds"), by=by or whoami())
     for attempt in range(TAG_RETRIES):
-        current = store.read_tag(name)
+        current = read_tag(store, name)
         history: tuple[TagEvent, ...] = ()
         if current is not None:
-            old = parse(TagRecord, current[0], f"{store.url}/tags/{name}.json")
+            old = current[0]
             if old.release == release_id:
                 return old  # already there: an unchanged re-publish writes nothing
             history = old.history

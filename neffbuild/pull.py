@@ -22,10 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.bundle import FileEntry, Release, TagRecord, parse
-from neffbuild.errors import IntegrityError, NotFoundError
+from neffbuild.bundle import FileEntry
 from neffbuild.exports import env_file_text, exports_for, write_env_file
-from neffbuild.hashing import is_digest
 from neffbuild.materialize import (
     BlobTarget,
     Beneath,
@@ -33,7 +31,8 @@ from neffbuild.materialize import (
     open_dir_beneath,
     sync_filesystem,
 )
-from neffbuild.names import STATE_DIR, check_ref, is_temp_name
+from neffbuild.names import STATE_DIR, is_temp_name
+from neffbuild.refs import ResolvedRelease, resolve
 from neffbuild.store.base import Store
 
 STATE_FILE = "state.json"
@@ -41,14 +40,6 @@ LOCK_FILE = "pull.lock"
 STATE_MAX = 256 << 20  # a larger state file is not ours: ignored (it only saves re-hashing)
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
-
-
-@dataclass(frozen=True)
-class ResolvedRelease:
-    release_id: str
-    release: Release
-    tag: str | None
-    where: str  # the release document, for messages
 
 
 @dataclass(frozen=True)
@@ -62,32 +53,6 @@ class PullReport:
     bytes_total: int
     seconds: float
     exports: Mapping[str, str]
-
-
-def resolve(store: Store, ref: str) -> ResolvedRelease:
-    """A tag name or a release id → the verified release document."""
-    check_ref(ref)
-    tag = None
-    release_id = ref
-    if not is_digest(ref):
-        current = store.read_tag(ref)
-        if current is None:
-            known = ", ".join(list(store.list_docs("tags"))[:10]) or "none"
-            raise NotFoundError(f"tag {ref!r} not found in {store.url}", hint=f"known tags: {known}")
-        tag = ref
-        where = f"{store.url}/tags/{ref}.json"
-        record = parse(TagRecord, current[0], where)
-        if record.name != ref:
-            raise IntegrityError(f"{where}: names tag {record.name!r}", hint="the object is corrupt or was copied; re-tag the release")
-        release_id = record.release
-    where = f"{store.url}/releases/{release_id}.json"
-    data = store.get_doc("releases", release_id)
-    if data is None:
-        raise NotFoundError(f"release {release_id} not found in {store.url}", hint="build or push it first")
-    release = parse(Release, data, where)
-    if release.release_id != release_id:
-        raise IntegrityError(f"{where}: content does not match its name", hint="the object is corrupt; re-push the release")
-    return ResolvedRelease(release_id, release, tag, where)
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:

@@ -14,11 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.bundle import BundleRecord, FileEntry, TagRecord, parse
-from neffbuild.errors import NotFoundError
+from neffbuild.bundle import BundleRecord, FileEntry
 from neffbuild.materialize import BlobTarget
 from neffbuild.publish import move_tag, publish_bundle, publish_release
-from neffbuild.pull import resolve
+from neffbuild.refs import load_doc, read_tag, resolve
 from neffbuild.store.base import BlobSource, Store
 
 
@@ -35,7 +34,8 @@ class PushResult:
 
 
 def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path | None = None, by: str | None = None) -> PushResult:
-    """Copy the release `ref` (a tag or release id) from src to dst; move the tag there too."""
+    """Copy the release `ref` (see neffbuild.refs) from src to dst; move the tag there too if ref
+    is a tag (TAG@N names an old release: it is copied, the tag is not moved)."""
     resolved = resolve(src, ref)
     release = resolved.release
     copied = blobs = uploaded = 0
@@ -44,7 +44,7 @@ def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path 
         for unit in release.units:
             if dst.get_doc("bundles", unit.key) is not None:
                 continue  # written after its blobs: nothing of this bundle is missing
-            record = _bundle(src, unit.key)
+            record = load_doc(src, BundleRecord, unit.key, hint="the source store is incomplete; rebuild the release")
             sources = _stage_missing(record.files, src, dst, staging, jobs, resolved.release_id)
             uploaded += publish_bundle(dst, record, sources, jobs)
             blobs += len(sources)
@@ -59,13 +59,6 @@ def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path 
     if moved:
         move_tag(dst, resolved.tag, resolved.release_id, by=by)  # type: ignore[arg-type]
     return PushResult(resolved.release_id, resolved.tag, src.url, dst.url, copied, blobs, uploaded, moved)
-
-
-def _bundle(store: Store, key: str) -> BundleRecord:
-    data = store.get_doc("bundles", key)
-    if data is None:
-        raise NotFoundError(f"bundle {key} is not in {store.url}", hint="the source store is incomplete; rebuild the release")
-    return parse(BundleRecord, data, f"{store.url}/bundles/{key}.json")
 
 
 def _stage_missing(files: Iterable[FileEntry], src: Store, dst: Store, staging: Path, jobs: int, release_id: str) -> list[BlobSource]:
@@ -83,5 +76,5 @@ def _clear(sources: Iterable[BlobSource]) -> None:
 
 
 def _tag_target(store: Store, name: str) -> str | None:
-    current = store.read_tag(name)
-    return None if current is None else parse(TagRecord, current[0], f"{store.url}/tags/{name}.json").release
+    current = read_tag(store, name)
+    return None if current is None else current[0].release

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.bundle import BundleRecord, parse
+from neffbuild.bundle import BundleRecord
 from neffbuild.errors import (
     BuildError,
     DiskError,
@@ -52,6 +52,7 @@ from neffbuild.jobs import (
     unit_dir_name,
 )
 from neffbuild.plan import BuildUnit, Plan
+from neffbuild.refs import find_doc
 from neffbuild.store.base import Store
 
 _ELSEWHERE = "a replay never writes into the dir it checks: give --work-dir / --outputs another place"
@@ -313,8 +314,7 @@ def check_files(plan: Plan, store: Store, cache_dir: Path) -> tuple[UnitFiles, .
     records: dict[str, BundleRecord | None] = {}
     allowed: dict[str, set[str]] = {}
     for unit in plan.units:
-        data = store.get_doc("bundles", unit.key)
-        record = parse(BundleRecord, data, f"{store.url}/bundles/{unit.key}.json") if data else None
+        record = find_doc(store, BundleRecord, unit.key)
         records[unit.unit_id] = record
         for entry in record.files if record else ():
             allowed.setdefault(entry.path, set()).add(entry.digest)

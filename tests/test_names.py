@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import InputError
-from neffbuild.names import check_ref, key_problem, reserved_problem, tag_problem
+from neffbuild.names import key_problem, reserved_problem, tag_problem
 from neffbuild.publish import move_tag
+from neffbuild.refs import parse_ref
 from neffbuild.store.base import doc_key
 from neffbuild.store.local import LocalStore
 from tests.test_materialize import snapshot
@@ -28,7 +29,7 @@ def test_good_names_pass_and_a_digest_is_not_a_tag() -> None:
     for name in ("prod", "flux2-klein.v3", "A_b-1.2", "x" * 128):
         assert tag_problem(name) is None and doc_key("tags", name) == f"tags/{name}.json"
     digest = "0123456789abcdef" * 2
-    assert tag_problem(digest) is not None and check_ref(digest) == digest and doc_key("releases", digest) == f"releases/{digest}.json"
+    assert tag_problem(digest) is not None and parse_ref(digest).name == digest and doc_key("releases", digest) == f"releases/{digest}.json"
 
 
 def test_reserved_cache_paths() -> None:
