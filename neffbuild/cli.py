@@ -293,6 +293,18 @@ def ls_command(tag_name: str | None, store_url: str | None, as_json: bool) -> No
         output.listing(Console(as_json), list_store(store))
 
 
+@cli.command("show")
+@click.argument("ref", metavar="REF")
+@store_option
+@json_option
+def show_command(ref: str, store_url: str | None, as_json: bool) -> None:
+    """Show a release's units (REF: TAG, TAG@N, release id or prefix) or a bundle's files (its key)."""
+    from neffbuild import output
+    from neffbuild.inspect.show import show
+
+    output.shown_ref(Console(as_json), show(_inspected_store(store_url), ref))
+
+
 def main(argv: list[str] | None = None) -> None:
     """The one exit point: typed errors become one line plus a hint and their exit code."""
     # What start-up imported lives as long as the process: keep it out of every later garbage

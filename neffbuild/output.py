@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from neffbuild.bundle import TagRecord
     from neffbuild.doctor import DoctorReport
     from neffbuild.inspect.ls import Listing, TagHistory
+    from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
     from neffbuild.plan import Plan
     from neffbuild.pull import PullReport
     from neffbuild.transfer import PushResult
@@ -395,3 +396,55 @@ def tag_history(console: Console, history: TagHistory) -> None:
         [("ref", True), ("release", True), ("name", False), ("at", False), ("by", False)],
         [(e.ref, e.release, e.release_name or "(missing)", _when(e.at), e.by) for e in history.events],
     )
+
+
+def shown_ref(console: Console, view: ReleaseView | BundleView) -> None:
+    """`neffbuild show`: a release's units, or a bundle's files."""
+    if console.as_json:
+        console._json(view)
+        return
+    from neffbuild.inspect.ls import toolchain
+
+    if view.kind == "bundle":
+        u = view.unit
+        _unit_header(console, u, f"bundle {u.key} ({u.unit_id}): {u.files} files, {_size(u.bytes)}")
+        console.out.print(f"  toolchain: {toolchain(u.fingerprint)}", markup=False)
+        console._table(
+            f"files of {u.unit_id}", [("path", True), ("size", False), ("digest", False)], [(f.path, _size(f.size), f.digest) for f in view.files]
+        )
+        return
+    tagged = f" (tag {view.tag})" if view.tag else ""
+    console.out.print(f"release {view.release_id}{tagged}: {view.name}, {view.backend}, {len(view.units)} units, {view.files} files, {_size(view.bytes)}", markup=False)
+    console.out.print(f"  toolchain: {toolchain(view.fingerprint)}", markup=False)
+    if view.env:
+        console.out.print(f"  env: {' '.join(f'{k}={v}' for k, v in view.env.items())}", markup=False)
+    if view.shared:
+        console.out.print(f"  {len(view.shared)} paths built differently by several units, one kept (content-keyed)", markup=False)
+    console._table(
+        "units",
+        [("unit", True), ("key", True), ("build", False), ("size", False), ("files", False), ("first call", False)]
+        + [("graphs", False), ("mode", False), ("dtype", False), ("pipeline", False), ("components", False), ("model", False)],
+        [
+            (u.unit_id, u.key, f"{u.timings.total_s:.1f} s", _size(u.bytes), str(u.files), f"{u.timings.first_call_s:.1f} s", str(_graphs(u.counters)))
+            + (u.mode, u.dtype, u.pipeline, ",".join(u.components) or "-", u.model)
+            for u in view.units
+        ],
+    )
+    for u in view.units:
+        counted = ", ".join(f"{k}={v}" for k, v in sorted(u.counters.items()) if v)
+        console.out.print(f"{u.unit_id}: {counted or 'no compile counters'}", markup=False)
+
+
+def _unit_header(console: Console, u: UnitView, title: str) -> None:
+    shape = "x".join(str(u.shape.get(k, "?")) for k in ("height", "width", "batch")) if u.shape else "-"
+    console.out.print(title, markup=False)
+    console.out.print(f"  {u.model} {u.pipeline} {u.dtype} mode {u.mode}, shape {shape}, components {','.join(u.components) or '-'}", markup=False)
+    console.out.print(
+        f"  built {_when(u.created_at)}: load {u.timings.load_s:.1f} s, first call {u.timings.first_call_s:.1f} s, {_graphs(u.counters)} graphs",
+        markup=False,
+    )
+
+
+def _graphs(counters: Mapping[str, int]) -> int:
+    """Graphs the listed components produced (the build's own counter, graphs.<component>)."""
+    return sum(v for k, v in counters.items() if k.startswith("graphs."))

@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from neffbuild.bundle import BundleRecord, Release, TagRecord, parse
-from neffbuild.errors import IntegrityError
-from neffbuild.pull import ResolvedRelease
+from neffbuild.bundle import BundleRecord, Release, TagRecord
+from neffbuild.refs import _checked, doc_where  # the one check that a document is what its name says
 from neffbuild.store.base import DocKind, Store
 
 DOC_JOBS = 32  # documents read at once: S3 round trips overlap; a local store barely cares
@@ -58,32 +57,4 @@ def get_docs(store: Store, kind: DocKind, names: list[str], jobs: int) -> dict[s
 
 def named(store: Store, kind: type[Doc], name: str, data: bytes) -> Doc:
     """Parse a document and check that it is the one its name says (a copied object is not followed)."""
-    where = f"{store.url}/{KINDS[kind]}/{name}.json"
-    doc = parse(kind, data, where)
-    if isinstance(doc, Release) and doc.release_id != name:
-        raise IntegrityError(f"{where}: content does not match its name", hint="the object is corrupt; re-push the release")
-    if isinstance(doc, BundleRecord) and doc.key != name:
-        raise IntegrityError(f"{where}: holds the bundle of key {doc.key}", hint="the object is corrupt or was copied; rebuild the unit")
-    if isinstance(doc, TagRecord) and doc.name != name:
-        raise IntegrityError(f"{where}: names tag {doc.name!r}", hint="the object is corrupt or was copied; re-tag the release")
-    return doc
-
-
-@dataclass(frozen=True)
-class ResolvedBundle:
-    key: str
-    record: BundleRecord
-    where: str
-
-
-def resolve_any(store: Store, ref: str) -> ResolvedRelease | ResolvedBundle:
-    """REF (a tag, a release id, a bundle key) -> its document. The one place inspection resolves
-    references: neffbuild.refs takes it over (TAG@N, id prefixes) once merged."""
-    from neffbuild.hashing import is_digest
-    from neffbuild.pull import resolve
-
-    if is_digest(ref) and store.get_doc("releases", ref) is None:
-        data = store.get_doc("bundles", ref)
-        if data is not None:
-            return ResolvedBundle(ref, named(store, BundleRecord, ref, data), f"{store.url}/bundles/{ref}.json")
-    return resolve(store, ref)
+    return _checked(kind, data, doc_where(store, kind, name), name)
