@@ -305,6 +305,20 @@ def show_command(ref: str, store_url: str | None, as_json: bool) -> None:
     output.shown_ref(Console(as_json), show(_inspected_store(store_url), ref))
 
 
+@cli.command("diff")
+@click.argument("old_ref", metavar="A")
+@click.argument("new_ref", metavar="B")
+@store_option
+@json_option
+def diff_command(old_ref: str, new_ref: str, store_url: str | None, as_json: bool) -> None:
+    """What changed from release A to release B (or bundle to bundle): units, the fields behind each
+    changed key (old -> new), files."""
+    from neffbuild import output
+    from neffbuild.inspect.diff import diff
+
+    output.differences(Console(as_json), diff(_inspected_store(store_url), old_ref, new_ref))
+
+
 def main(argv: list[str] | None = None) -> None:
     """The one exit point: typed errors become one line plus a hint and their exit code."""
     # What start-up imported lives as long as the process: keep it out of every later garbage

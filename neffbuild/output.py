@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from neffbuild.build import BuildReport
     from neffbuild.bundle import TagRecord
     from neffbuild.doctor import DoctorReport
+    from neffbuild.inspect.diff import Diff
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
     from neffbuild.plan import Plan
@@ -448,3 +449,52 @@ def _unit_header(console: Console, u: UnitView, title: str) -> None:
 def _graphs(counters: Mapping[str, int]) -> int:
     """Graphs the listed components produced (the build's own counter, graphs.<component>)."""
     return sum(v for k, v in counters.items() if k.startswith("graphs."))
+
+
+def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
+    """`neffbuild diff`: units added, removed, changed (each field old -> new), then files."""
+    if console.as_json:
+        console._json({**jsonable(diff), "identical": diff.identical})
+        return
+    say = functools.partial(console.out.print, markup=False, soft_wrap=True)
+    files = diff.files_added + diff.files_removed + diff.files_changed
+    say(
+        f"{diff.kind} {diff.old} -> {diff.new}: {len(diff.changed)} changed, {len(diff.added)} added, {len(diff.removed)} removed, "
+        f"{len(diff.unchanged)} unchanged units; {len(files)} files differ"
+    )
+    for change in diff.release:
+        say(f"  {change.path} {_change(change.old, change.new)}")
+    for unit in diff.changed:
+        renamed = f" (was {unit.old_unit_id})" if unit.old_unit_id != unit.unit_id else ""
+        say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}")
+        for change in unit.fields:
+            say(f"  {change.path} {_change(change.old, change.new)}")
+        if not unit.fields:
+            say("  (no field differs: the keys were computed by another neffbuild version)")
+    for unit_id in diff.added:
+        say(f"added    {unit_id}")
+    for unit_id in diff.removed:
+        say(f"removed  {unit_id}")
+    if not files:
+        return
+    added, removed = sum(f.new_size or 0 for f in diff.files_added), sum(f.old_size or 0 for f in diff.files_removed)
+    say(f"files: {len(diff.files_added)} added ({_size(added)}), {len(diff.files_removed)} removed ({_size(removed)}), {len(diff.files_changed)} changed")
+    for f in files[:shown]:
+        status = "added" if f.old_size is None else "removed" if f.new_size is None else "changed"
+        sizes = _size(f.new_size or 0) if status == "added" else _size(f.old_size or 0) if status == "removed" else f"{_size(f.old_size or 0)} -> {_size(f.new_size or 0)}"
+        say(f"  {status:8} {sizes:>20}  {f.path}")
+    if len(files) > shown:
+        say(f"  ... and {len(files) - shown} more (--json lists every file)")
+
+
+def _change(old: Any, new: Any) -> str:
+    """`2.13.0 -> 2.14.1`; for word sets (cpu.isa flags) only what went and came: `-avx512f +amx`."""
+    if isinstance(old, str) and isinstance(new, str) and " " in old + new:
+        before, after = old.split(), new.split()
+        if len(set(before)) == len(before) > 2 and len(set(after)) == len(after) > 2:
+            return " ".join([*(f"-{w}" for w in before if w not in after), *(f"+{w}" for w in after if w not in before)])
+
+    def text(v: Any) -> str:
+        return "(absent)" if v is None else v if isinstance(v, str) else json.dumps(v)
+
+    return f"{text(old)} -> {text(new)}"
