@@ -319,6 +319,17 @@ def diff_command(old_ref: str, new_ref: str, store_url: str | None, as_json: boo
     output.differences(Console(as_json), diff(_inspected_store(store_url), old_ref, new_ref))
 
 
+@cli.command("du")
+@store_option
+@json_option
+def du_command(store_url: str | None, as_json: bool) -> None:
+    """Bytes the store holds by tag, release, model entry and toolchain, and what dedup saves."""
+    from neffbuild import output
+    from neffbuild.inspect.du import disk_usage
+
+    output.usage(Console(as_json), disk_usage(_inspected_store(store_url)))
+
+
 def main(argv: list[str] | None = None) -> None:
     """The one exit point: typed errors become one line plus a hint and their exit code."""
     # What start-up imported lives as long as the process: keep it out of every later garbage

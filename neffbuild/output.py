@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from neffbuild.bundle import TagRecord
     from neffbuild.doctor import DoctorReport
     from neffbuild.inspect.diff import Diff
+    from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
     from neffbuild.plan import Plan
@@ -498,3 +499,28 @@ def _change(old: Any, new: Any) -> str:
         return "(absent)" if v is None else v if isinstance(v, str) else json.dumps(v)
 
     return f"{text(old)} -> {text(new)}"
+
+
+def usage(console: Console, usage: Usage) -> None:
+    """`neffbuild du`: totals, then bytes by tag, release, model entry and toolchain."""
+    if console.as_json:
+        console._json(usage)
+        return
+    say = functools.partial(console.out.print, markup=False, soft_wrap=True)
+    say(
+        f"{usage.store}: {usage.blobs} blobs, {_size(usage.bytes)} stored for {len(usage.by_release)} releases "
+        f"({_size(usage.logical_bytes)} of files: dedup saves {_size(usage.saved_bytes)}; "
+        f"{usage.shared_blobs} blobs, {_size(usage.shared_bytes)}, shared between releases)"
+    )
+    r = usage.reclaimable
+    say(f"reclaimable by gc ({r.policy}): {r.objects} objects, {_size(r.bytes)}" if r else "reclaimable by gc: see `neffbuild gc --dry-run`")
+    for title, shares in (("tag", usage.by_tag), ("model entry", usage.by_entry), ("toolchain", usage.by_toolchain)):
+        members = "releases" if title == "tag" else "bundles"
+        console._table(
+            f"by {title}", [(title, True), ("size", True), ("blobs", False), (members, False)], [(s.name, _size(s.bytes), str(s.blobs), str(s.members)) for s in shares]
+        )
+    console._table(
+        "by release",
+        [("release", True), ("size", True), ("unique", False), ("shared", False), ("files", False), ("name", False)],
+        [(u.release_id, _size(u.bytes), _size(u.unique_bytes), _size(u.shared_bytes), str(u.files), u.name) for u in usage.by_release],
+    )
