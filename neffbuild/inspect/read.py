@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from neffbuild.bundle import BundleRecord, Release, TagRecord
+from neffbuild.bundle import BundleRecord, Release, TagRecord, parse
+from neffbuild.hashing import hash_bytes
 from neffbuild.refs import _checked, doc_where  # the one check that a document is what its name says
 from neffbuild.store.base import DocKind, Store
 
@@ -57,4 +58,9 @@ def get_docs(store: Store, kind: DocKind, names: list[str], jobs: int) -> dict[s
 
 def named(store: Store, kind: type[Doc], name: str, data: bytes) -> Doc:
     """Parse a document and check that it is the one its name says (a copied object is not followed)."""
-    return _checked(kind, data, doc_where(store, kind, name), name)
+    where = doc_where(store, kind, name)
+    if kind is Release and hash_bytes(data) == name:
+        # Stored as published (canonical bytes): its id is their digest. Skipping the re-dump that
+        # proves it otherwise halves the cost of listing 1,000 releases.
+        return parse(kind, data, where)
+    return _checked(kind, data, where, name)
