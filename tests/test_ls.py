@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from neffbuild.bundle import Release, parse
 from neffbuild.inspect.ls import list_store, tag_history
 from tests.conftest import run_cli
@@ -64,3 +66,10 @@ def test_table_on_a_terminal_width(target: Target) -> None:
     assert shown.returncode == 0, shown.stderr
     assert target.three.v3 in shown.stdout and "left out at 80 columns" in shown.stdout
     assert all(len(line) <= 80 for line in shown.stdout.splitlines() if line[:1] in "┏┃┡│└")  # titles name the store: long
+
+
+@pytest.mark.s3
+def test_an_s3_prefix_without_a_store_is_a_store_error(s3_url: str, s3_env: dict[str, str]) -> None:
+    result = run_cli("ls", "--store", s3_url, env=s3_env)
+    assert result.returncode == 3, result.stderr
+    assert s3_url in result.stderr and "hint:" in result.stderr
