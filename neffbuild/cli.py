@@ -10,13 +10,16 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from neffbuild import __version__
 from neffbuild.errors import InputError, NeffbuildError
 from neffbuild.output import Console
+
+if TYPE_CHECKING:
+    from neffbuild.store.base import Store
 
 _DEBUG = {"on": False}
 
@@ -271,7 +274,8 @@ def schema() -> None:
 # ---- inspection: ls, show, diff, du (neffbuild/inspect/) -----------------------------------------
 
 
-def _inspected_store(store_url: str | None) -> Any:
+def _inspected_store(store_url: str | None) -> Store:
+    """The store a read-only command inspects: never created."""
     from neffbuild.store import open_store, resolve_store_url
 
     return open_store(resolve_store_url(store_url, os.environ), env=os.environ)
