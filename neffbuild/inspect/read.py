@@ -49,7 +49,8 @@ def fetch(store: Store, kind: type[Doc], names: Iterable[str], jobs: int = DOC_J
 
 
 def get_docs(store: Store, kind: DocKind, names: list[str], jobs: int) -> dict[str, bytes | None]:
-    """Each name's bytes (None if absent), read concurrently."""
+    """Each name's bytes (None if absent), read concurrently. (Where the store protocol gains a
+    batched read of its own, this is the one place to call it.)"""
     if len(names) <= 1 or jobs <= 1:
         return {name: store.get_doc(kind, name) for name in names}
     with ThreadPoolExecutor(min(jobs, len(names)), thread_name_prefix="neffbuild-docs") as pool:
