@@ -23,6 +23,7 @@ from pathlib import Path
 
 ACCESS_KEY = "neffbuild-test"
 SECRET_KEY = "neffbuild-test-secret"
+READER_KEY, READER_SECRET = "neffbuild-reader", "neffbuild-reader-secret"  # may read and list, not write or delete
 START_TIMEOUT_S = 60.0
 # Servers that `weed mini` runs besides S3; each gets an http and a grpc port.
 _PORT_FLAGS = ("master", "volume", "filer", "s3", "admin")
@@ -192,7 +193,8 @@ def _identities() -> dict:
                 "name": "admin",
                 "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
+            },
+            {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}], "actions": ["Read", "List"]},
         ]
     }
 

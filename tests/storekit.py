@@ -90,8 +90,8 @@ def corrupt_blob(store: Store, digest: str, env: dict[str, str] | None = None) -
     bucket, _, prefix = store.url.removeprefix("s3://").partition("/")
     prefix = f"{prefix}/" if prefix else ""
     key, offset, size = prefix + blob_key(digest), 0, None
-    store._refresh_packs()  # type: ignore[attr-defined]  # find where the S3 store keeps it
-    where = store._packed.get(digest)  # type: ignore[attr-defined]
+    store.catalog.refresh()  # type: ignore[attr-defined]  # find where the S3 store keeps it
+    where = store.catalog.where(digest)  # type: ignore[attr-defined]
     if where is not None:
         index, entry = where
         key, offset, size = prefix + packs.pack_key(index.pack_id), entry.offset, entry.size

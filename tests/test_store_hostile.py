@@ -288,9 +288,9 @@ def _endless_loose(store, env, tmp_path, s3_server, **_):  # write_verified: lon
 
 @contextmanager
 def _endless_large_stream(store, env, tmp_path, s3_server, monkeypatch, **_):  # one GET per large blob
-    from neffbuild.store import s3
+    from neffbuild.store import s3transfer
 
-    monkeypatch.setattr(s3, "STREAM_MIN", 1)
+    monkeypatch.setattr(s3transfer, "STREAM_MIN", 1)
     _, [src] = publish(store, tmp_path, LARGE)
     with proxied(s3_server, env, store.url, ("/blobs/",)) as (via_proxy, _, _proxy):
         yield via_proxy, blob_key(src.digest)
@@ -359,7 +359,7 @@ def _locator_lies(store, env, tmp_path, **_):  # the locator places a blob in a 
     release_id, [src] = publish(store, tmp_path, SMALL)
     locator = packs.decode_locator(release_id, get_object(store, env, packs.locator_key(release_id)), "")
     [own] = locator.packs
-    other = next(p for p in store._packs if p != own)  # type: ignore[attr-defined]
+    other = next(p for p in store.catalog.pack_ids() if p != own)  # type: ignore[attr-defined]
     put_object(store, env, packs.locator_key(release_id), packs.encode_locator(release_id, {src.digest: other}, []))
     yield store, packs.locator_key(release_id)
 

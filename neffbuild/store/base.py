@@ -16,6 +16,9 @@ The layout below is a contract shared by all stores and asserted by tests:
                                 written after its blobs and before the release; a pull of the release
                                 reads the indexes of these packs only (see store/packs.py)
 
+Objects are listed (list_objects) and deleted (delete_objects) by their key relative to the store
+root, for inspection and gc; only the folders above may be deleted, never the marker.
+
 A blob is present if blobs/<d[:2]>/<d> exists or a present pack index lists it; missing_blobs
 answers for both. Publishing writes blobs, then bundles, then the locator, then the release, then
 the tag, so a reader never finds a document that points at something absent. A release without a
@@ -30,7 +33,7 @@ blocks opening one (a FIFO is refused, not waited on).
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +49,19 @@ MARKER = "neffbuild-store.json"
 MARKER_MAX = 64 << 10  # the marker is a few dozen bytes; a larger one is not ours
 DOC_MAX = 256 << 20  # no document is read past this (a release of a million files is ~150 MB)
 MARKER_HINT = f'not a neffbuild store, or its marker is damaged: it must hold {{"format": "{STORE_FORMAT}"}}'
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One stored object, as a listing reports it."""
+
+    key: str  # relative to the store root, e.g. blobs/ab/ab12...
+    size: int  # bytes
+    mtime: float  # last written, seconds since the epoch (UTC): compared with time.time() for gc's grace period
+
+
+DELETE_BATCH = 1000  # S3's DeleteObjects takes at most this many keys per request
+DELETABLE = ("blobs/", "bundles/", "releases/", "tags/", "packs/", "locators/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +83,22 @@ def doc_key(kind: DocKind, name: str) -> str:
     if (problem := key_problem(name)) is not None:
         raise InputError(f"{kind} key: {problem}", hint="tags are names like `prod`; releases and bundles are 32-hex-digit ids")
     return f"{kind}/{name}.json"
+
+
+def check_deletable(key: str) -> str:
+    """A key delete_objects may remove: one object of the layout's folders, never the marker or
+    anything outside the store (a local store joins it into a path)."""
+    parts = key.split("/")
+    if not key.startswith(DELETABLE) or any(p in ("", ".", "..") for p in parts) or "\\" in key or "\0" in key:
+        raise InputError(f"cannot delete {shown(key)}: not an object of a store folder", hint=f"keys start with one of {', '.join(DELETABLE)}")
+    return key
+
+
+def deletion_failed(url: str, failures: Sequence[tuple[str, str]]) -> StoreError:
+    """One StoreError for the keys a delete_objects could not remove: (key, why) pairs."""
+    key, why = failures[0]
+    more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+    return StoreError(f"{url}/{key}: cannot delete it ({why}){more}", hint="check the store's permissions, then run the deletion again")
 
 
 def shown(value: object, limit: int = 60) -> str:
@@ -130,6 +162,23 @@ class Store(Protocol):
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         """Names (without .json) of the documents of a kind."""
+
+    def get_docs(self, kind: DocKind, names: Iterable[str], jobs: int) -> dict[str, bytes | None]:
+        """get_doc of each name, read up to `jobs` at a time where that is faster (S3): a store with
+        1,000 releases is not inspected in 1,000 sequential round trips."""
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key (relative to the store root) starts with prefix, in key order.
+        A local store leaves out its locks/ and the hidden temp files of writes in flight."""
+
+    def delete_objects(self, keys: Iterable[str]) -> None:
+        """Delete these objects (each check_deletable); an absent one is no error.
+
+        Keys go in the order given, in batches of at most DELETE_BATCH, each batch done before the
+        next starts, so a caller that lists records before what they reference deletes them first.
+        Every key is tried; then one StoreError names the first that failed and how many did. A
+        reader never sees part of an object: it finds the whole object or none.
+        """
 
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
         """The tag's bytes and an opaque version token for swap_tag, or None if absent."""

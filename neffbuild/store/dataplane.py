@@ -23,13 +23,14 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, TypeVar
 
 import urllib3
 
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.materialize import BlobTarget, aligned_buffer
-from neffbuild.store.base import DOC_MAX
+from neffbuild.store.base import DOC_MAX, ObjectInfo
 
 PART = 8 << 20  # a large blob is fetched as parallel ranges of this size
 WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
@@ -46,7 +47,10 @@ _READ_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError
 Presign = Callable[[str, str, Mapping[str, str]], str]
 Buffer = bytearray | mmap.mmap  # a reusable receive buffer
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
+_LIST_ENTRY = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
 _LIST_KEY = re.compile(rb"<Key>([^<]*)</Key>")
+_LIST_SIZE = re.compile(rb"<Size>([0-9]{1,19})</Size>")
+_LIST_MTIME = re.compile(rb"<LastModified>([^<]{1,64})</LastModified>")
 _LIST_NEXT = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
 
 
@@ -220,20 +224,34 @@ class DataPlane:
 
     def list(self, rel_prefix: str, store_prefix: str, *, page_size: int | None = None) -> list[str]:
         """Keys under a prefix (ListObjectsV2, every page), relative to the store root."""
-        keys: list[str] = []
+        return [o.key for o in self.objects(rel_prefix, store_prefix, page_size=page_size)]
+
+    def objects(self, rel_prefix: str, store_prefix: str, *, page_size: int | None = None) -> Iterator[ObjectInfo]:
+        """The objects under a prefix with their size and time, page after page (ListObjectsV2)."""
         params = {"list-type": "2", "prefix": store_prefix + rel_prefix, "encoding-type": "url"}
         if page_size is not None:  # the server's default (1,000) otherwise
             params["max-keys"] = str(page_size)
         while True:
             page = self.retried(rel_prefix, lambda p=dict(params): self._list_page(rel_prefix, p))
             encoded = b"<EncodingType>url</EncodingType>" in page  # a server may ignore encoding-type
-            for raw in _LIST_KEY.findall(page):
-                key = html.unescape(raw.decode(errors="replace"))
-                keys.append((urllib.parse.unquote(key) if encoded else key)[len(store_prefix) :])
+            for entry in _LIST_ENTRY.findall(page):
+                yield self._listed(rel_prefix, entry, encoded, len(store_prefix))
             token = _LIST_NEXT.search(page)
             if b"<IsTruncated>true</IsTruncated>" not in page or token is None:
-                return keys
+                return
             params["continuation-token"] = html.unescape(token.group(1).decode(errors="replace"))
+
+    def _listed(self, rel_prefix: str, entry: bytes, encoded: bool, cut: int) -> ObjectInfo:
+        """One <Contents> entry of a listing page; one without a key, size or time is not S3's."""
+        key, size, mtime = _LIST_KEY.search(entry), _LIST_SIZE.search(entry), _LIST_MTIME.search(entry)
+        try:
+            when = datetime.fromisoformat(mtime.group(1).decode()).timestamp() if mtime else None
+        except ValueError:
+            when = None
+        if key is None or size is None or when is None:
+            raise StoreError(f"{self.where(rel_prefix)}: a listing entry without a key, size or time", hint="the endpoint is not an S3 server")
+        name = html.unescape(key.group(1).decode(errors="replace"))
+        return ObjectInfo((urllib.parse.unquote(name) if encoded else name)[cut:], int(size.group(1)), when)
 
     def _list_page(self, rel_prefix: str, params: Mapping[str, str]) -> bytes:
         response = self._request("GET", "", params, named=rel_prefix, preload_content=False)

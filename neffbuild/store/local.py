@@ -11,13 +11,13 @@ import json
 import os
 import stat
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from neffbuild.errors import IntegrityError, NotFoundError, StoreError
+from neffbuild.errors import InputError, IntegrityError, NotFoundError, StoreError
 from neffbuild.locks import exclusive
 from neffbuild.materialize import BlobTarget, disk_error, write_verified
 from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
@@ -29,8 +29,11 @@ from neffbuild.store.base import (
     STORE_FORMAT,
     BlobSource,
     DocKind,
+    ObjectInfo,
     blob_key,
+    check_deletable,
     check_marker,
+    deletion_failed,
     doc_key,
 )
 
@@ -156,6 +159,32 @@ class LocalStore:
         if folder.is_dir():
             yield from sorted(p.stem for p in folder.glob("*.json"))
 
+    def get_docs(self, kind: DocKind, names: Iterable[str], jobs: int) -> dict[str, bytes | None]:
+        return {n: self.get_doc(kind, n) for n in sorted(set(names))}  # a local read is quick: no pool
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Regular files only; the hidden temp files of writes in flight and locks/ are not objects."""
+        folder = self.root / _within(prefix.rpartition("/")[0])
+        found = []
+        for rel, size, mtime in _walk(folder, self.root):
+            if rel.startswith(prefix) and not rel.startswith("locks/"):
+                found.append(ObjectInfo(rel, size, mtime))
+        yield from sorted(found, key=lambda o: o.key)
+
+    def delete_objects(self, keys: Iterable[str]) -> None:
+        """unlink is atomic: a reader that opened the file still reads all of it. Emptied shard
+        folders stay: removing one could race a publish that just made it to write into."""
+        failures = []
+        for key in [check_deletable(k) for k in keys]:
+            try:
+                (self.root / key).unlink()
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError as exc:
+                failures.append((key, exc.strerror or str(exc)))
+        if failures:
+            raise deletion_failed(self.url, failures)
+
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
         data = self.get_doc("tags", name)
         return None if data is None else (data, hash_bytes(data))
@@ -252,6 +281,35 @@ def _chunks(stream: BinaryIO, limit: int, origin: str) -> Iterator[bytes]:
             return
         limit -= len(chunk)
         yield chunk
+
+
+def _within(rel: str) -> str:
+    """A relative folder that cannot leave the store root (a listing prefix from a caller)."""
+    if rel.startswith("/") or any(p in (".", "..") for p in rel.split("/")):
+        raise InputError(f"listing prefix {rel!r}: not a folder of the store", hint="give a prefix such as blobs/ or releases/")
+    return rel
+
+
+def _walk(folder: Path, root: Path) -> Iterator[tuple[str, int, float]]:
+    """(key relative to root, size, mtime) of each regular, non-hidden file below folder. A folder
+    that cannot be read is an error: gc and verify must not take unseen objects for absent ones."""
+
+    def fail(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError | NotADirectoryError):  # gone meanwhile, or a file: nothing below
+            raise StoreError(f"{exc.filename}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions")
+
+    for path, _, files in os.walk(folder, onerror=fail):
+        for name in files:
+            if name.startswith("."):
+                continue
+            try:
+                st = os.lstat(os.path.join(path, name))
+            except FileNotFoundError:  # deleted since the folder was read
+                continue
+            except OSError as exc:
+                raise StoreError(f"{os.path.join(path, name)}: cannot stat it ({exc.strerror or exc})", hint="check the store's permissions") from None
+            if stat.S_ISREG(st.st_mode):
+                yield Path(path, name).relative_to(root).as_posix(), st.st_size, st.st_mtime
 
 
 def _is_empty_or_absent(root: Path) -> bool:

@@ -22,7 +22,7 @@ another release (damaged or not) stands in its way. It is written once, after th
 and before the release; it can only point at complete packs, and whatever it says is checked
 (the indexes against their names, the blobs against their digests).
 
-This module is pure planning and encoding; store/s3.py does the I/O.
+This module is pure planning and encoding; store/s3packs.py and store/s3transfer.py do the I/O.
 """
 
 from __future__ import annotations

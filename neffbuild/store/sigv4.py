@@ -3,7 +3,7 @@
 `neffbuild pull` runs on every instance boot, and botocore costs it about 0.3 s before the first
 byte moves (its import, the S3 client's service model, its first signature). When everything a
 request needs is in the environment (static credentials, a region or an endpoint, no config file
-that could change addressing), store/s3.py signs its reads here instead; anything else (profiles,
+that could change addressing), the S3 store signs its reads here instead; anything else (profiles,
 SSO, instance roles, FIPS or dual-stack endpoints) goes through botocore, which knows them all.
 
 The algorithm is AWS's documented one ("Authenticating Requests: Using Query Parameters"):
@@ -98,7 +98,7 @@ def signer_from_env(bucket: str, endpoint_url: str | None, env: Mapping[str, str
 
     Mirrors what botocore would do with the same environment: static credentials from
     AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (they beat every other source); path-style URLs on a
-    custom endpoint (as store/s3.py configures botocore); virtual-hosted ones on AWS. A config file
+    custom endpoint (as store/s3client.py configures botocore); virtual-hosted ones on AWS. A config file
     with content could set the endpoint, addressing or region for a profile, so then: None.
     """
     access, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")

@@ -1,0 +1,84 @@
+"""Where an S3 store lies and how its botocore client is made.
+
+botocore signs writes (uploads, conditional puts, deletes, bucket creation); it is imported when
+the first client is made, so a read-only process with static credentials never imports it (reads
+are presigned by store/sigv4.py and sent by store/dataplane.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from neffbuild.errors import StoreError
+from neffbuild.store.s3errors import translated
+
+
+@dataclass(frozen=True, slots=True)
+class S3Location:
+    bucket: str
+    prefix: str  # "" or ending in "/"
+
+    @classmethod
+    def parse(cls, url: str) -> S3Location:
+        rest = url.removeprefix("s3://")
+        bucket, _, prefix = rest.partition("/")
+        prefix = prefix.strip("/")
+        if not bucket or url == rest:
+            raise StoreError(f"store {url!r}: expected s3://bucket[/prefix]", hint="e.g. s3://my-bucket/neffbuild")
+        return cls(bucket, f"{prefix}/" if prefix else "")
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def key(self, rel: str) -> str:
+        return self.prefix + rel
+
+
+def endpoint_of(flag: str | None, env: Mapping[str, str]) -> str | None:
+    """--endpoint-url beats AWS_ENDPOINT_URL_S3 beats AWS_ENDPOINT_URL; None: AWS itself."""
+    return flag or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+
+
+def botocore_client(location: S3Location, endpoint: str | None, env: Mapping[str, str]) -> Any:
+    """An S3 client on botocore's session: boto3's credential chain (env, config files, SSO,
+    instance role) without boto3's import cost."""
+    import botocore.session
+
+    with translated(location, ""):
+        session = botocore.session.Session(profile=None if env.get("AWS_ACCESS_KEY_ID") else env.get("AWS_PROFILE"))
+        for variable, name in (("config_file", "AWS_CONFIG_FILE"), ("credentials_file", "AWS_SHARED_CREDENTIALS_FILE")):
+            if env.get(name):  # botocore reads os.environ; the env we were given wins
+                session.set_config_variable(variable, env[name])
+        return session.create_client(
+            "s3",
+            region_name=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+            endpoint_url=endpoint,
+            aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            aws_session_token=env.get("AWS_SESSION_TOKEN"),
+            config=_client_config(endpoint),
+        )
+
+
+def _client_config(endpoint: str | None) -> Any:
+    from botocore.config import Config
+
+    return Config(
+        signature_version="s3v4",
+        retries={"mode": "standard", "max_attempts": 5},
+        max_pool_connections=64,
+        # We send our own CRC32C and verify XXH3 on read: skip botocore's extra checksums and the
+        # SHA-256 of every payload it would compute on plain-http endpoints.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if endpoint else {})},
+    )
+
+
+def bucket_region(client: Any) -> dict[str, Any]:
+    """create_bucket's arguments for the client's region (us-east-1 takes none)."""
+    region = client.meta.region_name
+    return {} if region in (None, "us-east-1") else {"CreateBucketConfiguration": {"LocationConstraint": region}}
