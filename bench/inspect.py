@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from neffbuild.store import open_store  # noqa: E402
-from neffbuild.store.base import Store  # noqa: E402
+from neffbuild.hashing import hash_bytes  # noqa: E402
+from neffbuild.store.base import BlobSource, Store  # noqa: E402
 from tests.inspectkit import FINGERPRINT, Unit, publish_units, unit_of  # noqa: E402
 from tests.s3server import S3Server, client_for  # noqa: E402
 
@@ -58,19 +59,36 @@ def make_store(store: Store, work: Path, *, releases: int, tags: int, blobs: int
     def files(label: str, count: int) -> dict[str, bytes]:
         return {f"{label}/{i:03d}.bin": (f"{label}/{i} ".encode() * FILE_BYTES)[:FILE_BYTES] for i in range(count)}
 
-    def one_tag(t: int) -> None:
+    def releases_of(t: int) -> list[list[Unit]]:
         entry = f"m{t:03d}"
         fingerprint = {**FINGERPRINT, "torch": f"2.{13 + t % 3}.0"}
         base = Unit(f"{entry}/64x64x1", unit_of(entry, 64, 64), fingerprint, files(f"{entry}/base", BASE_FILES))
-        for r in range(per_tag):
-            own = [
-                Unit(f"{entry}/{128 * (u + 1)}x128x1", unit_of(entry, 128 * (u + 1), 128, call={"r": r}), fingerprint, files(f"{entry}/r{r}/u{u}", own_files))
-                for u in range(UNITS_OWN)
-            ]
-            publish_units(store, work / entry, entry, [base, *own], tag=entry, by="bench")
+        own = [
+            [Unit(f"{entry}/{128 * (u + 1)}x128x1", unit_of(entry, 128 * (u + 1), 128, call={"r": r}), fingerprint, files(f"{entry}/r{r}/u{u}", own_files)) for u in range(UNITS_OWN)]
+            for r in range(per_tag)
+        ]
+        return [[base, *units] for units in own]
+
+    plan = {f"m{t:03d}": releases_of(t) for t in range(tags)}
+    # Every blob in one upload first: S3 packs them into a few packs, as one CI build of many units
+    # would; publishing unit by unit would make a pack per bundle, which only slows the set-up.
+    blobs_dir = work / "blobs"
+    blobs_dir.mkdir(parents=True)
+    sources = {}
+    for units in (u for history in plan.values() for release in history for u in release):
+        for data in units.files.values():
+            digest = hash_bytes(data)
+            if digest not in sources:
+                (blobs_dir / digest).write_bytes(data)
+                sources[digest] = BlobSource(digest, len(data), blobs_dir / digest)
+    store.put_blobs(list(sources.values()), jobs=16)
+
+    def one_tag(entry: str) -> None:
+        for units in plan[entry]:
+            publish_units(store, work / entry, entry, units, tag=entry, by="bench")
 
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(one_tag, range(tags)))
+        list(pool.map(one_tag, plan))
 
 
 def time_cli(args: list[str], env: dict[str, str], runs: int) -> tuple[float, float, int]:

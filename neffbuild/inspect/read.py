@@ -8,7 +8,6 @@ its name says, is an IntegrityError naming it, as for `pull`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -42,19 +41,14 @@ def snapshot(store: Store, *, all_bundles: bool = False, jobs: int = DOC_JOBS) -
 
 
 def fetch(store: Store, kind: type[Doc], names: Iterable[str], jobs: int = DOC_JOBS) -> dict[str, Doc]:
-    """The named documents of one kind that exist, parsed; in the order of names."""
-    wanted = list(dict.fromkeys(names))
-    raw = get_docs(store, KINDS[kind], wanted, jobs)
+    """The named documents of one kind that exist, parsed, by name."""
+    raw = get_docs(store, KINDS[kind], list(names), jobs)
     return {name: named(store, kind, name, data) for name, data in raw.items() if data is not None}
 
 
 def get_docs(store: Store, kind: DocKind, names: list[str], jobs: int) -> dict[str, bytes | None]:
-    """Each name's bytes (None if absent), read concurrently. (Where the store protocol gains a
-    batched read of its own, this is the one place to call it.)"""
-    if len(names) <= 1 or jobs <= 1:
-        return {name: store.get_doc(kind, name) for name in names}
-    with ThreadPoolExecutor(min(jobs, len(names)), thread_name_prefix="neffbuild-docs") as pool:
-        return dict(zip(names, pool.map(lambda name: store.get_doc(kind, name), names), strict=True))
+    """Each name's bytes (None if absent): the store reads them as fast as it can (S3: in parallel)."""
+    return store.get_docs(kind, names, jobs) if names else {}
 
 
 def named(store: Store, kind: type[Doc], name: str, data: bytes) -> Doc:
