@@ -255,6 +255,61 @@ def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests:
     if error := status_error(report):
         raise error
 
+# ---- inspection: ls, show, diff, du (neffbuild/inspect/) -----------------------------------------
+
+
+@cli.command("ls")
+@click.option("--tag", "tag_name", metavar="NAME", help="Show this tag's history (NAME@N names each release) instead.")
+@store_option
+@json_option
+def ls_command(tag_name: str | None, store: StoreChoice, as_json: bool) -> None:
+    """List the store's tags and releases, newest first."""
+    from neffbuild import output
+    from neffbuild.inspect.ls import list_store, tag_history
+
+    opened = store.open(os.environ)
+    if tag_name is not None:
+        output.tag_history(Console(as_json), tag_history(opened, tag_name))
+    else:
+        output.listing(Console(as_json), list_store(opened))
+
+
+@cli.command("show")
+@click.argument("ref", metavar="REF")
+@store_option
+@json_option
+def show_command(ref: str, store: StoreChoice, as_json: bool) -> None:
+    """Show a release's units (REF: TAG, TAG@N, release id or prefix) or a bundle's files (its key)."""
+    from neffbuild import output
+    from neffbuild.inspect.show import show
+
+    output.shown_ref(Console(as_json), show(store.open(os.environ), ref))
+
+
+@cli.command("diff")
+@click.argument("old_ref", metavar="A")
+@click.argument("new_ref", metavar="B")
+@store_option
+@json_option
+def diff_command(old_ref: str, new_ref: str, store: StoreChoice, as_json: bool) -> None:
+    """What changed from release A to release B (or bundle to bundle): units, the fields behind each
+    changed key (old -> new), files."""
+    from neffbuild import output
+    from neffbuild.inspect.diff import diff
+
+    output.differences(Console(as_json), diff(store.open(os.environ), old_ref, new_ref))
+
+
+@cli.command("du")
+@store_option
+@json_option
+def du_command(store: StoreChoice, as_json: bool) -> None:
+    """Bytes the store holds by tag, release, model entry and toolchain, and what dedup saves."""
+    from neffbuild import output
+    from neffbuild.inspect.du import disk_usage
+
+    output.usage(Console(as_json), disk_usage(store.open(os.environ)))
+
 
 def main(argv: list[str] | None = None) -> None:
     """The one exit point: typed errors become one line plus a hint and their exit code."""

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from neffbuild.build import BuildReport
     from neffbuild.bundle import TagRecord
     from neffbuild.doctor import DoctorReport
+    from neffbuild.inspect.diff import Diff
+    from neffbuild.inspect.du import Usage
+    from neffbuild.inspect.ls import Listing, TagHistory
+    from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
     from neffbuild.plan import Plan
     from neffbuild.pull import PullReport
     from neffbuild.status import StatusReport
@@ -397,4 +401,169 @@ def print_status(self: Console, report: StatusReport) -> None:
     self.out.print(
         f"{report.count('hit')} of {len(report.units)} units will hit ({checked} checked); a prediction: verify --replay proves it",
         markup=False,
+    )
+
+
+# ---- inspection: ls, show, diff, du (neffbuild/inspect/) -----------------------------------------
+
+
+def _when(at: str | None) -> str:
+    """An ISO time as `2026-12-03 20:58` (UTC): the seconds and zone say little in a table."""
+    return at[:16].replace("T", " ") if at else "-"
+
+
+def listing(console: Console, listing: Listing) -> None:
+    if console.as_json:
+        console._json(listing)
+        return
+    console._table(
+        f"tags in {listing.store}",
+        [("tag", True), ("release", True), ("name", False), ("moved", False), ("by", False), ("moves", False)],
+        [(t.name, t.release, t.release_name or "(missing)", _when(t.moved_at), t.by, str(t.history)) for t in listing.tags],
+    )
+    console._table(
+        f"releases in {listing.store}, newest first",
+        [("release", True), ("created", False), ("size", False), ("units", False), ("files", False), ("tags", False)]
+        + [("name", False), ("backend", False), ("toolchain", False)],
+        [
+            (r.release_id, _when(r.created), _size(r.bytes), str(r.units), str(r.files), ",".join(r.tags) or "-", r.name, r.backend, r.toolchain)
+            for r in listing.releases
+        ],
+    )
+
+
+def tag_history(console: Console, history: TagHistory) -> None:
+    if console.as_json:
+        console._json(history)
+        return
+    console._table(
+        f"tag {history.tag} in {history.store}, newest first",
+        [("ref", True), ("release", True), ("name", False), ("at", False), ("by", False)],
+        [(e.ref, e.release, e.release_name or "(missing)", _when(e.at), e.by) for e in history.events],
+    )
+
+
+def shown_ref(console: Console, view: ReleaseView | BundleView) -> None:
+    """`neffbuild show`: a release's units, or a bundle's files."""
+    if console.as_json:
+        console._json(view)
+        return
+    from neffbuild.inspect.ls import toolchain
+
+    if view.kind == "bundle":
+        u = view.unit
+        _unit_header(console, u, f"bundle {u.key} ({u.unit_id}): {u.files} files, {_size(u.bytes)}")
+        console.out.print(f"  toolchain: {toolchain(u.fingerprint)}", markup=False)
+        console._table(
+            f"files of {u.unit_id}", [("path", True), ("size", False), ("digest", False)], [(f.path, _size(f.size), f.digest) for f in view.files]
+        )
+        return
+    tagged = f" (tag {view.tag})" if view.tag else ""
+    console.out.print(f"release {view.release_id}{tagged}: {view.name}, {view.backend}, {len(view.units)} units, {view.files} files, {_size(view.bytes)}", markup=False)
+    console.out.print(f"  toolchain: {toolchain(view.fingerprint)}", markup=False)
+    if view.env:
+        console.out.print(f"  env: {' '.join(f'{k}={v}' for k, v in view.env.items())}", markup=False)
+    if view.shared:
+        console.out.print(f"  {len(view.shared)} paths built differently by several units, one kept (content-keyed)", markup=False)
+    console._table(
+        "units",
+        [("unit", True), ("key", True), ("build", False), ("size", False), ("files", False), ("first call", False)]
+        + [("graphs", False), ("mode", False), ("dtype", False), ("pipeline", False), ("components", False), ("model", False)],
+        [
+            (u.unit_id, u.key, f"{u.timings.total_s:.1f} s", _size(u.bytes), str(u.files), f"{u.timings.first_call_s:.1f} s", str(_graphs(u.counters)))
+            + (u.mode, u.dtype, u.pipeline, ",".join(u.components) or "-", u.model)
+            for u in view.units
+        ],
+    )
+    for u in view.units:
+        counted = ", ".join(f"{k}={v}" for k, v in sorted(u.counters.items()) if v)
+        console.out.print(f"{u.unit_id}: {counted or 'no compile counters'}", markup=False)
+
+
+def _unit_header(console: Console, u: UnitView, title: str) -> None:
+    shape = "x".join(str(u.shape.get(k, "?")) for k in ("height", "width", "batch")) if u.shape else "-"
+    console.out.print(title, markup=False)
+    console.out.print(f"  {u.model} {u.pipeline} {u.dtype} mode {u.mode}, shape {shape}, components {','.join(u.components) or '-'}", markup=False)
+    console.out.print(
+        f"  built {_when(u.created_at)}: load {u.timings.load_s:.1f} s, first call {u.timings.first_call_s:.1f} s, {_graphs(u.counters)} graphs",
+        markup=False,
+    )
+
+
+def _graphs(counters: Mapping[str, int]) -> int:
+    """Graphs the listed components produced (the build's own counter, graphs.<component>)."""
+    return sum(v for k, v in counters.items() if k.startswith("graphs."))
+
+
+def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
+    """`neffbuild diff`: units added, removed, changed (each field old -> new), then files."""
+    if console.as_json:
+        console._json({**jsonable(diff), "identical": diff.identical})
+        return
+    say = functools.partial(console.out.print, markup=False, soft_wrap=True)
+    files = diff.files_added + diff.files_removed + diff.files_changed
+    say(
+        f"{diff.kind} {diff.old} -> {diff.new}: {len(diff.changed)} changed, {len(diff.added)} added, {len(diff.removed)} removed, "
+        f"{len(diff.unchanged)} unchanged units; {len(files)} files differ"
+    )
+    for change in diff.release:
+        say(f"  {change.path} {_change(change.old, change.new)}")
+    for unit in diff.changed:
+        renamed = f" (was {unit.old_unit_id})" if unit.old_unit_id != unit.unit_id else ""
+        say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}")
+        for change in unit.fields:
+            say(f"  {change.path} {_change(change.old, change.new)}")
+        if not unit.fields:
+            say("  (no field differs: the keys were computed by another neffbuild version)")
+    for unit_id in diff.added:
+        say(f"added    {unit_id}")
+    for unit_id in diff.removed:
+        say(f"removed  {unit_id}")
+    if not files:
+        return
+    added, removed = sum(f.new_size or 0 for f in diff.files_added), sum(f.old_size or 0 for f in diff.files_removed)
+    say(f"files: {len(diff.files_added)} added ({_size(added)}), {len(diff.files_removed)} removed ({_size(removed)}), {len(diff.files_changed)} changed")
+    for f in files[:shown]:
+        status = "added" if f.old_size is None else "removed" if f.new_size is None else "changed"
+        sizes = _size(f.new_size or 0) if status == "added" else _size(f.old_size or 0) if status == "removed" else f"{_size(f.old_size or 0)} -> {_size(f.new_size or 0)}"
+        say(f"  {status:8} {sizes:>20}  {f.path}")
+    if len(files) > shown:
+        say(f"  ... and {len(files) - shown} more (--json lists every file)")
+
+
+def _change(old: Any, new: Any) -> str:
+    """`2.13.0 -> 2.14.1`; for word sets (cpu.isa flags) only what went and came: `-avx512f +amx`."""
+    if isinstance(old, str) and isinstance(new, str) and " " in old + new:
+        before, after = old.split(), new.split()
+        if len(set(before)) == len(before) > 2 and len(set(after)) == len(after) > 2:
+            return " ".join([*(f"-{w}" for w in before if w not in after), *(f"+{w}" for w in after if w not in before)])
+
+    def text(v: Any) -> str:
+        return "(absent)" if v is None else v if isinstance(v, str) else json.dumps(v)
+
+    return f"{text(old)} -> {text(new)}"
+
+
+def usage(console: Console, usage: Usage) -> None:
+    """`neffbuild du`: totals, then bytes by tag, release, model entry and toolchain."""
+    if console.as_json:
+        console._json(usage)
+        return
+    say = functools.partial(console.out.print, markup=False, soft_wrap=True)
+    say(
+        f"{usage.store}: {usage.blobs} blobs, {_size(usage.bytes)} stored for {len(usage.by_release)} releases "
+        f"({_size(usage.logical_bytes)} of files: dedup saves {_size(usage.saved_bytes)}; "
+        f"{usage.shared_blobs} blobs, {_size(usage.shared_bytes)}, shared between releases)"
+    )
+    r = usage.reclaimable
+    say(f"reclaimable by gc ({r.policy}): {r.objects} objects, {_size(r.bytes)}" if r else "reclaimable by gc: see `neffbuild gc --dry-run`")
+    for title, shares in (("tag", usage.by_tag), ("model entry", usage.by_entry), ("toolchain", usage.by_toolchain)):
+        members = "releases" if title == "tag" else "bundles"
+        console._table(
+            f"by {title}", [(title, True), ("size", True), ("blobs", False), (members, False)], [(s.name, _size(s.bytes), str(s.blobs), str(s.members)) for s in shares]
+        )
+    console._table(
+        "by release",
+        [("release", True), ("size", True), ("unique", False), ("shared", False), ("files", False), ("name", False)],
+        [(u.release_id, _size(u.bytes), _size(u.unique_bytes), _size(u.shared_bytes), str(u.files), u.name) for u in usage.by_release],
     )
