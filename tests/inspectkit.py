@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, Timings
-from neffbuild.hashing import canonical_json, hash_bytes
-from neffbuild.plan import UNIT_FORMAT
+from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
+from neffbuild.hashing import hash_bytes
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.store.base import BlobSource, Store
 
@@ -52,7 +51,7 @@ class Unit:
 
     @property
     def key(self) -> str:
-        return hash_bytes(canonical_json({"format": UNIT_FORMAT, "unit": self.normalized, "fingerprint": dict(self.fingerprint)}))
+        return unit_key(self.normalized, self.fingerprint)
 
 
 def klein_unit(height: int, width: int, fingerprint: Mapping[str, str] = FINGERPRINT, flavour: str = "") -> Unit:
