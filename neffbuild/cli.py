@@ -149,9 +149,10 @@ def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, all
 
 
 @cli.command()
-@click.argument("manifest", type=click.Path(path_type=Path))
-@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir to check.")
+@click.argument("manifest", type=click.Path(path_type=Path), required=False)
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Cache dir to check.")
 @click.option("--replay", is_flag=True, help="Run every unit's warmup in a fresh process; fail on any compile.")
+@click.option("--deep", is_flag=True, help="Without MANIFEST: also read back and hash every referenced blob of --store.")
 @store_option
 @click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
 @click.option(
@@ -160,9 +161,16 @@ def pull(ref: str, cache_dir: Path, store_url: str | None, jobs: int | None, all
     help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
 )
 @json_option
-def verify(manifest: Path, cache_dir: Path, replay: bool, store_url: str | None, outputs: Path | None, work_dir: Path | None, as_json: bool) -> None:
+def verify(
+    manifest: Path | None, cache_dir: Path | None, replay: bool, deep: bool, store_url: str | None, outputs: Path | None, work_dir: Path | None, as_json: bool
+) -> None:
     """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
-    (against a private copy: the cache dir is never written)."""
+    (against a private copy: the cache dir is never written). Without MANIFEST: check --store
+    itself (every reference of every record; exit 4 if one dangles or an object is damaged)."""
+    if manifest is None:
+        return _verify_store(store_url, deep, as_json)
+    if cache_dir is None:
+        raise InputError("verify MANIFEST needs --cache-dir", hint="or give no MANIFEST and a --store to check the store itself")
     from neffbuild.manifest import load_manifest
     from neffbuild.plan import make_plan
 
@@ -266,6 +274,69 @@ def schema() -> None:
     from neffbuild.manifest import manifest_json_schema
 
     click.echo(json.dumps(manifest_json_schema(), indent=2))
+
+
+# ---- gc and verify --store (issue 11) ------------------------------------------------------
+
+
+def _verify_store(store_url: str | None, deep: bool, as_json: bool) -> None:
+    from neffbuild.output import print_store_check
+    from neffbuild.store import open_store, resolve_store_url
+    from neffbuild.storecheck import check_store, store_error
+
+    result = check_store(open_store(resolve_store_url(store_url, os.environ), env=os.environ), deep=deep)
+    print_store_check(Console(as_json), result)
+    if error := store_error(result):
+        raise error
+
+
+@cli.command("gc")
+@store_option
+@click.option("--keep", type=click.IntRange(0, 10**6), default=3, show_default=True, help="Releases of each tag's history kept besides its current one.")
+@click.option("--grace", default="24h", show_default=True, metavar="DURATION", help="Objects younger than this are kept (a publish may be in flight): 24h, 30m, 90s, 0.")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Prune this host cache dir to its installed release instead of a store.")
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking (required without a terminal).")
+@jobs_option
+@json_option
+def gc_command(
+    store_url: str | None, keep: int, grace: str, cache_dir: Path | None, dry_run: bool, yes: bool, jobs: int | None, as_json: bool
+) -> None:
+    """Delete what no tag reaches (mark and sweep), or prune a host's --cache-dir."""
+    from neffbuild.output import print_cache_prune, print_gc_plan, print_gc_result
+    from neffbuild.store import open_store, resolve_store_url
+
+    console = Console(as_json)
+    if cache_dir is not None:
+        from neffbuild.prune import prune_cache_dir
+
+        store = open_store(resolve_store_url(store_url, os.environ), env=os.environ) if store_url else None
+        planned = prune_cache_dir(cache_dir, store=store, dry_run=True)
+        if not dry_run and planned.remove and _confirmed(yes, f"delete {len(planned.remove)} files from {planned.cache_dir}?"):
+            planned = prune_cache_dir(cache_dir, store=store)
+        print_cache_prune(console, planned)
+        return
+    from neffbuild.gc import Policy, parse_duration, plan_gc, sweep
+
+    policy = Policy(keep=keep, grace_s=parse_duration(grace))
+    store = open_store(resolve_store_url(store_url, os.environ), env=os.environ)
+    plan = plan_gc(store, policy, jobs=jobs or 32)
+    if dry_run or not plan.delete:
+        print_gc_plan(console, plan)
+        return
+    if not as_json:
+        print_gc_plan(console, plan)
+    if _confirmed(yes, f"delete {plan.delete_objects} objects from {plan.store}?"):
+        print_gc_result(console, sweep(store, plan, policy, jobs=jobs or 32))
+
+
+def _confirmed(yes: bool, question: str) -> bool:
+    """--yes, or a yes typed at a terminal; without a terminal and without --yes: bad input (2)."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise InputError("refusing to delete without confirmation: no terminal to ask on", hint="pass --yes, or --dry-run to see the plan")
+    return click.confirm(question, default=False, err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -235,6 +235,11 @@ class S3Store:
         if failures:
             raise deletion_failed(self.url, failures)
 
+    def pack_indexes(self) -> tuple[dict[str, packs.PackIndex], dict[str, str]]:
+        self._refresh_packs()
+        with self._lock:
+            return dict(self._packs), {p: exc.message for p, exc in self._damaged.items()}
+
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
         got = self.data.read(doc_key("tags", name))
         return None if got is None else (self._within_limit(doc_key("tags", name), got[0]), got[1])
@@ -528,6 +533,15 @@ class S3Store:
         of its blobs (missing_blobs then reports them missing, a pull names it: _check_not_hidden).
         """
         ids = {packs.pack_id_of_index_key(rel) for rel in self._list("packs/")} - {None}
+        with self._lock:  # a pack deleted since (by gc) no longer answers for its blobs
+            if gone := [i for i in self._packs if i not in ids]:
+                for pack_id in gone:
+                    del self._packs[pack_id]
+                self._packed = {}
+                for index in self._packs.values():
+                    self._remember(index)
+            for pack_id in [i for i in self._damaged if i not in ids]:
+                del self._damaged[pack_id]
         new = sorted(i for i in ids if i not in self._packs and i not in self._damaged)
         loaded = dataplane.run_all([lambda i=i: self._try_index(i) for i in new], 16)
         with self._lock:
@@ -561,6 +575,7 @@ class S3Store:
             have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys} & digests
         with self._lock:
             self._loose |= have
+            self._loose -= digests - have  # deleted since (by gc)
         return digests - have
 
     def _stream_loose(self, target: BlobTarget, chunks: dataplane.Buffers) -> None:
