@@ -403,6 +403,8 @@ def print_cache_prune(console: Console, prune: Any) -> None:
 
 
 def print_store_check(console: Console, check: Any) -> None:
+    if check.orphans:  # on stderr, with --json too
+        print(f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period", file=sys.stderr)
     if console.as_json:
         console._json({**jsonable(check), "clean": check.clean})
         return
@@ -411,7 +413,5 @@ def print_store_check(console: Console, check: Any) -> None:
     for kind, findings in (("dangling", check.dangling), ("damaged", check.damaged)):
         for f in findings:
             console.out.print(f"{kind}: {f.key}: {f.problem}", markup=False)
-    if check.orphans:
-        print(f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period", file=sys.stderr)
     if check.clean:
         console.out.print("clean: every reference resolves")
