@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from neffbuild import __version__
-from neffbuild.errors import NeffbuildError
+from neffbuild.errors import InputError, NeffbuildError
 from neffbuild.output import Console
 
 if TYPE_CHECKING:
@@ -135,9 +135,10 @@ def pull(
 
 
 @cli.command()
-@click.argument("manifest", type=click.Path(path_type=Path))
-@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir to check.")
+@click.argument("manifest", type=click.Path(path_type=Path), required=False)
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Cache dir to check.")
 @click.option("--replay", is_flag=True, help="Run every unit's warmup in a fresh process; fail on any compile.")
+@click.option("--deep", is_flag=True, help="Without MANIFEST: also read back and hash every referenced blob of --store.")
 @store_option
 @click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
 @click.option(
@@ -146,13 +147,25 @@ def pull(
     help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
 )
 @json_option
-def verify(manifest: Path, cache_dir: Path, replay: bool, store: StoreChoice, outputs: Path | None, work_dir: Path | None, as_json: bool) -> None:
+def verify(
+    manifest: Path | None, cache_dir: Path | None, replay: bool, deep: bool, store: StoreChoice, outputs: Path | None, work_dir: Path | None, as_json: bool
+) -> None:
     """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
-    (against a private copy: the cache dir is never written)."""
+    (against a private copy: the cache dir is never written). Without MANIFEST: check --store
+    itself (every reference of every record; exit 4 if one dangles or an object is damaged)."""
     from neffbuild.verify import files_error, miss_error, verify_files, verify_replay
 
     console = Console(as_json)
-    if replay:
+    if manifest is None:
+        from neffbuild.output import print_store_check
+        from neffbuild.storecheck import check_store, store_error
+
+        result = check_store(store.open(os.environ), deep=deep)
+        print_store_check(console, result)
+        error = store_error(result)
+    elif cache_dir is None:
+        raise InputError("verify MANIFEST needs --cache-dir", hint="or give no MANIFEST and a --store to check the store itself")
+    elif replay:
         progress = lambda total: console.units_progress("replaying", total)  # noqa: E731
         report = verify_replay(manifest, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, progress=progress)
         console.replay(report)
@@ -309,6 +322,55 @@ def du_command(store: StoreChoice, as_json: bool) -> None:
     from neffbuild.inspect.du import disk_usage
 
     output.usage(Console(as_json), disk_usage(store.open(os.environ)))
+
+# ---- gc and verify --store (issue 11) ------------------------------------------------------
+
+
+@cli.command("gc")
+@store_option
+@click.option("--keep", type=click.IntRange(0, 10**6), default=3, show_default=True, help="Releases of each tag's history kept besides its current one.")
+@click.option("--grace", default="24h", show_default=True, metavar="DURATION", help="Objects younger than this are kept (a publish may be in flight): 24h, 30m, 90s, 0.")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Prune this host cache dir to its installed release instead of a store.")
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking (required without a terminal).")
+@jobs_option
+@json_option
+def gc_command(
+    store: StoreChoice, keep: int, grace: str, cache_dir: Path | None, dry_run: bool, yes: bool, jobs: int | None, as_json: bool
+) -> None:
+    """Delete what no tag reaches (mark and sweep), or prune a host's --cache-dir."""
+    from neffbuild.output import print_cache_prune, print_gc_plan, print_gc_result
+    console = Console(as_json)
+    if cache_dir is not None:
+        from neffbuild.prune import prune_cache_dir
+
+        opened = store.open(os.environ) if store.url else None
+        planned = prune_cache_dir(cache_dir, store=opened, dry_run=True)
+        if not dry_run and planned.remove and _confirmed(yes, f"delete {len(planned.remove)} files from {planned.cache_dir}?"):
+            planned = prune_cache_dir(cache_dir, store=opened)
+        print_cache_prune(console, planned)
+        return
+    from neffbuild.gc import Policy, parse_duration, plan_gc, sweep
+
+    policy = Policy(keep=keep, grace_s=parse_duration(grace))
+    opened = store.open(os.environ)
+    plan = plan_gc(opened, policy, jobs=jobs or 32)
+    if dry_run or not plan.delete:
+        print_gc_plan(console, plan)
+        return
+    if not as_json:
+        print_gc_plan(console, plan)
+    if _confirmed(yes, f"delete {plan.delete_objects} objects from {plan.store}?"):
+        print_gc_result(console, sweep(opened, plan, policy, jobs=jobs or 32))
+
+
+def _confirmed(yes: bool, question: str) -> bool:
+    """--yes, or a yes typed at a terminal; without a terminal and without --yes: bad input (2)."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise InputError("refusing to delete without confirmation: no terminal to ask on", hint="pass --yes, or --dry-run to see the plan")
+    return click.confirm(question, default=False, err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -567,3 +567,63 @@ def usage(console: Console, usage: Usage) -> None:
         [("release", True), ("size", True), ("unique", False), ("shared", False), ("files", False), ("name", False)],
         [(u.release_id, _size(u.bytes), _size(u.unique_bytes), _size(u.shared_bytes), str(u.files), u.name) for u in usage.by_release],
     )
+
+
+# ---- gc and verify --store (issue 11) ----------------------------------------------------------
+
+
+def print_gc_plan(console: Console, plan: Any) -> None:
+    """A GcPlan: what a sweep deletes, per kind, and what stays."""
+    if console.as_json:
+        console._json(plan)
+        return
+    grace = f"{plan.grace_s / 3600:g} h" if plan.grace_s >= 3600 else f"{plan.grace_s:g} s"
+    console._table(
+        f"gc {plan.store}: keep {plan.keep} earlier releases per tag, grace {grace}",
+        [("delete", True), ("objects", False), ("bytes", False)],
+        [(c.kind, str(c.objects), _size(c.bytes)) for c in plan.by_kind] + [("total", str(plan.delete_objects), _size(plan.delete_bytes))],
+    )
+    console.out.print(f"frees {_size(plan.delete_bytes)}; keeps {plan.kept_objects} objects ({_size(plan.kept_bytes)}) of {len(plan.live_releases)} live releases")
+    if plan.spared_objects:
+        console.out.print(f"spared, younger than the grace period: {plan.spared_objects} objects ({_size(plan.spared_bytes)})")
+    if plan.partly_live_packs:
+        console.out.print(f"kept whole: {plan.partly_live_packs} partly live packs holding {_size(plan.dead_bytes_in_live_packs)} of garbage")
+    for pack_id in plan.damaged_packs:
+        print(f"warning: pack {pack_id} has a damaged index: kept (run `neffbuild verify --store`)", file=sys.stderr)
+
+
+def print_gc_result(console: Console, result: Any) -> None:
+    if console.as_json:
+        console._json({"store": result.plan.store, "deleted": len(result.deleted), "deleted_bytes": result.deleted_bytes, "seconds": result.seconds})
+        return
+    skipped = result.plan.delete_objects - len(result.deleted)
+    tail = f"; {skipped} planned objects were no longer garbage and stay" if skipped else ""
+    console.out.print(f"deleted {len(result.deleted)} objects ({_size(result.deleted_bytes)}) from {result.plan.store} in {result.seconds:.1f} s{tail}")
+
+
+def print_cache_prune(console: Console, prune: Any) -> None:
+    if console.as_json:
+        console._json(prune)
+        return
+    verb = "removed" if prune.removed else "would remove"
+    console.out.print(
+        f"{prune.cache_dir}: release {prune.release_id} lists {prune.kept_files} files (kept); "
+        f"{verb} {len(prune.remove)} other files ({_size(prune.remove_bytes)})"
+    )
+    for path in prune.remove[:20]:
+        console.out.print(f"  {path}", markup=False)
+
+
+def print_store_check(console: Console, check: Any) -> None:
+    if check.orphans:  # on stderr, with --json too
+        print(f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period", file=sys.stderr)
+    if console.as_json:
+        console._json({**jsonable(check), "clean": check.clean})
+        return
+    hashed = f", {_size(check.hashed_bytes)} hashed" if check.deep else ""
+    console.out.print(f"{check.store}: {check.documents} records, {check.blobs} blobs ({_size(check.bytes)}){hashed}")
+    for kind, findings in (("dangling", check.dangling), ("damaged", check.damaged)):
+        for f in findings:
+            console.out.print(f"{kind}: {f.key}: {f.problem}", markup=False)
+    if check.clean:
+        console.out.print("clean: every reference resolves")

@@ -130,7 +130,7 @@ def pull(
     old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
-    with _open_root(cache_dir) as root:
+    with open_root(cache_dir) as root:
         found = _scan(root, cache_dir, resolved.release.files, old.files)
         missing = [f for f in resolved.release.files if found[f.path] is None]
         if missing or _state_bytes(installed, found) != old_bytes:
@@ -178,7 +178,7 @@ def _complete(
     assert state_dir is not None
     try:
         # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
-        with _exclusive(state_dir, cache_dir / STATE_DIR / LOCK_FILE):
+        with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE):
             old_state, state = load_state(state_dir)
             # Another pull may have landed some while we waited for the lock.
             missing = [f for f in resolved.release.files if found[f.path] is None]
@@ -207,7 +207,7 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
 
 
 @contextmanager
-def _open_root(cache_dir: Path) -> Iterator[int]:
+def open_root(cache_dir: Path) -> Iterator[int]:
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -220,7 +220,7 @@ def _open_root(cache_dir: Path) -> Iterator[int]:
 
 
 @contextmanager
-def _exclusive(state_dir: int, shown: Path) -> Iterator[None]:
+def pull_lock(state_dir: int, shown: Path) -> Iterator[None]:
     """An advisory lock (flock) held while the block runs; the kernel drops it if we die."""
     try:
         fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=state_dir)

@@ -15,6 +15,8 @@ The layout below is a contract shared by all stores and asserted by tests:
                                 "release", "packs": {p: [digest, ...]}, "loose": [digest, ...]} (immutable),
                                 written after its blobs and before the release; a pull of the release
                                 reads the indexes of these packs only (see store/packs.py)
+    gc/lease.json               present only while a `neffbuild gc` deletes: {"format": "neffbuild.gc-lease/1",
+                                "by", "started", "expires"}; publishes wait for it to go (see neffbuild/fence.py)
 
 Objects are listed (list_objects) and deleted (delete_objects) by their key relative to the store
 root, for inspection and gc; only the folders above may be deleted, never the marker.
@@ -37,13 +39,16 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, runtime_checkable
 
 from neffbuild.errors import InputError, StoreError
 from neffbuild.materialize import BlobTarget
 from neffbuild.names import key_problem
 
-DocKind = Literal["bundles", "releases", "tags"]
+if TYPE_CHECKING:
+    from neffbuild.store.packs import PackIndex
+
+DocKind = Literal["bundles", "releases", "tags", "gc"]
 STORE_FORMAT = "neffbuild.store/1"
 MARKER = "neffbuild-store.json"
 MARKER_MAX = 64 << 10  # the marker is a few dozen bytes; a larger one is not ours
@@ -61,7 +66,7 @@ class ObjectInfo:
 
 
 DELETE_BATCH = 1000  # S3's DeleteObjects takes at most this many keys per request
-DELETABLE = ("blobs/", "bundles/", "releases/", "tags/", "packs/", "locators/")
+DELETABLE = ("blobs/", "bundles/", "releases/", "tags/", "packs/", "locators/", "gc/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +184,11 @@ class Store(Protocol):
         Every key is tried; then one StoreError names the first that failed and how many did. A
         reader never sees part of an object: it finds the whole object or none.
         """
+
+    def pack_indexes(self) -> tuple[dict[str, PackIndex], dict[str, str]]:
+        """Every present pack's index (pack id -> index), and the packs whose index is damaged or
+        vanished (pack id -> why), as of now: a pack deleted since the last call is forgotten.
+        A store without packs (local) returns two empty maps."""
 
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
         """The tag's bytes and an opaque version token for swap_tag, or None if absent."""

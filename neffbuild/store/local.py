@@ -194,6 +194,9 @@ class LocalStore:
         if failures:
             raise deletion_failed(self.url, failures)
 
+    def pack_indexes(self) -> tuple[dict, dict[str, str]]:
+        return {}, {}  # every blob is a file of its own
+
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
         data = self.get_doc("tags", name)
         return None if data is None else (data, hash_bytes(data))

@@ -187,6 +187,9 @@ class S3Store:
         if failures:
             raise deletion_failed(self.url, failures)
 
+    def pack_indexes(self) -> tuple[dict[str, packs.PackIndex], dict[str, str]]:
+        return self.catalog.indexes()
+
     # -- blobs ---------------------------------------------------------------------------------
 
     def missing_blobs(self, digests: Collection[str]) -> set[str]:

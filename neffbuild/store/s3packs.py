@@ -40,6 +40,12 @@ class PackCatalog:
         """The packs whose index has been read."""
         return sorted(self._packs)
 
+    def indexes(self) -> tuple[dict[str, packs.PackIndex], dict[str, str]]:
+        """Every readable pack index (as of a fresh listing), and why each other one is damaged."""
+        self.refresh()
+        with self._lock:
+            return dict(self._packs), {p: exc.message for p, exc in self._damaged.items()}
+
     def is_damaged(self, pack_id: str) -> bool:
         return pack_id in self._damaged
 
@@ -78,6 +84,15 @@ class PackCatalog:
         of its blobs (missing() then reports them missing, a pull names it: _check_not_hidden).
         """
         ids = {packs.pack_id_of_index_key(rel) for rel in self._reader.list("packs/", self._store_prefix)} - {None}
+        with self._lock:  # a pack deleted since (by gc) no longer answers for its blobs
+            if gone := [i for i in self._packs if i not in ids]:
+                for pack_id in gone:
+                    del self._packs[pack_id]
+                self._packed = {}
+                for index in self._packs.values():
+                    self._remember(index)
+            for pack_id in [i for i in self._damaged if i not in ids]:
+                del self._damaged[pack_id]
         new = sorted(i for i in ids if i not in self._packs and i not in self._damaged)
         loaded = dataplane.run_all([lambda i=i: self._try_index(i) for i in new], 16)
         with self._lock:
@@ -191,4 +206,5 @@ class PackCatalog:
             have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys} & digests
         with self._lock:
             self._loose |= have
+            self._loose -= digests - have  # deleted since (by gc)
         return digests - have
