@@ -313,23 +313,37 @@ def diff_command(old_ref: str, new_ref: str, store: StoreChoice, as_json: bool) 
     output.differences(Console(as_json), diff(store.open(os.environ), old_ref, new_ref))
 
 
+# gc's policy: `du` reports what `gc` would free under the same flags, defaults included.
+_keep_option = click.option(
+    "--keep", type=click.IntRange(0, 10**6), default=3, show_default=True, help="Releases of each tag's history kept besides its current one."
+)
+_grace_option = click.option(
+    "--grace", default="24h", show_default=True, metavar="DURATION", help="Objects younger than this are kept (a publish may be in flight): 24h, 30m, 90s, 0."
+)
+
+
 @cli.command("du")
 @store_option
+@_keep_option
+@_grace_option
 @json_option
-def du_command(store: StoreChoice, as_json: bool) -> None:
-    """Bytes the store holds by tag, release, model entry and toolchain, and what dedup saves."""
+def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None:
+    """Bytes the store holds by tag, release, model entry and toolchain, what dedup saves, and
+    what `gc` would free under --keep and --grace."""
     from neffbuild import output
+    from neffbuild.gc import Policy, parse_duration, reclaimable
     from neffbuild.inspect.du import disk_usage
 
-    output.usage(Console(as_json), disk_usage(store.open(os.environ)))
+    policy = Policy(keep=keep, grace_s=parse_duration(grace))
+    output.usage(Console(as_json), disk_usage(store.open(os.environ), reclaim=reclaimable(policy)))
 
 # ---- gc and verify --store (issue 11) ------------------------------------------------------
 
 
 @cli.command("gc")
 @store_option
-@click.option("--keep", type=click.IntRange(0, 10**6), default=3, show_default=True, help="Releases of each tag's history kept besides its current one.")
-@click.option("--grace", default="24h", show_default=True, metavar="DURATION", help="Objects younger than this are kept (a publish may be in flight): 24h, 30m, 90s, 0.")
+@_keep_option
+@_grace_option
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Prune this host cache dir to its installed release instead of a store.")
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking (required without a terminal).")

@@ -29,10 +29,13 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from neffbuild import fence
 from neffbuild.bundle import BundleRecord, Release, TagRecord, parse
 from neffbuild.errors import ConflictError, InputError, IntegrityError
+from neffbuild.inspect.du import Reclaimable
+from neffbuild.inspect.read import Snapshot
 from neffbuild.store.base import DELETE_BATCH, ObjectInfo, Store
 from neffbuild.store.packs import PackIndex, pack_id_of_index_key
 
@@ -182,23 +185,54 @@ def plan_of(view: StoreView, policy: Policy) -> GcPlan:
     )
 
 
-def scan(store: Store, policy: Policy, *, jobs: int = DOC_JOBS, now: float | None = None) -> StoreView:
+# (folder, names) -> the named documents of that folder that exist, parsed and checked
+Reader = Callable[[str, Iterable[str]], Mapping[str, Any]]
+
+
+def scan(store: Store, policy: Policy, *, jobs: int = DOC_JOBS, now: float | None = None, read: Reader | None = None) -> StoreView:
     """Read what marking needs: every object's key, size and time; the tags; the records that the
-    roots and the young records reach; the pack indexes. Old records nothing reaches are not read."""
+    roots and the young records reach; the pack indexes. Old records nothing reaches are not read.
+    `read` supplies documents already read (du's snapshot); by default they are fetched."""
     now = time.time() if now is None else now
     objects = {o.key: o for o in store.list_objects("")}
     young = {k for k, o in objects.items() if o.mtime > now - policy.grace_s}
-    tags = _read(store, TagRecord, "tags", _names(objects, "tags/"), jobs)
+    read = read or (lambda folder, names: _read(store, _KIND_OF[folder], folder, names, jobs))
+    tags = read("tags", _names(objects, "tags/"))
     wanted = roots(tags.values(), policy.keep) | {_doc_name(k) for k in young if k.startswith("releases/")}
-    releases = _read(store, Release, "releases", wanted & _names(objects, "releases/"), jobs)
+    releases = read("releases", wanted & _names(objects, "releases/"))
     bundle_keys = {u.key for r in releases.values() for u in r.units} | {_doc_name(k) for k in young if k.startswith("bundles/")}
-    bundles = _read(store, BundleRecord, "bundles", bundle_keys & _names(objects, "bundles/"), jobs)
+    bundles = read("bundles", bundle_keys & _names(objects, "bundles/"))
     indexes, damaged = store.pack_indexes() if any(k.startswith("packs/") for k in objects) else ({}, {})
     return StoreView(store.url, now, objects, tags, releases, bundles, indexes, damaged)
 
 
 def plan_gc(store: Store, policy: Policy, *, jobs: int = DOC_JOBS) -> GcPlan:
     return plan_of(scan(store, policy, jobs=jobs), policy)
+
+
+def policy_text(policy: Policy) -> str:
+    """`keep 3, grace 24h`: the policy as gc's flags spell it."""
+    g = policy.grace_s
+    grace = f"{g / 3600:g}h" if g >= 3600 else f"{g / 60:g}m" if g >= 60 else f"{g:g}s"
+    return f"keep {policy.keep}, grace {grace}"
+
+
+def reclaimable(policy: Policy, *, jobs: int = DOC_JOBS) -> Callable[[Store, Snapshot], Reclaimable]:
+    """du's `reclaim`: this plan's figures, from the store's listing and the documents du already
+    read (a document listed but not in du's snapshot, written since, is fetched)."""
+
+    def plan(store: Store, snap: Snapshot) -> Reclaimable:
+        have = {"tags": snap.tags, "releases": snap.releases, "bundles": snap.bundles}
+
+        def read(folder: str, names: Iterable[str]) -> Mapping[str, Any]:
+            names = set(names)
+            known = {n: have[folder][n] for n in names if n in have[folder]}
+            return {**known, **_read(store, _KIND_OF[folder], folder, names - set(known), jobs)}
+
+        p = plan_of(scan(store, policy, jobs=jobs, read=read), policy)
+        return Reclaimable(p.delete_objects, p.delete_bytes, policy_text(policy))
+
+    return plan
 
 
 def sweep(
@@ -231,6 +265,9 @@ def sweep(
     finally:
         fence.release(store, lease)
     return GcResult(confirmed, tuple(done), sum(view.objects[k].size for k in done), clock() - started)
+
+
+_KIND_OF: dict[str, type] = {"tags": TagRecord, "releases": Release, "bundles": BundleRecord}
 
 
 def _names(objects: Mapping[str, ObjectInfo], folder: str) -> set[str]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
+
+from neffbuild.gc import Policy, plan_gc, reclaimable
 from neffbuild.hashing import hash_bytes
 from neffbuild.inspect.du import Reclaimable, disk_usage
-from neffbuild.inspect.read import Snapshot
+from neffbuild.inspect.read import Snapshot, snapshot
 from neffbuild.store.base import Store
 from tests.conftest import run_cli
-from tests.inspectkit import Target, target  # noqa: F401  (target: a fixture)
+from tests.inspectkit import Target, klein_unit, publish_units, target  # noqa: F401  (target: a fixture)
 
 
 def _blobs(files: dict[str, bytes]) -> dict[str, int]:
@@ -58,7 +62,32 @@ def test_cli_json_and_table(target: Target) -> None:
     result = run_cli("du", "--store", target.url, "--json", env=target.env)
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert doc["bytes"] == disk_usage(target.store).bytes and doc["reclaimable"] is None
+    assert doc["bytes"] == disk_usage(target.store).bytes
+    assert doc["reclaimable"] == {"objects": 0, "bytes": 0, "policy": "keep 3, grace 24h"}  # all just written: young
     assert {r["release_id"] for r in doc["by_release"]} == set(target.three.units)
     table = run_cli("du", "--store", target.url, env={**target.env, "COLUMNS": "80"})
     assert table.returncode == 0 and "dedup saves" in table.stdout and target.three.v3 in table.stdout
+
+
+@pytest.mark.parametrize("policy", [(), ("--keep", "0", "--grace", "0"), ("--keep", "1", "--grace", "0")])
+def test_reclaimable_equals_what_gc_dry_run_frees(target: Target, policy: tuple[str, ...]) -> None:
+    gc = run_cli("gc", "--store", target.url, *policy, "--dry-run", "--json", env=target.env)
+    du = run_cli("du", "--store", target.url, *policy, "--json", env=target.env)
+    assert gc.returncode == du.returncode == 0, gc.stderr + du.stderr
+    plan, reclaimable = json.loads(gc.stdout), json.loads(du.stdout)["reclaimable"]
+    assert (reclaimable["objects"], reclaimable["bytes"]) == (plan["delete_objects"], plan["delete_bytes"])
+    if policy[1:2] == ("0",):  # keep 0: v1 and v2 go (what v3 and the history share stays)
+        assert plan["delete_objects"] > 0 and reclaimable["policy"] == "keep 0, grace 0s"
+    table = run_cli("du", "--store", target.url, *policy, env={**target.env, "COLUMNS": "100"})
+    assert f"{plan['delete_objects']} objects" in table.stdout.split("reclaimable by gc", 1)[1].splitlines()[0]
+
+
+def test_reclaimable_reuses_du_reads_and_fetches_the_rest(target: Target, tmp_path: Path) -> None:
+    """A release published after du's snapshot is still planned as gc plans it."""
+    policy = Policy(keep=0, grace_s=0)
+    snap = snapshot(target.store, all_bundles=True)
+    late = publish_units(target.store, tmp_path / "late", "late", [klein_unit(512, 512)], tag="late")
+    assert late not in snap.releases
+    got = reclaimable(policy)(target.store, snap)
+    plan = plan_gc(target.store, policy)
+    assert (got.objects, got.bytes) == (plan.delete_objects, plan.delete_bytes) and got.objects > 0
