@@ -300,16 +300,25 @@ def show_command(ref: str, store: StoreChoice, as_json: bool) -> None:
 
 
 @cli.command("diff")
-@click.argument("old_ref", metavar="A")
-@click.argument("new_ref", metavar="B")
+@click.argument("old_ref", metavar="A", required=False)
+@click.argument("new_ref", metavar="B", required=False)
+@click.option("--host", "host_ref", metavar="REF", help="Compare release REF with this host instead (as `status` judges it), no A and B.")
 @store_option
 @json_option
-def diff_command(old_ref: str, new_ref: str, store: StoreChoice, as_json: bool) -> None:
+def diff_command(old_ref: str | None, new_ref: str | None, host_ref: str | None, store: StoreChoice, as_json: bool) -> None:
     """What changed from release A to release B (or bundle to bundle): units, the fields behind each
-    changed key (old -> new), files."""
+    changed key (old -> new), files. With --host REF: each unit's fingerprint fields that differ
+    between REF's build and this host (with the release's exports applied), breaking or not."""
     from neffbuild import output
-    from neffbuild.inspect.diff import diff
+    from neffbuild.inspect.diff import diff, diff_host
 
+    if host_ref is not None:
+        if old_ref is not None:
+            raise InputError(f"diff --host {host_ref} takes no A or B (got {old_ref!r})", hint="neffbuild diff --host REF, or neffbuild diff A B")
+        output.host_differences(Console(as_json), diff_host(store.open(os.environ), host_ref, os.environ))
+        return
+    if old_ref is None or new_ref is None:
+        raise InputError("diff needs two references A and B, or --host REF", hint="e.g. neffbuild diff klein@1 klein, or neffbuild diff --host klein")
     output.differences(Console(as_json), diff(store.open(os.environ), old_ref, new_ref))
 
 

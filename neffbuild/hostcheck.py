@@ -25,7 +25,7 @@ from neffbuild.bundle import BundleRecord, Release, unit_key
 from neffbuild.errors import InputError
 
 Facts = Callable[[Backend, Mapping[str, str], str], Mapping[str, str]]
-_FLAG_LISTS = frozenset({"cpu.isa"})  # comma-separated flags: say which ones differ
+FLAG_LISTS = frozenset({"cpu.isa"})  # comma-separated flags: say which ones differ
 
 
 def read_facts(backend: Backend, env: Mapping[str, str], device: str) -> Mapping[str, str]:
@@ -41,7 +41,7 @@ class FieldDiff:
 
     def line(self) -> str:
         """One line naming the field and both sides, e.g. `cpu.isa: build has avx512f, this host lacks it`."""
-        if self.built is not None and self.here is not None and self.name in _FLAG_LISTS:
+        if self.built is not None and self.here is not None and self.name in FLAG_LISTS:
             built, here = set(self.built.split(",")), set(self.here.split(","))
             parts = []
             if lacks := sorted(built - here):

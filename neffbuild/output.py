@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from neffbuild.build import BuildReport
     from neffbuild.bundle import TagRecord
     from neffbuild.doctor import DoctorReport
-    from neffbuild.inspect.diff import Diff
+    from neffbuild.inspect.diff import Diff, HostDiff
     from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
@@ -507,12 +508,12 @@ def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
         f"{len(diff.unchanged)} unchanged units; {len(files)} files differ"
     )
     for change in diff.release:
-        say(f"  {change.path} {_change(change.old, change.new)}")
+        say(f"  {change.path} {_change(change.path, change.old, change.new)}")
     for unit in diff.changed:
         renamed = f" (was {unit.old_unit_id})" if unit.old_unit_id != unit.unit_id else ""
         say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}")
         for change in unit.fields:
-            say(f"  {change.path} {_change(change.old, change.new)}")
+            say(f"  {change.path} {_change(change.path, change.old, change.new)}")
         if not unit.fields:
             say("  (no field differs: the keys were computed by another neffbuild version)")
     for unit_id in diff.added:
@@ -531,10 +532,36 @@ def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
         say(f"  ... and {len(files) - shown} more (--json lists every file)")
 
 
-def _change(old: Any, new: Any) -> str:
-    """`2.13.0 -> 2.14.1`; for word sets (cpu.isa flags) only what went and came: `-avx512f +amx`."""
-    if isinstance(old, str) and isinstance(new, str) and " " in old + new:
-        before, after = old.split(), new.split()
+def host_differences(console: Console, diff: HostDiff) -> None:
+    """`neffbuild diff --host`: per unit, each field the build and this host differ in, build -> here."""
+    if console.as_json:
+        console._json({**jsonable(diff), "identical": diff.identical, "breaking": [d.name for d in diff.host.breaking]})
+        return
+    say = functools.partial(console.out.print, markup=False, soft_wrap=True)
+    name = f"{diff.tag} ({diff.release_id})" if diff.tag else diff.release_id
+    units = diff.host.units
+    differ = [u for u in units if u.diffs]
+    say(
+        f"release {name} -> this host: {len(differ)} of {len(units)} units differ; "
+        f"{len(diff.host.breaking)} breaking, {len(diff.host.informational)} informational fields"
+    )
+    for unit in differ:
+        verdict = "miss" if unit.breaking else "key differs, kernels do not"
+        say(f"differs  {unit.unit_id} ({verdict}): key {unit.key} -> {unit.host_key}")
+        for d in unit.diffs:
+            say(f"  {'breaking' if d.breaking else 'info':8} {d.name} {_change(d.name, d.built, d.here)}")
+    for unit in units:
+        if not unit.diffs:
+            say(f"same     {unit.unit_id}")
+
+
+def _change(path: str, old: Any, new: Any) -> str:
+    """`2.13.0 -> 2.14.1`; for flag lists (cpu.isa, space- or comma-separated) only what went and
+    came: `-avx512f +amx`."""
+    from neffbuild.hostcheck import FLAG_LISTS
+
+    if path in FLAG_LISTS and isinstance(old, str) and isinstance(new, str):
+        before, after = re.split(r"[\s,]+", old.strip()), re.split(r"[\s,]+", new.strip())
         if len(set(before)) == len(before) > 2 and len(set(after)) == len(after) > 2:
             return " ".join([*(f"-{w}" for w in before if w not in after), *(f"+{w}" for w in after if w not in before)])
 

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from neffbuild.inspect.diff import FieldChange, diff
+import pytest
+
+from neffbuild.bundle import unit_key
+from neffbuild.hostcheck import FieldDiff
+from neffbuild.inspect.diff import FieldChange, diff, diff_host
+from neffbuild.store import open_store
+from neffbuild.store.base import Store
 from tests.conftest import run_cli
+from tests.storekit import this_host
 from tests.inspectkit import CHANGED, FINGERPRINT, Target, Unit, klein_unit, publish_units, target, unit_of  # noqa: F401
 
 
@@ -70,3 +78,64 @@ def test_cli_json_and_errors(target: Target) -> None:
     assert mixed.returncode == 2 and "one is a release, the other a bundle" in mixed.stderr
     missing = run_cli("diff", "klein", "prod", "--store", target.url, env=target.env)
     assert missing.returncode == 8 and "tag 'prod' not found" in missing.stderr
+
+
+# ---- diff --host: a release against this host (local store) -------------------------------------
+
+
+def _host_release(store: Store, work: Path, name: str, **changed: str) -> tuple[str, list[Unit]]:
+    """Two units recorded with this host's fingerprint (for the release's exports), with `changed`
+    fields over it; tagged `name`."""
+    units = []
+    for height, width in ((128, 128), (128, 256)):
+        base = klein_unit(height, width)
+        units.append(Unit(base.unit_id, base.normalized, {**this_host(base.normalized, {"OMP_NUM_THREADS": "2"}), **changed}, base.files))
+    return publish_units(store, work, name, units, tag=name), units
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Store:
+    return open_store(str(tmp_path / "store"), create=True, env={})
+
+
+def test_host_diff_of_a_release_built_here_is_empty(local: Store, tmp_path: Path) -> None:
+    rid, units = _host_release(local, tmp_path / "w", "here")
+    result = diff_host(local, "here", os.environ)
+    assert result.identical and (result.release_id, result.tag) == (rid, "here")
+    assert [(u.unit_id, u.key, u.host_key, u.diffs) for u in result.host.units] == [(u.unit_id, u.key, u.key, ()) for u in units]
+    shown = run_cli("diff", "--host", rid[:12], "--store", local.url, "--json")
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert (doc["identical"], doc["breaking"], doc["release_id"]) == (True, [], rid)
+    text = run_cli("diff", "--host", "here", "--store", local.url)
+    assert "0 of 2 units differ" in text.stdout and "same     klein/128x256x1" in text.stdout
+
+
+def test_host_diff_names_exactly_the_changed_fields(local: Store, tmp_path: Path) -> None:
+    here = this_host(unit_of("klein", 128, 128), {"OMP_NUM_THREADS": "2"})
+    flags = here["cpu.isa"].split(",")
+    fewer = ",".join(flags[1:])  # the build lacked this host's first flag
+    _, units = _host_release(local, tmp_path / "w", "other", **{"cpu.isa": fewer, "torch": "9.9.9", "diffusers": "0.1.0"})
+    result = diff_host(local, "other", os.environ)
+    expected = (
+        FieldDiff("cpu.isa", fewer, here["cpu.isa"], True), FieldDiff("diffusers", "0.1.0", here["diffusers"], False),
+        FieldDiff("torch", "9.9.9", here["torch"], True),
+    )  # fmt: skip
+    assert [(u.unit_id, u.diffs) for u in result.host.units] == [(u.unit_id, expected) for u in units]
+    assert [u.host_key for u in result.host.units] == [_here_key(u) for u in units]
+    assert not result.identical and [d.name for d in result.host.breaking] == ["cpu.isa", "torch"]
+    shown = run_cli("diff", "--host", "other", "--store", local.url, "--json")
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert doc["breaking"] == ["cpu.isa", "torch"] and [d["name"] for d in doc["host"]["units"][0]["diffs"]] == ["cpu.isa", "diffusers", "torch"]
+    text = run_cli("diff", "--host", "other", "--store", local.url, env={"COLUMNS": "100"}).stdout
+    assert "2 of 2 units differ; 2 breaking, 1 informational fields" in text
+    assert f"  breaking cpu.isa +{flags[0]}\n" in text and f"  breaking torch 9.9.9 -> {here['torch']}\n" in text
+    assert f"  info     diffusers 0.1.0 -> {here['diffusers']}\n" in text
+    both = run_cli("diff", "other", "--host", "other", "--store", local.url)
+    assert both.returncode == 2 and "takes no A or B" in both.stderr
+
+
+def _here_key(unit: Unit) -> str:
+    """The key this host gives the unit: its own fingerprint here."""
+    return unit_key(unit.normalized, this_host(unit.normalized, {"OMP_NUM_THREADS": "2"}))

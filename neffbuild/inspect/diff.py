@@ -10,6 +10,11 @@ added); `diff KEY_A KEY_B` compares any two bundles field by field (`unit.shape.
 
 Release fields that are not derived from units (name, backend, cache variable, manifest digest,
 served environment) are compared as `release.<field>`; files by path (added, removed, changed).
+
+`diff --host REF` compares a release with this host instead: each unit's bundle fingerprint with
+the fingerprint this host gives that unit, run as the server will (this environment with the
+release's exports over it), through the host check `status` and `pull` use (neffbuild.hostcheck):
+each differing field marked breaking or informational by the backend's own lists.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from typing import Any
 from neffbuild.bundle import BundleRecord, FileEntry, Release
 from neffbuild.errors import InputError
 from neffbuild.hashing import canonical_json
+from neffbuild.hostcheck import Facts, HostReport, check_host, read_facts, serving_env
 from neffbuild.inspect.read import DOC_JOBS
 from neffbuild.inspect.show import release_bundles
-from neffbuild.refs import ResolvedBundle, ResolvedRelease, resolve_any
+from neffbuild.refs import ResolvedBundle, ResolvedRelease, resolve, resolve_any
 from neffbuild.store.base import Store
 
 ABSENT = None  # a field one side lacks
@@ -71,6 +77,32 @@ class Diff:
     @property
     def identical(self) -> bool:
         return not (self.release or self.added or self.removed or self.changed or self.files_added or self.files_removed or self.files_changed)
+
+
+@dataclass(frozen=True)
+class HostDiff:
+    """A release against this host: per unit, the fields that differ (old: the build's, new: here)."""
+
+    release_id: str
+    name: str
+    tag: str | None
+    host: HostReport  # units: key built under, key this host gives it, differing fields
+
+    @property
+    def identical(self) -> bool:
+        return not self.host.diffs
+
+
+def diff_host(store: Store, ref: str, env: Mapping[str, str], *, facts: Facts = read_facts, jobs: int = DOC_JOBS) -> HostDiff:
+    """REF's release (TAG, TAG@N, release id or prefix) against this host as the server will run
+    it: env with the release's exports over it. Nothing is compiled."""
+    resolved = resolve(store, ref)
+    records = release_bundles(store, resolved.release_id, resolved.release, jobs)
+    units = [records[u.key] for u in resolved.release.units]
+    if not units:  # nothing was built: nothing to compare
+        return HostDiff(resolved.release_id, resolved.release.name, resolved.tag, HostReport(resolved.release.backend, (), ()))
+    report = check_host(units, serving_env(resolved.release, env), facts=facts)
+    return HostDiff(resolved.release_id, resolved.release.name, resolved.tag, report)
 
 
 def diff(store: Store, old_ref: str, new_ref: str, *, jobs: int = DOC_JOBS) -> Diff:
