@@ -10,7 +10,11 @@ its tag (dedup) and two units of its own. Each command is run as a user runs it 
     .venv/bin/python bench/inspect.py                       # both stores, full size
     .venv/bin/python bench/inspect.py --stores s3 --releases 100 --tags 10 --blobs 2000   # quick
 
-Other commands join by adding a row to COMMANDS (gc --dry-run and status are to come).
+`gc --dry-run` plans with `--grace 0` (the store was just written: under the default 24 h grace
+nothing would be garbage) and the default --keep 3. `status` runs on a cache dir pulled from that
+store (a release recorded with this host's fingerprint, made by bench/status.py's `publish`,
+every unit a hit), with no store named and the store's endpoint and keys left out of its
+environment: it reads the cache dir alone.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 sys.path[:] = [p for p in sys.path if p not in ("", __file__.rpartition("/")[0] or ".")]
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -30,6 +35,7 @@ import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -44,11 +50,22 @@ BASE_FILES = 20  # files of the unit every release of a tag shares
 UNITS_OWN = 2  # units each release has of its own
 FILE_BYTES = 1024  # every blob: small, as most of a compiled cache's files are
 
-# name -> the CLI arguments after `neffbuild` (the store is appended). gc --dry-run, status: to come.
+# name -> the CLI arguments after `neffbuild` (the store is appended).
 COMMANDS: dict[str, list[str]] = {
     "ls": ["ls", "--json"],
     "du": ["du", "--json"],
+    "gc --dry-run": ["gc", "--dry-run", "--grace", "0", "--json"],
 }
+STATUS_UNITS, STATUS_FILES = 40, 50  # the pulled release status judges (bench/status.py's defaults)
+
+
+def _bench_status() -> Any:
+    """bench/status.py, loaded by path (this directory is off sys.path: see the top)."""
+    spec = importlib.util.spec_from_file_location("bench_status", Path(__file__).with_name("status.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_store(store: Store, work: Path, *, releases: int, tags: int, blobs: int, jobs: int) -> None:
@@ -115,6 +132,14 @@ def bench_store(name: str, url: str, env: dict[str, str], work: Path, args: argp
         median, best, size = time_cli([*cli_args, "--store", url], env, args.runs)
         rows.append(f"| {name} | `{command}` | {median:.2f} | {best:.2f} | {size:,} |")
         print(rows[-1], file=sys.stderr)
+    # status: a this-host release pulled from this store, judged from the cache dir alone.
+    _bench_status().publish(store, work / "status-src", STATUS_UNITS, STATUS_FILES, tag="status-bench")
+    cache = work / "status-cache"
+    time_cli(["pull", "status-bench", "--store", url, "--cache-dir", str(cache), "--json"], env, 1)
+    time_cli(["status", "--cache-dir", str(cache), "--json"], {}, 1)  # warm-up, as bench/status.py does
+    median, best, size = time_cli(["status", "--cache-dir", str(cache), "--json"], {}, args.runs)
+    rows.append(f"| {name} | `status` (pulled cache dir, no store; {STATUS_UNITS} units, {STATUS_UNITS * STATUS_FILES:,} files) | {median:.2f} | {best:.2f} | {size:,} |")
+    print(rows[-1], file=sys.stderr)
     return rows
 
 

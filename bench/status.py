@@ -28,13 +28,14 @@ sys.path.insert(0, str(ROOT))
 from neffbuild.bundle import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key  # noqa: E402
 from neffbuild.publish import move_tag, publish_bundle, publish_release  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
+from neffbuild.store.base import Store  # noqa: E402
 from tests.storekit import this_host, write_files  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "2"}
 
 
-def publish(store_dir: Path, src: Path, units: int, files: int) -> None:
-    store = open_store(str(store_dir), create=True, env={})
+def publish(store: Store, src: Path, units: int, files: int, tag: str = "bench") -> None:
+    """A release of `units` units recorded with this host's fingerprint (every unit hits here), tagged."""
     refs, entries = [], []
     for n in range(units):
         sources = write_files(src / f"u{n}", {f"{n:02x}/k{i:03d}.so": 2000 + 37 * i for i in range(files)}, seed=n)
@@ -52,7 +53,7 @@ def publish(store_dir: Path, src: Path, units: int, files: int) -> None:
         name="bench", manifest_digest="0" * 32, backend="inductor", cache_env="TORCHINDUCTOR_CACHE_DIR", env=ENV,
         fingerprint=this_host({}, ENV), units=tuple(refs), files=tuple(sorted(entries, key=lambda e: e.path)),
     )  # fmt: skip
-    move_tag(store, "bench", publish_release(store, release))
+    move_tag(store, tag, publish_release(store, release))
 
 
 def neffbuild(*args: str) -> list[str]:
@@ -78,7 +79,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory(prefix="neffbuild-status-bench-") as tmp:
         work = Path(tmp)
-        publish(work / "store", work / "src", args.units, args.files)
+        publish(open_store(str(work / "store"), create=True, env={}), work / "src", args.units, args.files)
         cache = work / "cache"
         subprocess.run(neffbuild("pull", "bench", "--store", str(work / "store"), "--cache-dir", str(cache)), env=env, check=True, capture_output=True)
         shutil.rmtree(work / "store")  # status reads the cache dir alone
