@@ -12,20 +12,15 @@ Run:
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
-
-# bench/inspect.py is named like the standard library's `inspect`: keep this directory off the
-# path, or `import dataclasses` (which imports inspect) would load that script.
-sys.path[:] = [p for p in sys.path if p not in ("", __file__.rpartition("/")[0] or ".")]
-
-import argparse  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

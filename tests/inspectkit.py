@@ -1,4 +1,4 @@
-"""Synthetic stores for the inspection tests and bench/inspect.py: releases published through the
+"""Synthetic stores for the inspection tests and bench/inspection.py: releases published through the
 real publishing code (publish_bundle, publish_release, move_tag) from hand-made cache files,
 normalised units and fingerprints shaped like a real Inductor build's. No compiling.
 

@@ -7,8 +7,8 @@ history holds releases/tags releases; each release has a base unit shared by eve
 its tag (dedup) and two units of its own. Each command is run as a user runs it (a fresh
 `python -m neffbuild ... --json` process, start-up included); the median of --runs is reported.
 
-    .venv/bin/python bench/inspect.py                       # both stores, full size
-    .venv/bin/python bench/inspect.py --stores s3 --releases 100 --tags 10 --blobs 2000   # quick
+    .venv/bin/python bench/inspection.py                       # both stores, full size
+    .venv/bin/python bench/inspection.py --stores s3 --releases 100 --tags 10 --blobs 2000   # quick
 
 `gc --dry-run` plans with `--grace 0` (the store was just written: under the default 24 h grace
 nothing would be garbage) and the default --keep 3. `status` runs on a cache dir pulled from that
@@ -19,23 +19,18 @@ environment: it reads the cache dir alone.
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import os
 import sys
-
-# This file is named like the standard library's `inspect`: keep its directory off the path, or
-# `import dataclasses` (which imports inspect) would load this script again.
-sys.path[:] = [p for p in sys.path if p not in ("", __file__.rpartition("/")[0] or ".")]
-
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,7 +55,7 @@ STATUS_UNITS, STATUS_FILES = 40, 50  # the pulled release status judges (bench/s
 
 
 def _bench_status() -> Any:
-    """bench/status.py, loaded by path (this directory is off sys.path: see the top)."""
+    """bench/status.py, loaded by path (bench/ is not a package)."""
     spec = importlib.util.spec_from_file_location("bench_status", Path(__file__).with_name("status.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
