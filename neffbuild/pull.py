@@ -32,6 +32,7 @@ from neffbuild.cachestate import (
     InstalledUnit,
     encode_state,
     load_state,
+    open_existing,
     open_state_dir,
     accepted_env,
     find_target,
@@ -47,6 +48,7 @@ from neffbuild.materialize import (
 )
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.refs import ResolvedRelease, find_doc, resolve
+from neffbuild.room import require_room
 from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
@@ -130,11 +132,20 @@ def pull(
     old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
-    with open_root(cache_dir) as root:
-        found = _scan(root, cache_dir, resolved.release.files, old.files)
-        missing = [f for f in resolved.release.files if found[f.path] is None]
+    files = resolved.release.files
+    root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
+    try:
+        found = _scan(root, cache_dir, files, old.files) if root is not None else dict.fromkeys(f.path for f in files)
+        missing = [f for f in files if found[f.path] is None]
+        if missing:
+            require_room(cache_dir, [*(f.size for f in missing), _state_size(installed)], f"pulling {len(missing)} files of {resolved.release.name}")
+        if root is None:
+            root = _open_dir(cache_dir)
         if missing or _state_bytes(installed, found) != old_bytes:
             missing = _complete(store, resolved, root, cache_dir, found, jobs, installed)
+    finally:
+        if root is not None:
+            os.close(root)
     if env_file is not None:
         write_env_file(env_file, env_text)
     return PullReport(
@@ -208,15 +219,20 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
 
 @contextmanager
 def open_root(cache_dir: Path) -> Iterator[int]:
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise disk_error(exc, cache_dir) from None
+    fd = _open_dir(cache_dir)
     try:
         yield fd
     finally:
         os.close(fd)
+
+
+def _open_dir(cache_dir: Path) -> int:
+    """cache_dir (made if missing), open."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise disk_error(exc, cache_dir) from None
 
 
 @contextmanager
@@ -305,6 +321,11 @@ def _state_bytes(installed: Installed, found: Mapping[str, os.stat_result | None
         if st is not None:
             files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
     return encode_state(installed, files)
+
+
+def _state_size(installed: Installed) -> int:
+    """The state file's size once every file is in (an mtime of 19 digits, as in ns today)."""
+    return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
 
 
 def _installed(store: Store, resolved: ResolvedRelease, exports: Mapping[str, str], old: CacheState, jobs: int) -> Installed:

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -218,12 +220,11 @@ def test_release_document_must_match_its_name(store: LocalStore, tmp_path: Path)
         pull(store, other, tmp_path / "c")
 
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path):
-    """A real 256 KiB filesystem (tmpfs), so a pull runs out of space for real."""
-    mount_point = tmp_path / "tiny-disk"
+@contextmanager
+def tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs mounted at mount_point (made), unmounted after; skips where mount is refused."""
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, check=False)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
     try:
@@ -232,14 +233,46 @@ def tiny_disk(tmp_path: Path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_full_disk_is_a_one_line_error_and_leaves_nothing_behind(store: LocalStore, tmp_path: Path, tiny_disk: Path, cli) -> None:
-    publish_files(store, {"small": b"s" * 1000, "big/model.neff": os.urandom(1 << 20)}, tmp_path)
-    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(tiny_disk / "cache"), "--jobs", "1")
-    assert result.returncode == 10, result.stderr
-    assert "No space left on device" in result.stderr and "model.neff" in result.stderr
-    assert "hint: free space" in result.stderr and "Traceback" not in result.stderr
-    assert not (tiny_disk / "cache" / "big" / "model.neff").exists()
-    assert incomplete_files(tiny_disk) == []
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 256 KiB filesystem (tmpfs), so a pull runs out of space for real."""
+    with tmpfs(tmp_path / "tiny-disk", "size=256k") as mount_point:
+        yield mount_point
+
+
+def test_a_release_larger_than_the_free_space_is_refused_before_anything_is_written(store: LocalStore, tmp_path: Path, cli) -> None:
+    files = {"small.so": b"s" * 1000, "big/model.neff": os.urandom(3 << 20), "big/other.neff": os.urandom(2 << 20)}
+    publish_files(store, files, tmp_path)
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        result = pull_cli(cli, store, disk / "cache")
+        assert result.returncode == 10, result.stderr
+        line = result.stderr.splitlines()[0]
+        assert line.startswith(f"error: {disk}: pulling 3 files of t needs 5.") and f"only 4.0 MiB ({free} bytes) free" in line
+        assert "nothing was written" in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
+        assert os.listdir(disk) == []  # the cache dir was not even made
+        # An existing cache dir holding part of the release: only the rest is needed, and it still does not fit.
+        (disk / "cache" / "big").mkdir(parents=True)
+        (disk / "cache" / "big" / "model.neff").write_bytes(files["big/model.neff"])
+        before = snapshot(disk)
+        result = pull_cli(cli, store, disk / "cache")
+        assert result.returncode == 10 and f"error: {disk / 'cache'}: pulling 2 files of t needs 2." in result.stderr
+        assert snapshot(disk) == before
+
+
+def test_a_disk_that_fills_mid_pull_is_a_one_line_error_and_leaves_nothing_behind(store: LocalStore, tmp_path: Path, cli) -> None:
+    """The room check passes (bytes fit), then the filesystem runs out of inodes while files land."""
+    files = {f"d{i:02d}/f{i:02d}.so": os.urandom(2000 + i) for i in range(30)}
+    publish_files(store, files, tmp_path)
+    with tmpfs(tmp_path / "inodes", "size=4m,nr_inodes=16") as disk:
+        result = pull_cli(cli, store, disk / "cache", "--jobs", "1")
+        assert result.returncode == 10, result.stderr
+        assert "No space left on device" in result.stderr and "hint: free space" in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 2
+        assert incomplete_files(disk) == []
+        landed = [p for p in (disk / "cache").rglob("*.so")]
+        assert 0 < len(landed) < len(files)
+        assert all(p.read_bytes() == files[p.relative_to(disk / "cache").as_posix()] for p in landed)
 
 
 # ---- a hostile cache dir: no symlink below --cache-dir is followed (issue 9) ----------------------
