@@ -12,7 +12,6 @@ link is never "present"; pull replaces it with the verified file.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import stat
 import time
@@ -40,6 +39,7 @@ from neffbuild.cachestate import (
 )
 from neffbuild.errors import EnvironmentMismatch, IntegrityError, NotFoundError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
+from neffbuild.locks import acquire
 from neffbuild.materialize import (
     BlobTarget,
     Beneath,
@@ -52,6 +52,7 @@ from neffbuild.room import require_room
 from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
+LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
 
@@ -116,6 +117,7 @@ def pull(
     allow_env: Collection[str] = (),
     env_file: Path | None = None,
     host_env: Mapping[str, str] | None = None,
+    lock_timeout: float | None = LOCK_TIMEOUT_S,
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
@@ -123,6 +125,7 @@ def pull(
     checked before anything is written; a cache that is complete is only read. With host_env
     (the environment the server will run in, before the release's exports), the host is
     compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
+    Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
     """
     started = time.perf_counter()
     resolved = resolve(store, ref)
@@ -142,7 +145,7 @@ def pull(
         if root is None:
             root = _open_dir(cache_dir)
         if missing or _state_bytes(installed, found) != old_bytes:
-            missing = _complete(store, resolved, root, cache_dir, found, jobs, installed)
+            missing = _complete(store, resolved, root, cache_dir, found, jobs, installed, lock_timeout)
     finally:
         if root is not None:
             os.close(root)
@@ -182,14 +185,21 @@ def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ..
 
 
 def _complete(
-    store: Store, resolved: ResolvedRelease, root: int, cache_dir: Path, found: dict[str, os.stat_result | None], jobs: int, installed: Installed
+    store: Store,
+    resolved: ResolvedRelease,
+    root: int,
+    cache_dir: Path,
+    found: dict[str, os.stat_result | None],
+    jobs: int,
+    installed: Installed,
+    lock_timeout: float | None,
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     state_dir = open_state_dir(root, cache_dir, create=True)
     assert state_dir is not None
     try:
         # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
-        with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE):
+        with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE, lock_timeout):
             old_state, state = load_state(state_dir)
             # Another pull may have landed some while we waited for the lock.
             missing = [f for f in resolved.release.files if found[f.path] is None]
@@ -236,14 +246,15 @@ def _open_dir(cache_dir: Path) -> int:
 
 
 @contextmanager
-def pull_lock(state_dir: int, shown: Path) -> Iterator[None]:
-    """An advisory lock (flock) held while the block runs; the kernel drops it if we die."""
+def pull_lock(state_dir: int, shown: Path, timeout: float | None = None) -> Iterator[None]:
+    """An advisory lock (flock) held while the block runs; the kernel drops it if we die, so a
+    dead holder never blocks. ConflictError if another process holds it for timeout seconds."""
     try:
         fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=state_dir)
     except OSError as exc:
         raise disk_error(exc, shown) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        acquire(fd, shown, timeout, "pull lock", "another pull into this cache dir is still running; wait for it or raise --lock-timeout")
         yield
     finally:
         os.close(fd)

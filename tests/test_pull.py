@@ -614,3 +614,54 @@ def test_under_aten_cpu_capability_default_pull_exits_7_naming_it(tmp_path: Path
     result = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env={"ATEN_CPU_CAPABILITY": "default"})
     assert result.returncode == 7 and "env.ATEN_CPU_CAPABILITY: this host sets 'default', the build did not" in result.stderr
     assert not cache.exists()
+
+
+# ---- concurrency on one host: the lock times out, a dead holder never blocks (issue 12, item 5) --
+
+_HOLD_LOCK = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_held_lock_times_out_and_a_killed_holders_lock_does_not_block(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    (cache / STATE_DIR).mkdir(parents=True)
+    lock = cache / STATE_DIR / "pull.lock"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        started = time.monotonic()
+        result = pull_cli(cli, store, cache, "--lock-timeout", "1")
+        took = time.monotonic() - started
+        assert result.returncode == 9, result.stderr
+        assert f"error: {lock}: pull lock still held by another process after 1 s" in result.stderr
+        assert "--lock-timeout" in result.stderr and "Traceback" not in result.stderr
+        assert 1.0 <= took < 4.0, took  # the interpreter's start included
+        assert not (cache / "fxgraph").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding it: the kernel drops the lock
+        holder.wait()
+    result = pull_cli(cli, store, cache, "--lock-timeout", "0")
+    assert result.returncode == 0, result.stderr
+    assert all((cache / rel).read_bytes() == data for rel, data in FILES.items())
+
+
+def test_concurrent_pulls_into_one_cache_dir_all_succeed_and_fetch_each_file_once(store: LocalStore, tmp_path: Path) -> None:
+    files = FILES | {"big/model.neff": os.urandom(16 << 20)}
+    publish_files(store, files, tmp_path)
+    cache = tmp_path / "cache"
+    args = ["pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--json"]
+    procs = [subprocess.Popen([sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err.decode() for _, err in outs]
+    reports = [json.loads(out) for out, _ in outs]
+    assert sum(r["files_fetched"] for r in reports) == len(files)  # the lock worked: each file once
+    assert all((cache / rel).read_bytes() == data for rel, data in files.items())
+    assert incomplete_files(cache) == []
+    assert read_state_doc(cache)["installed"]["release_id"] == reports[0]["release_id"]
+    assert pull(store, "t", cache).files_fetched == 0
