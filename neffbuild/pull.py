@@ -12,6 +12,7 @@ link is never "present"; pull replaces it with the verified file.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import time
@@ -33,6 +34,7 @@ from neffbuild.cachestate import (
     load_state,
     open_existing,
     open_state_dir,
+    read_state,
     accepted_env,
     find_target,
     read_cache_state,
@@ -48,10 +50,11 @@ from neffbuild.materialize import (
 )
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.refs import ResolvedRelease, find_doc, resolve
-from neffbuild.room import require_room
+from neffbuild.room import require_room, room_for
 from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
+_LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
 LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
@@ -135,13 +138,9 @@ def pull(
     old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
-    files = resolved.release.files
     root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
     try:
-        found = _scan(root, cache_dir, files, old.files) if root is not None else dict.fromkeys(f.path for f in files)
-        missing = [f for f in files if found[f.path] is None]
-        if missing:
-            require_room(cache_dir, [*(f.size for f in missing), _state_size(installed)], f"pulling {len(missing)} files of {resolved.release.name}")
+        found, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout)
         if root is None:
             root = _open_dir(cache_dir)
         if missing or _state_bytes(installed, found) != old_bytes:
@@ -164,6 +163,52 @@ def pull(
         host_checked=host_env is not None,
         host_warnings=warnings,
     )
+
+
+def _missing_that_fits(
+    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None
+) -> tuple[dict[str, os.stat_result | None], list[FileEntry]]:
+    """(what the cache holds, the files to fetch), once its filesystem has room for them: else
+    DiskError, with nothing written. Short of room while another pull holds the lock, whatever
+    that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
+    found, missing, sizes = _missing(root, cache_dir, installed, state)
+    if missing and root is not None and not room_for(cache_dir, sizes).fits and _wait_for_other_pull(root, cache_dir, lock_timeout):
+        found, missing, sizes = _missing(root, cache_dir, installed, read_state(root, cache_dir)[1].files)
+    if missing:
+        require_room(cache_dir, sizes, f"pulling {len(missing)} files of {installed.release.name}")
+    return found, missing
+
+
+def _missing(
+    root: int | None, cache_dir: Path, installed: Installed, state: State
+) -> tuple[dict[str, os.stat_result | None], list[FileEntry], list[int]]:
+    """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
+    files = installed.release.files
+    found = _scan(root, cache_dir, files, state) if root is not None else dict.fromkeys(f.path for f in files)
+    missing = [f for f in files if found[f.path] is None]
+    return found, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
+
+
+def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> bool:
+    """Whether another pull held cache_dir's lock (then it has finished); only opens what exists."""
+    state_dir = open_state_dir(root, cache_dir, create=False)
+    if state_dir is None:
+        return False
+    try:
+        fd = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
+    except OSError:
+        return False  # no lock file: no pull at work (a link there is refused when we take it)
+    finally:
+        os.close(state_dir)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            acquire(fd, cache_dir / STATE_DIR / LOCK_FILE, timeout, "pull lock", _LOCK_HINT)
+            return True
+    finally:
+        os.close(fd)
 
 
 def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ...]:
@@ -254,7 +299,7 @@ def pull_lock(state_dir: int, shown: Path, timeout: float | None = None) -> Iter
     except OSError as exc:
         raise disk_error(exc, shown) from None
     try:
-        acquire(fd, shown, timeout, "pull lock", "another pull into this cache dir is still running; wait for it or raise --lock-timeout")
+        acquire(fd, shown, timeout, "pull lock", _LOCK_HINT)
         yield
     finally:
         os.close(fd)

@@ -32,6 +32,7 @@ from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
+from tests.procs import wait_for
 from tests.storekit import this_host
 
 
@@ -665,3 +666,36 @@ def test_concurrent_pulls_into_one_cache_dir_all_succeed_and_fetch_each_file_onc
     assert incomplete_files(cache) == []
     assert read_state_doc(cache)["installed"]["release_id"] == reports[0]["release_id"]
     assert pull(store, "t", cache).files_fetched == 0
+
+
+def test_short_of_room_while_another_pull_holds_the_lock_waits_for_what_it_lands(store: LocalStore, tmp_path: Path) -> None:
+    """Another pull's in-flight bytes fill the disk: the room check fails, but the files that pull
+    is landing are not ours to fetch. Waiting for its lock, then looking again, succeeds."""
+    files = {"big/model.neff": os.urandom(5 << 19), "small.so": b"s" * 100}  # 2.5 MiB
+    publish_files(store, files, tmp_path)
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
+        cache = disk / "cache"
+        (cache / STATE_DIR).mkdir(parents=True)
+        (cache / "big").mkdir()
+        inflight = cache / "big" / "inflight"  # the other pull's temp file, written, not yet named
+        inflight.write_bytes(files["big/model.neff"])
+        holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(cache / STATE_DIR / "pull.lock")], stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+            args = ["pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--json", "--lock-timeout", "60"]
+            waiting = subprocess.Popen([sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            lock = str(cache / STATE_DIR / "pull.lock")
+
+            def opened_the_lock() -> bool:
+                assert waiting.poll() is None, waiting.communicate()
+                return any(os.readlink(fd) == lock for fd in Path(f"/proc/{waiting.pid}/fd").iterdir() if fd.is_symlink())
+
+            assert wait_for(opened_the_lock, 30)
+            inflight.rename(cache / "big" / "model.neff")  # the other pull lands its file...
+        finally:
+            holder.send_signal(signal.SIGKILL)  # ...and ends
+            holder.wait()
+        out, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err.decode()
+        assert json.loads(out)["files_fetched"] == 1  # only small.so
+        assert all((cache / rel).read_bytes() == data for rel, data in files.items())
