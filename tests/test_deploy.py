@@ -105,3 +105,18 @@ def test_the_entrypoint_pulls_then_execs_the_server_with_the_exports_and_without
     assert all((cache / rel).read_bytes() == data for rel, data in FILES.items())
     missing = subprocess.run([str(DEPLOY / "entrypoint.sh"), "true"], env={**env, "NEFFBUILD_RELEASE": "nope"}, capture_output=True, text=True, check=False)
     assert missing.returncode == 8 and "nope" in missing.stderr
+
+
+def _names(env_text: str) -> set[str]:
+    return {line.split("=", 1)[0] for line in env_text.splitlines() if line and not line.startswith("#")}
+
+
+def test_the_cloud_init_user_data_writes_the_pull_env_and_starts_both_units() -> None:
+    yaml = pytest.importorskip("yaml")
+    text = (DEPLOY / "cloud-init.yaml").read_text()
+    assert text.startswith("#cloud-config\n")  # cloud-init ignores user data without it
+    doc = yaml.safe_load(text)
+    (env,) = [f for f in doc["write_files"] if f["path"] == unit("neffbuild-pull.service")["Service"]["EnvironmentFile"]]
+    assert env["permissions"] == "0600" and _names(env["content"]) == _names((DEPLOY / "pull.env.example").read_text())
+    enable = next(cmd for cmd in doc["runcmd"] if cmd[:2] == ["systemctl", "enable"])
+    assert set(UNITS) <= set(enable)
