@@ -124,7 +124,8 @@ def pull(
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
-    Everything that can refuse (the release, its exports, this host, a link in the cache dir) is
+    Everything that can refuse (the release, its exports, this host, room on the disk, a link in
+    the cache dir) is
     checked before anything is written; a cache that is complete is only read. With host_env
     (the environment the server will run in, before the release's exports), the host is
     compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
