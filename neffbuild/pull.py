@@ -125,10 +125,9 @@ def pull(
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
     Everything that can refuse (the release, its exports, this host, room on the disk, a link in
-    the cache dir) is
-    checked before anything is written; a cache that is complete is only read. With host_env
-    (the environment the server will run in, before the release's exports), the host is
-    compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
+    the cache dir) is checked before anything is written; a cache that is complete is only read.
+    With host_env (the environment the server will run in, before the release's exports), the
+    host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
     """
     started = time.perf_counter()
