@@ -203,14 +203,21 @@ def read_state(root: int, cache_dir: Path) -> tuple[bytes | None, CacheState]:
         os.close(state_dir)
 
 
-def read_cache_state(cache_dir: Path) -> tuple[bytes | None, CacheState]:
-    """The state of cache_dir (resolved), or an empty state if the dir does not exist; makes nothing."""
+def open_existing(cache_dir: Path) -> int | None:
+    """cache_dir open, or None if it does not exist (nothing is made)."""
     try:
-        root = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None, CacheState()
+        return None
     except OSError as exc:
         raise disk_error(exc, cache_dir) from None
+
+
+def read_cache_state(cache_dir: Path) -> tuple[bytes | None, CacheState]:
+    """The state of cache_dir (resolved), or an empty state if the dir does not exist; makes nothing."""
+    root = open_existing(cache_dir)
+    if root is None:
+        return None, CacheState()
     try:
         return read_state(root, cache_dir)
     finally:

@@ -121,16 +121,28 @@ _env_file_option = click.option(
 @_allow_env_option
 @_env_file_option
 @click.option("--no-host-check", is_flag=True, help="Pull even if this host's environment differs from the build's in a field that changes kernels.")
+@click.option(
+    "--lock-timeout", type=click.FloatRange(min=0), default=300.0, show_default=True, metavar="SECONDS",
+    help="Give up (exit 9) if another pull holds the cache dir's lock this long; 0: at once. A dead holder's lock is dropped by the kernel.",
+)  # fmt: skip
 @json_option
 def pull(
-    ref: str, cache_dir: Path, store: StoreChoice, jobs: int | None, allow_env: tuple[str, ...], env_file: Path | None, no_host_check: bool, as_json: bool
+    ref: str,
+    cache_dir: Path,
+    store: StoreChoice,
+    jobs: int | None,
+    allow_env: tuple[str, ...],
+    env_file: Path | None,
+    no_host_check: bool,
+    lock_timeout: float,
+    as_json: bool,
 ) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move), after
     checking that this host would hit them (exit 7 naming each field that differs)."""
     from neffbuild.pull import pull as run_pull
 
     host_env = None if no_host_check else os.environ
-    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env)
+    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout)
     Console(as_json).pull(report)
 
 

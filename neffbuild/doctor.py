@@ -22,6 +22,7 @@ from neffbuild.backends import get_backend
 from neffbuild.bundle import Release, parse
 from neffbuild.errors import HostNotReady, InputError
 from neffbuild.hostcheck import Facts, check_host, read_facts
+from neffbuild.room import nearest_existing, room_for
 from neffbuild.store import StoreChoice
 
 Status = Literal["pass", "fail", "skip"]
@@ -217,7 +218,7 @@ def check_persistent(cache_dir: Path, host: HostView, cache_env: str) -> Check:
 
 
 def check_writable(cache_dir: Path) -> Check:
-    target = _nearest_existing(cache_dir)
+    target = nearest_existing(cache_dir)
     fix = f"make {target} writable by the serving user (e.g. `sudo install -d -o $USER {cache_dir}`) or choose another"
     if cache_dir.exists() and not cache_dir.is_dir():
         return Check("writable", "fail", f"{cache_dir} exists and is not a directory", "remove it or choose another path")
@@ -232,13 +233,13 @@ def check_writable(cache_dir: Path) -> Check:
 
 
 def check_free_space(cache_dir: Path, release: Release | None, host: HostView) -> Check:
-    target = _nearest_existing(cache_dir)
-    free = shutil.disk_usage(target).free
-    if release is not None:
-        need = sum(f.size for f in release.files if not _present(cache_dir / f.path, f.size))
+    if release is not None:  # what pull itself requires (neffbuild.room), so a pass here is not refused there
+        room = room_for(cache_dir, [f.size for f in release.files if not _present(cache_dir / f.path, f.size)])
+        target, free, need = room.where, room.free, room.need
         what = f"{_gib(need)} still to pull for release {release.name}"
     else:
-        need = host.min_free_bytes
+        target = nearest_existing(cache_dir)
+        free, need = shutil.disk_usage(target).free, host.min_free_bytes
         what = f"at least {_gib(need)} (no release given)"
     if free >= need:
         return Check("free space", "pass", f"{_gib(free)} free on {target}; needs {what}")
@@ -309,15 +310,9 @@ def _is_under(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _resolve_existing(path: Path) -> Path:
     """The real path of the nearest existing ancestor, with the missing tail appended."""
-    base = _nearest_existing(path)
+    base = nearest_existing(path)
     return base.resolve() / path.relative_to(base)
 
 

@@ -28,13 +28,14 @@ def exclusive(path: Path, *, timeout: float | None = None, what: str = "lock") -
     except OSError as exc:
         raise disk_error(exc, path) from None
     try:
-        _acquire(fd, path, timeout, what)
+        acquire(fd, path, timeout, what)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _acquire(fd: int, path: Path, timeout: float | None, what: str) -> None:
+def acquire(fd: int, path: Path, timeout: float | None, what: str, hint: str = "another neffbuild is working on the same thing; wait for it or retry") -> None:
+    """Lock fd exclusively (path names it in the error); None waits for ever, 0 tries once."""
     if timeout is None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         return
@@ -47,6 +48,6 @@ def _acquire(fd: int, path: Path, timeout: float | None, what: str) -> None:
             if time.monotonic() >= deadline:
                 raise ConflictError(
                     f"{path}: {what} still held by another process after {timeout:g} s",
-                    hint="another neffbuild is working on the same thing; wait for it or retry",
+                    hint=hint,
                 ) from None
             time.sleep(_POLL_S)

@@ -32,13 +32,16 @@ from neffbuild.cachestate import (
     InstalledUnit,
     encode_state,
     load_state,
+    open_existing,
     open_state_dir,
+    read_state,
     accepted_env,
     find_target,
     read_cache_state,
 )
 from neffbuild.errors import EnvironmentMismatch, IntegrityError, NotFoundError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
+from neffbuild.locks import acquire
 from neffbuild.materialize import (
     BlobTarget,
     Beneath,
@@ -47,9 +50,12 @@ from neffbuild.materialize import (
 )
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.refs import ResolvedRelease, find_doc, resolve
+from neffbuild.room import require_room, room_for
 from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
+_LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
+LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
 
@@ -114,13 +120,15 @@ def pull(
     allow_env: Collection[str] = (),
     env_file: Path | None = None,
     host_env: Mapping[str, str] | None = None,
+    lock_timeout: float | None = LOCK_TIMEOUT_S,
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
-    Everything that can refuse (the release, its exports, this host, a link in the cache dir) is
-    checked before anything is written; a cache that is complete is only read. With host_env
-    (the environment the server will run in, before the release's exports), the host is
-    compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
+    Everything that can refuse (the release, its exports, this host, room on the disk, a link in
+    the cache dir) is checked before anything is written; a cache that is complete is only read.
+    With host_env (the environment the server will run in, before the release's exports), the
+    host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
+    Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
     """
     started = time.perf_counter()
     resolved = resolve(store, ref)
@@ -130,11 +138,16 @@ def pull(
     old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
-    with open_root(cache_dir) as root:
-        found = _scan(root, cache_dir, resolved.release.files, old.files)
-        missing = [f for f in resolved.release.files if found[f.path] is None]
+    root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
+    try:
+        found, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout)
+        if root is None:
+            root = _open_dir(cache_dir)
         if missing or _state_bytes(installed, found) != old_bytes:
-            missing = _complete(store, resolved, root, cache_dir, found, jobs, installed)
+            missing = _complete(store, resolved, root, cache_dir, found, jobs, installed, lock_timeout)
+    finally:
+        if root is not None:
+            os.close(root)
     if env_file is not None:
         write_env_file(env_file, env_text)
     return PullReport(
@@ -150,6 +163,52 @@ def pull(
         host_checked=host_env is not None,
         host_warnings=warnings,
     )
+
+
+def _missing_that_fits(
+    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None
+) -> tuple[dict[str, os.stat_result | None], list[FileEntry]]:
+    """(what the cache holds, the files to fetch), once its filesystem has room for them: else
+    DiskError, with nothing written. Short of room while another pull holds the lock, whatever
+    that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
+    found, missing, sizes = _missing(root, cache_dir, installed, state)
+    if missing and root is not None and not room_for(cache_dir, sizes).fits and _wait_for_other_pull(root, cache_dir, lock_timeout):
+        found, missing, sizes = _missing(root, cache_dir, installed, read_state(root, cache_dir)[1].files)
+    if missing:
+        require_room(cache_dir, sizes, f"pulling {len(missing)} files of {installed.release.name}")
+    return found, missing
+
+
+def _missing(
+    root: int | None, cache_dir: Path, installed: Installed, state: State
+) -> tuple[dict[str, os.stat_result | None], list[FileEntry], list[int]]:
+    """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
+    files = installed.release.files
+    found = _scan(root, cache_dir, files, state) if root is not None else dict.fromkeys(f.path for f in files)
+    missing = [f for f in files if found[f.path] is None]
+    return found, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
+
+
+def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> bool:
+    """Whether another pull held cache_dir's lock (then it has finished); only opens what exists."""
+    state_dir = open_state_dir(root, cache_dir, create=False)
+    if state_dir is None:
+        return False
+    try:
+        fd = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
+    except OSError:
+        return False  # no lock file: no pull at work (a link there is refused when we take it)
+    finally:
+        os.close(state_dir)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            acquire(fd, cache_dir / STATE_DIR / LOCK_FILE, timeout, "pull lock", _LOCK_HINT)
+            return True
+    finally:
+        os.close(fd)
 
 
 def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ...]:
@@ -171,14 +230,21 @@ def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ..
 
 
 def _complete(
-    store: Store, resolved: ResolvedRelease, root: int, cache_dir: Path, found: dict[str, os.stat_result | None], jobs: int, installed: Installed
+    store: Store,
+    resolved: ResolvedRelease,
+    root: int,
+    cache_dir: Path,
+    found: dict[str, os.stat_result | None],
+    jobs: int,
+    installed: Installed,
+    lock_timeout: float | None,
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     state_dir = open_state_dir(root, cache_dir, create=True)
     assert state_dir is not None
     try:
         # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
-        with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE):
+        with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE, lock_timeout):
             old_state, state = load_state(state_dir)
             # Another pull may have landed some while we waited for the lock.
             missing = [f for f in resolved.release.files if found[f.path] is None]
@@ -208,26 +274,32 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
 
 @contextmanager
 def open_root(cache_dir: Path) -> Iterator[int]:
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise disk_error(exc, cache_dir) from None
+    fd = _open_dir(cache_dir)
     try:
         yield fd
     finally:
         os.close(fd)
 
 
+def _open_dir(cache_dir: Path) -> int:
+    """cache_dir (made if missing), open."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise disk_error(exc, cache_dir) from None
+
+
 @contextmanager
-def pull_lock(state_dir: int, shown: Path) -> Iterator[None]:
-    """An advisory lock (flock) held while the block runs; the kernel drops it if we die."""
+def pull_lock(state_dir: int, shown: Path, timeout: float | None = None) -> Iterator[None]:
+    """An advisory lock (flock) held while the block runs; the kernel drops it if we die, so a
+    dead holder never blocks. ConflictError if another process holds it for timeout seconds."""
     try:
         fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=state_dir)
     except OSError as exc:
         raise disk_error(exc, shown) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        acquire(fd, shown, timeout, "pull lock", _LOCK_HINT)
         yield
     finally:
         os.close(fd)
@@ -305,6 +377,11 @@ def _state_bytes(installed: Installed, found: Mapping[str, os.stat_result | None
         if st is not None:
             files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
     return encode_state(installed, files)
+
+
+def _state_size(installed: Installed) -> int:
+    """The state file's size once every file is in (an mtime of 19 digits, as in ns today)."""
+    return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
 
 
 def _installed(store: Store, resolved: ResolvedRelease, exports: Mapping[str, str], old: CacheState, jobs: int) -> Installed:

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
+from tests.procs import wait_for
 from tests.storekit import this_host
 
 
@@ -218,12 +221,11 @@ def test_release_document_must_match_its_name(store: LocalStore, tmp_path: Path)
         pull(store, other, tmp_path / "c")
 
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path):
-    """A real 256 KiB filesystem (tmpfs), so a pull runs out of space for real."""
-    mount_point = tmp_path / "tiny-disk"
+@contextmanager
+def tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs mounted at mount_point (made), unmounted after; skips where mount is refused."""
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, check=False)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
     try:
@@ -232,14 +234,46 @@ def tiny_disk(tmp_path: Path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_full_disk_is_a_one_line_error_and_leaves_nothing_behind(store: LocalStore, tmp_path: Path, tiny_disk: Path, cli) -> None:
-    publish_files(store, {"small": b"s" * 1000, "big/model.neff": os.urandom(1 << 20)}, tmp_path)
-    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(tiny_disk / "cache"), "--jobs", "1")
-    assert result.returncode == 10, result.stderr
-    assert "No space left on device" in result.stderr and "model.neff" in result.stderr
-    assert "hint: free space" in result.stderr and "Traceback" not in result.stderr
-    assert not (tiny_disk / "cache" / "big" / "model.neff").exists()
-    assert incomplete_files(tiny_disk) == []
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 256 KiB filesystem (tmpfs), so a pull runs out of space for real."""
+    with tmpfs(tmp_path / "tiny-disk", "size=256k") as mount_point:
+        yield mount_point
+
+
+def test_a_release_larger_than_the_free_space_is_refused_before_anything_is_written(store: LocalStore, tmp_path: Path, cli) -> None:
+    files = {"small.so": b"s" * 1000, "big/model.neff": os.urandom(3 << 20), "big/other.neff": os.urandom(2 << 20)}
+    publish_files(store, files, tmp_path)
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        result = pull_cli(cli, store, disk / "cache")
+        assert result.returncode == 10, result.stderr
+        line = result.stderr.splitlines()[0]
+        assert line.startswith(f"error: {disk}: pulling 3 files of t needs 5.") and f"only 4.0 MiB ({free} bytes) free" in line
+        assert "nothing was written" in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
+        assert os.listdir(disk) == []  # the cache dir was not even made
+        # An existing cache dir holding part of the release: only the rest is needed, and it still does not fit.
+        (disk / "cache" / "big").mkdir(parents=True)
+        (disk / "cache" / "big" / "model.neff").write_bytes(files["big/model.neff"])
+        before = snapshot(disk)
+        result = pull_cli(cli, store, disk / "cache")
+        assert result.returncode == 10 and f"error: {disk / 'cache'}: pulling 2 files of t needs 2." in result.stderr
+        assert snapshot(disk) == before
+
+
+def test_a_disk_that_fills_mid_pull_is_a_one_line_error_and_leaves_nothing_behind(store: LocalStore, tmp_path: Path, cli) -> None:
+    """The room check passes (bytes fit), then the filesystem runs out of inodes while files land."""
+    files = {f"d{i:02d}/f{i:02d}.so": os.urandom(2000 + i) for i in range(30)}
+    publish_files(store, files, tmp_path)
+    with tmpfs(tmp_path / "inodes", "size=4m,nr_inodes=16") as disk:
+        result = pull_cli(cli, store, disk / "cache", "--jobs", "1")
+        assert result.returncode == 10, result.stderr
+        assert "No space left on device" in result.stderr and "hint: free space" in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 2
+        assert incomplete_files(disk) == []
+        landed = [p for p in (disk / "cache").rglob("*.so")]
+        assert 0 < len(landed) < len(files)
+        assert all(p.read_bytes() == files[p.relative_to(disk / "cache").as_posix()] for p in landed)
 
 
 # ---- a hostile cache dir: no symlink below --cache-dir is followed (issue 9) ----------------------
@@ -581,3 +615,87 @@ def test_under_aten_cpu_capability_default_pull_exits_7_naming_it(tmp_path: Path
     result = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env={"ATEN_CPU_CAPABILITY": "default"})
     assert result.returncode == 7 and "env.ATEN_CPU_CAPABILITY: this host sets 'default', the build did not" in result.stderr
     assert not cache.exists()
+
+
+# ---- concurrency on one host: the lock times out, a dead holder never blocks (issue 12, item 5) --
+
+_HOLD_LOCK = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_held_lock_times_out_and_a_killed_holders_lock_does_not_block(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    (cache / STATE_DIR).mkdir(parents=True)
+    lock = cache / STATE_DIR / "pull.lock"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        started = time.monotonic()
+        result = pull_cli(cli, store, cache, "--lock-timeout", "1")
+        took = time.monotonic() - started
+        assert result.returncode == 9, result.stderr
+        assert f"error: {lock}: pull lock still held by another process after 1 s" in result.stderr
+        assert "--lock-timeout" in result.stderr and "Traceback" not in result.stderr
+        assert 1.0 <= took < 4.0, took  # the interpreter's start included
+        assert not (cache / "fxgraph").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding it: the kernel drops the lock
+        holder.wait()
+    result = pull_cli(cli, store, cache, "--lock-timeout", "0")
+    assert result.returncode == 0, result.stderr
+    assert all((cache / rel).read_bytes() == data for rel, data in FILES.items())
+
+
+def test_concurrent_pulls_into_one_cache_dir_all_succeed_and_fetch_each_file_once(store: LocalStore, tmp_path: Path) -> None:
+    files = FILES | {"big/model.neff": os.urandom(16 << 20)}
+    publish_files(store, files, tmp_path)
+    cache = tmp_path / "cache"
+    args = ["pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--json"]
+    procs = [subprocess.Popen([sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err.decode() for _, err in outs]
+    reports = [json.loads(out) for out, _ in outs]
+    assert sum(r["files_fetched"] for r in reports) == len(files)  # the lock worked: each file once
+    assert all((cache / rel).read_bytes() == data for rel, data in files.items())
+    assert incomplete_files(cache) == []
+    assert read_state_doc(cache)["installed"]["release_id"] == reports[0]["release_id"]
+    assert pull(store, "t", cache).files_fetched == 0
+
+
+def test_short_of_room_while_another_pull_holds_the_lock_waits_for_what_it_lands(store: LocalStore, tmp_path: Path) -> None:
+    """Another pull's in-flight bytes fill the disk: the room check fails, but the files that pull
+    is landing are not ours to fetch. Waiting for its lock, then looking again, succeeds."""
+    files = {"big/model.neff": os.urandom(5 << 19), "small.so": b"s" * 100}  # 2.5 MiB
+    publish_files(store, files, tmp_path)
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
+        cache = disk / "cache"
+        (cache / STATE_DIR).mkdir(parents=True)
+        (cache / "big").mkdir()
+        inflight = cache / "big" / "inflight"  # the other pull's temp file, written, not yet named
+        inflight.write_bytes(files["big/model.neff"])
+        holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(cache / STATE_DIR / "pull.lock")], stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+            args = ["pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--json", "--lock-timeout", "60"]
+            waiting = subprocess.Popen([sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            lock = str(cache / STATE_DIR / "pull.lock")
+
+            def opened_the_lock() -> bool:
+                assert waiting.poll() is None, waiting.communicate()
+                return any(os.readlink(fd) == lock for fd in Path(f"/proc/{waiting.pid}/fd").iterdir() if fd.is_symlink())
+
+            assert wait_for(opened_the_lock, 30)
+            inflight.rename(cache / "big" / "model.neff")  # the other pull lands its file...
+        finally:
+            holder.send_signal(signal.SIGKILL)  # ...and ends
+            holder.wait()
+        out, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err.decode()
+        assert json.loads(out)["files_fetched"] == 1  # only small.so
+        assert all((cache / rel).read_bytes() == data for rel, data in files.items())
