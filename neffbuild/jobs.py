@@ -287,6 +287,11 @@ def run_worker(
         code = workers.run(command_for(job_file), env, log, events.poll)
     result = read_result(job_file.with_name("job.result.json"))
     units = ", ".join(job.unit_ids)
+    if result is None and not job_file.is_file():  # the parent wrote it and nothing of ours removes it
+        raise BuildError(
+            f"{units}: its scratch dir {scratch} was removed while its worker ran ({describe_exit(code)}, no result)",
+            hint="something else deletes files there (a temp cleaner?); rerun with --work-dir on a dir nothing else cleans",
+        )
     if result is None:
         raise BuildError(f"{units}: worker left no result ({describe_exit(code)}): it was killed or crashed")
     if result.error or code != 0:
