@@ -46,6 +46,7 @@ from neffbuild.materialize import (
     sync_filesystem,
 )
 from neffbuild.names import STATE_DIR, is_temp_name
+from neffbuild.pids import alive
 from neffbuild.refs import ResolvedRelease, find_doc, resolve
 from neffbuild.store.base import Store
 
@@ -255,7 +256,7 @@ def _is_stale(name: str) -> bool:
     """`.<name>.<pid>.<random>.incomplete` whose pid is not running."""
     parts = name.rsplit(".", 3)
     pid = parts[1] if len(parts) == 4 else ""
-    return pid.isascii() and pid.isdigit() and len(pid) <= 10 and not _alive(int(pid))
+    return pid.isascii() and pid.isdigit() and len(pid) <= 10 and not alive(int(pid))
 
 
 def _is_regular(name: str, dir_fd: int) -> bool:
@@ -263,16 +264,6 @@ def _is_regular(name: str, dir_fd: int) -> bool:
         return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except FileNotFoundError:
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _present(tree: Beneath, entry: FileEntry, state: State, cache_dir: Path) -> os.stat_result | None:
