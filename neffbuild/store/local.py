@@ -12,7 +12,6 @@ import os
 import stat
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -113,31 +112,22 @@ class LocalStore:
             list(pool.map(self._download_one, targets))
 
     def _download_one(self, target: BlobTarget) -> None:
-        origin = f"{self.url}/{blob_key(target.digest)}"
-        try:
-            stream = _open_regular(self.root / blob_key(target.digest))
-        except FileNotFoundError:
-            raise NotFoundError(f"blob {target.digest} missing from store {self.url} (needed for {target.dest})", hint="re-push the release") from None
-        except _NotRegular as exc:
-            raise IntegrityError(f"{target.dest}: {origin} is a {exc.kind}, not a regular file", hint=CORRUPT_HINT) from None
-        except OSError as exc:
-            raise StoreError(f"{origin}: cannot read it ({exc.strerror or exc}) (needed for {target.dest})", hint="check the store's permissions") from None
-        with stream:
-            write_verified(target, _chunks(stream, target.size + 1), origin=origin)
+        with self.open_blob(target.digest, needed_for=target.dest) as stream:
+            write_verified(target, _chunks(stream, target.size + 1), origin=f"{self.url}/{blob_key(target.digest)}")
 
-    @contextmanager
-    def open_blob(self, digest: str) -> Iterator[BinaryIO]:
+    def open_blob(self, digest: str, *, needed_for: Path | None = None) -> BinaryIO:
+        """The blob's file, opened (it is its own context manager); each way that fails is a typed
+        error naming it (and the file it was read for)."""
         where = f"{self.url}/{blob_key(digest)}"
+        need = f" (needed for {needed_for})" if needed_for else ""
         try:
-            stream = _open_regular(self.root / blob_key(digest))
+            return _open_regular(self.root / blob_key(digest))
         except FileNotFoundError:
-            raise NotFoundError(f"blob {digest} missing from store {self.url}", hint="re-push the release") from None
+            raise NotFoundError(f"blob {digest} missing from store {self.url}{need}", hint="re-push the release") from None
         except _NotRegular as exc:
-            raise IntegrityError(f"{where} is a {exc.kind}, not a regular file", hint=CORRUPT_HINT) from None
+            raise IntegrityError(f"{where} is a {exc.kind}, not a regular file{need}", hint=CORRUPT_HINT) from None
         except OSError as exc:
-            raise StoreError(f"{where}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions") from None
-        with stream:
-            yield stream
+            raise StoreError(f"{where}: cannot read it ({exc.strerror or exc}){need}", hint="check the store's permissions") from None
 
     def put_doc(self, kind: DocKind, name: str, data: bytes) -> bool:
         return self._write_new(doc_key(kind, name), data)
