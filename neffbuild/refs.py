@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import TypeVar
 
-from neffbuild.bundle import BundleRecord, Release, TagRecord, parse
+from neffbuild.bundle import BundleRecord, Release, ReleaseUnit, TagRecord, parse
 from neffbuild.errors import InputError, IntegrityError, NotFoundError
 from neffbuild.hashing import DIGEST_LEN, is_digest
 from neffbuild.names import tag_problem
@@ -88,6 +88,22 @@ def load_doc(store: Store, kind: type[Doc], name: str, *, hint: str = "build or 
         what = {BundleRecord: "bundle", Release: "release", TagRecord: "tag"}[kind]
         raise NotFoundError(f"{what} {name} not found in {store.url}", hint=hint)
     return doc
+
+
+def release_bundle(store: Store, resolved: ResolvedRelease, unit: ReleaseUnit) -> BundleRecord:
+    """The bundle a release's unit names. One the store lacks, or one that records another unit,
+    means the store is damaged: an IntegrityError (a release is published after its bundles)."""
+    record = find_doc(store, BundleRecord, unit.key)
+    if record is None:
+        raise IntegrityError(
+            f"{resolved.where}: unit {unit.unit_id} names bundle {unit.key}, which the store lacks",
+            hint="the store is damaged; rebuild the release or push it again",
+        )
+    if record.unit_id != unit.unit_id:
+        raise IntegrityError(
+            f"{doc_where(store, BundleRecord, unit.key)}: records {record.unit_id}, not {unit.unit_id}", hint="the object is corrupt; rebuild the release"
+        )
+    return record
 
 
 def read_tag(store: Store, name: str) -> tuple[TagRecord, str] | None:
