@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from neffbuild.materialize import disk_error, temp_name_for
+from neffbuild.materialize import disk_error, temp_name_for, unlink_quietly
 
 Content = bytes | Callable[[BinaryIO], None]  # the bytes, or a function that writes them
 
@@ -63,7 +63,4 @@ def write_atomic_at(dir_fd: int, name: str, content: Content, *, shown: Path, mo
         raise disk_error(exc, shown) from None
     finally:
         if created:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
+            unlink_quietly(dir_fd, tmp)

@@ -102,7 +102,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
         raise disk_error(exc, dest) from None
     finally:
         if named is not None and not landed:
-            _unlink_quietly(parent, named)
+            unlink_quietly(parent, named)
         if parent >= 0:
             os.close(parent)
 
@@ -228,7 +228,7 @@ def _open_temp(parent: int, name: str, *, direct: bool) -> tuple[int, str | None
     except OSError as exc:
         if not direct or exc.errno != errno.EINVAL:
             raise
-        _unlink_quietly(parent, named)  # the filesystem refused O_DIRECT, perhaps after creating the file
+        unlink_quietly(parent, named)  # the filesystem refused O_DIRECT, perhaps after creating the file
     return _open_temp(parent, name, direct=False)
 
 
@@ -249,11 +249,11 @@ def _land(fd: int, named: str | None, parent: int, name: str) -> None:
         try:
             os.replace(beside, name, src_dir_fd=parent, dst_dir_fd=parent)
         except BaseException:
-            _unlink_quietly(parent, beside)
+            unlink_quietly(parent, beside)
             raise
 
 
-def _unlink_quietly(parent: int, name: str) -> None:
+def unlink_quietly(parent: int, name: str) -> None:
     try:
         os.unlink(name, dir_fd=parent)
     except OSError:
