@@ -17,9 +17,9 @@ import pytest
 from neffbuild.store import open_store
 from neffbuild.store.base import MARKER, blob_key
 from tests.conftest import write_manifest
-from tests.procs import start_cli, started_by, wait_for
+from tests.procs import started_by, wait_for
 from tests.storekit import publish_release_of, write_files
-from tests.test_build import damaged_model  # noqa: F401  (a fixture)
+from tests.test_build import damaged_model, start_build  # noqa: F401  (damaged_model: a fixture)
 
 
 def cli_without_override(*args: str) -> subprocess.CompletedProcess[str]:
@@ -138,9 +138,7 @@ def test_a_unit_whose_log_cannot_be_kept_fails_alone_not_the_build(damaged_model
 
 
 def test_a_unit_whose_scratch_dir_is_removed_while_its_worker_runs_fails_saying_so(tiny_model: Path, tmp_path: Path) -> None:
-    manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,))
-    work, store, stderr = tmp_path / "work", tmp_path / "store", tmp_path / "stderr"
-    build = start_cli("build", str(manifest), "--store", str(store), "--work-dir", str(work), stderr=stderr)
+    build, work, stderr = start_build(tiny_model, tmp_path)
     try:
         # The worker is started (its environment names this build) before it can compile anything.
         assert wait_for(lambda: bool(started_by(build.pid)) or build.poll() is not None, 120, step=0.02), stderr.read_text()
@@ -154,5 +152,5 @@ def test_a_unit_whose_scratch_dir_is_removed_while_its_worker_runs_fails_saying_
     assert f"error: 1 of 1 units failed; first: klein/128x128x1: its scratch dir {scratch} was removed while its worker ran" in err
     assert "a temp cleaner?" in err and "log: (none kept)" in err
     assert "Traceback" not in err and "internal error" not in err
-    published = open_store(str(store))
+    published = open_store(str(tmp_path / "store"))
     assert [list(published.list_docs(kind)) for kind in ("bundles", "releases")] == [[], []]  # nothing for that unit
