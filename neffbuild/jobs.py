@@ -291,7 +291,7 @@ def run_worker(
     if result is None and not job_file.is_file():  # the parent wrote it and nothing of ours removes it
         raise BuildError(
             f"{units}: its scratch dir {scratch} was removed while its worker ran ({describe_exit(code)}, no result)",
-            hint="something else deletes files there (a temp cleaner?); rerun with --work-dir on a dir nothing else cleans",
+            hint="something else deletes files there, a temp cleaner perhaps; rerun with --work-dir on a dir nothing else cleans",
         )
     if result is None:
         raise BuildError(f"{units}: worker left no result ({describe_exit(code)}): it was killed or crashed")
