@@ -33,6 +33,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,20 @@ def _open_parent(target: BlobTarget) -> int:
         return open_dir_beneath(root, target.root, parts[:-1], create=True)
     finally:
         os.close(root)
+
+
+@contextmanager
+def opened_dir(path: Path, *, shown: Path | None = None) -> Iterator[int]:
+    """A descriptor of the directory path for the block (for the *at calls); DiskError naming
+    shown (default: path) if it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise disk_error(exc, shown or path) from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def open_dir_beneath(start: int, start_path: Path, parts: Sequence[str], *, create: bool) -> int:

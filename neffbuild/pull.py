@@ -18,7 +18,7 @@ import stat
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,6 +43,7 @@ from neffbuild.materialize import (
     BlobTarget,
     Beneath,
     disk_error,
+    opened_dir,
     sync_filesystem,
 )
 from neffbuild.names import STATE_DIR, is_temp_name
@@ -207,17 +208,13 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
         return {f.path: _present(tree, f, state, cache_dir) for f in files}
 
 
-@contextmanager
-def open_root(cache_dir: Path) -> Iterator[int]:
+def open_root(cache_dir: Path) -> AbstractContextManager[int]:
+    """cache_dir (made if missing), opened for the block."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise disk_error(exc, cache_dir) from None
-    try:
-        yield fd
-    finally:
-        os.close(fd)
+    return opened_dir(cache_dir)
 
 
 @contextmanager
