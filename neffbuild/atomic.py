@@ -14,21 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from neffbuild.materialize import disk_error, temp_name_for
+from neffbuild.materialize import disk_error, opened_dir, temp_name_for, unlink_quietly
 
 Content = bytes | Callable[[BinaryIO], None]  # the bytes, or a function that writes them
 
 
 def write_atomic(path: Path, content: Content, *, mode: int = 0o644, replace: bool = True) -> bool:
     """Put content at path atomically and durably (see write_atomic_at); DiskError naming path."""
-    try:
-        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise disk_error(exc, path) from None
-    try:
+    with opened_dir(path.parent, shown=path) as parent:
         return write_atomic_at(parent, path.name, content, shown=path, mode=mode, replace=replace)
-    finally:
-        os.close(parent)
 
 
 def write_atomic_at(dir_fd: int, name: str, content: Content, *, shown: Path, mode: int = 0o644, replace: bool = True) -> bool:
@@ -63,7 +57,4 @@ def write_atomic_at(dir_fd: int, name: str, content: Content, *, shown: Path, mo
         raise disk_error(exc, shown) from None
     finally:
         if created:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
+            unlink_quietly(dir_fd, tmp)

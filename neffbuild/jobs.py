@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from neffbuild.atomic import write_atomic
 from neffbuild.errors import BuildError, InputError, Interrupted
 from neffbuild.manifest import ModelEntry, Shape
+from neffbuild.pids import alive
 
 # The CLI's pid, set in each worker's environment: a worker outliving it ends itself.
 PARENT_PID_ENV = "NEFFBUILD_PARENT_PID"
@@ -287,6 +288,11 @@ def run_worker(
         code = workers.run(command_for(job_file), env, log, events.poll)
     result = read_result(job_file.with_name("job.result.json"))
     units = ", ".join(job.unit_ids)
+    if result is None and not job_file.is_file():  # the parent wrote it and nothing of ours removes it
+        raise BuildError(
+            f"{units}: its scratch dir {scratch} was removed while its worker ran ({describe_exit(code)}, no result)",
+            hint="something else deletes files there, a temp cleaner perhaps; rerun with --work-dir on a dir nothing else cleans",
+        )
     if result is None:
         raise BuildError(f"{units}: worker left no result ({describe_exit(code)}): it was killed or crashed")
     if result.error or code != 0:
@@ -360,7 +366,7 @@ def die_with_parent(env: Mapping[str, str]) -> None:
 
 
 def _watch_parent(neffbuild_pid: int, direct_parent: int) -> None:
-    while os.getppid() == direct_parent and _alive(neffbuild_pid):
+    while os.getppid() == direct_parent and alive(neffbuild_pid):
         time.sleep(0.5)
     _kill_own_group()
 
@@ -377,25 +383,6 @@ def _set_parent_death_signal(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the watcher thread alone ends the group
-
-
-def _alive(pid: int) -> bool:
-    """Is pid a live process (a zombie is not)?"""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        if Path("/proc/self/stat").exists():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    except OSError:
-        return True
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 # -- scratch space -----------------------------------------------------------------------------

@@ -321,7 +321,7 @@ def load_manifest(path: Path) -> LoadedManifest:
     loaded = LoadedManifest(manifest=manifest, path=path.resolve(), source_digest=_digest(data))
     problems = _cross_checks(loaded)
     if problems:
-        raise ManifestError(_join(path, [p for p, _ in problems]), hint=problems[0][1] if len(problems) == 1 else "fix the entries named above")
+        raise ManifestError(join_problems(path, [p for p, _ in problems]), hint=problems[0][1] if len(problems) == 1 else "fix the entries named above")
     return loaded
 
 
@@ -506,7 +506,7 @@ def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
         if err["type"] not in ("missing", "extra_forbidden") and "input" in err and _is_scalar(err["input"]):
             message += f" (got {_short(err['input'])})"
         problems.append(f"{location}: {message}")
-    return _join(path, problems)
+    return join_problems(path, problems)
 
 
 def _merge_union_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -544,7 +544,8 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 4] + "…" + text[-3:]
 
 
-def _join(path: Path, problems: list[str]) -> str:
+def join_problems(path: Path, problems: list[str]) -> str:
+    """One message for a file's problems: the one on its line, or each (once) under a count."""
     unique = list(dict.fromkeys(problems))
     if len(unique) == 1:
         return f"{path}: {unique[0]}"

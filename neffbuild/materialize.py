@@ -33,6 +33,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
         raise disk_error(exc, dest) from None
     finally:
         if named is not None and not landed:
-            _unlink_quietly(parent, named)
+            unlink_quietly(parent, named)
         if parent >= 0:
             os.close(parent)
 
@@ -141,6 +142,20 @@ def _open_parent(target: BlobTarget) -> int:
         return open_dir_beneath(root, target.root, parts[:-1], create=True)
     finally:
         os.close(root)
+
+
+@contextmanager
+def opened_dir(path: Path, *, shown: Path | None = None) -> Iterator[int]:
+    """A descriptor of the directory path for the block (for the *at calls); DiskError naming
+    shown (default: path) if it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise disk_error(exc, shown or path) from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def open_dir_beneath(start: int, start_path: Path, parts: Sequence[str], *, create: bool) -> int:
@@ -228,7 +243,7 @@ def _open_temp(parent: int, name: str, *, direct: bool) -> tuple[int, str | None
     except OSError as exc:
         if not direct or exc.errno != errno.EINVAL:
             raise
-        _unlink_quietly(parent, named)  # the filesystem refused O_DIRECT, perhaps after creating the file
+        unlink_quietly(parent, named)  # the filesystem refused O_DIRECT, perhaps after creating the file
     return _open_temp(parent, name, direct=False)
 
 
@@ -249,11 +264,11 @@ def _land(fd: int, named: str | None, parent: int, name: str) -> None:
         try:
             os.replace(beside, name, src_dir_fd=parent, dst_dir_fd=parent)
         except BaseException:
-            _unlink_quietly(parent, beside)
+            unlink_quietly(parent, beside)
             raise
 
 
-def _unlink_quietly(parent: int, name: str) -> None:
+def unlink_quietly(parent: int, name: str) -> None:
     try:
         os.unlink(name, dir_fd=parent)
     except OSError:

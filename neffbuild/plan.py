@@ -22,7 +22,7 @@ from neffbuild.backends.base import Backend
 from neffbuild.bundle import unit_key
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.hashing import canonical_json, hash_bytes
-from neffbuild.manifest import LoadedManifest, ModelEntry, Shape, is_local_model
+from neffbuild.manifest import LoadedManifest, ModelEntry, Shape, is_local_model, join_problems
 
 TEXT = "<text>"  # a prompt text left out of the key: its place (and count) stays in
 # Config-like files that define a local model's graphs; weights only change values, not code.
@@ -147,7 +147,7 @@ def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, st
         problems += [(f"model[{entry.id}].{p}", p.hint) for p in found]
     if problems:
         hint = problems[0][1] if len(problems) == 1 else "fix the entries named above"
-        raise ManifestError(_join(loaded.path, [p for p, _ in problems]), hint=hint or "fix the entry named above")
+        raise ManifestError(join_problems(loaded.path, [p for p, _ in problems]), hint=hint or "fix the entry named above")
     return notes
 
 
@@ -276,13 +276,6 @@ def _usable_facts(loaded: LoadedManifest, backend: Backend, facts: Mapping[str, 
             "or plan on the build host",
         )
     return facts
-
-
-def _join(path: Path, problems: list[str]) -> str:
-    unique = list(dict.fromkeys(problems))
-    if len(unique) == 1:
-        return f"{path}: {unique[0]}"
-    return f"{path}: {len(unique)} problems\n" + "\n".join(f"  {p}" for p in unique)
 
 
 def _single_backend(loaded: LoadedManifest) -> str:

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from neffbuild.atomic import write_atomic_at
-from neffbuild.bundle import BundleRecord, FileEntry
+from neffbuild.bundle import FileEntry, ReleaseUnit
 from neffbuild.cachestate import (
     STATE_FILE,
     CacheState,
@@ -39,7 +39,7 @@ from neffbuild.cachestate import (
     find_target,
     read_cache_state,
 )
-from neffbuild.errors import EnvironmentMismatch, IntegrityError, NotFoundError
+from neffbuild.errors import EnvironmentMismatch, NotFoundError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.locks import acquire
 from neffbuild.materialize import (
@@ -49,7 +49,8 @@ from neffbuild.materialize import (
     sync_filesystem,
 )
 from neffbuild.names import STATE_DIR, is_temp_name
-from neffbuild.refs import ResolvedRelease, find_doc, resolve
+from neffbuild.pids import alive
+from neffbuild.refs import ResolvedRelease, release_bundle, resolve
 from neffbuild.room import require_room, room_for
 from neffbuild.store.base import Store
 
@@ -327,7 +328,7 @@ def _is_stale(name: str) -> bool:
     """`.<name>.<pid>.<random>.incomplete` whose pid is not running."""
     parts = name.rsplit(".", 3)
     pid = parts[1] if len(parts) == 4 else ""
-    return pid.isascii() and pid.isdigit() and len(pid) <= 10 and not _alive(int(pid))
+    return pid.isascii() and pid.isdigit() and len(pid) <= 10 and not alive(int(pid))
 
 
 def _is_regular(name: str, dir_fd: int) -> bool:
@@ -335,16 +336,6 @@ def _is_regular(name: str, dir_fd: int) -> bool:
         return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except FileNotFoundError:
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _present(tree: Beneath, entry: FileEntry, state: State, cache_dir: Path) -> os.stat_result | None:
@@ -403,18 +394,13 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
     """Each unit of the release as its bundle records it (read in parallel); a bundle the store
     lacks or that does not match its key is an error: the store is damaged."""
 
-    def load(ref: tuple[str, str]) -> InstalledUnit:
-        unit_id, key = ref
-        record = find_doc(store, BundleRecord, key)
-        if record is None:
-            raise IntegrityError(f"{resolved.where}: unit {unit_id} names bundle {key}, which the store lacks", hint="the store is damaged; rebuild the release or push it again")
-        if record.unit_id != unit_id:
-            raise IntegrityError(f"{store.url}/bundles/{key}.json: records {record.unit_id}, not {unit_id}", hint="the object is corrupt; rebuild the release")
-        return InstalledUnit(unit_id, key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
+    def load(unit: ReleaseUnit) -> InstalledUnit:
+        record = release_bundle(store, resolved, unit)
+        return InstalledUnit(unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
 
-    refs = [(u.unit_id, u.key) for u in resolved.release.units]
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(refs), 32)), thread_name_prefix="neffbuild-bundles") as pool:
-        return tuple(pool.map(load, refs))
+    units = resolved.release.units
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles") as pool:
+        return tuple(pool.map(load, units))
 
 
 def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None) -> None:

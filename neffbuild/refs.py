@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import TypeVar
 
-from neffbuild.bundle import BundleRecord, Release, TagRecord, parse
+from neffbuild.bundle import BundleRecord, Release, ReleaseUnit, TagRecord, parse
 from neffbuild.errors import InputError, IntegrityError, NotFoundError
 from neffbuild.hashing import DIGEST_LEN, is_digest
 from neffbuild.names import tag_problem
@@ -30,7 +30,7 @@ PREFIX_MIN = 6  # hex digits: below this a prefix would match too much to be typ
 BACK_MAX = 10**6  # TAG@N: larger N is a typo, not a history
 _REF = re.compile(r"(?P<name>[^@]+)(?:@(?P<back>[0-9]{1,7}))?")
 _HEX = re.compile(r"[0-9a-f]+")
-_KINDS: dict[type, DocKind] = {BundleRecord: "bundles", Release: "releases", TagRecord: "tags"}
+DOC_KINDS: dict[type, DocKind] = {BundleRecord: "bundles", Release: "releases", TagRecord: "tags"}
 _REF_HINT = f"give a tag, TAG@N (its N-th previous release), a release id or at least {PREFIX_MIN} of its hex digits"
 
 Doc = TypeVar("Doc", BundleRecord, Release, TagRecord)
@@ -69,7 +69,7 @@ class Ref:
 
 
 def doc_where(store: Store, kind: type[Doc], name: str) -> str:
-    return f"{store.url}/{_KINDS[kind]}/{name}.json"
+    return f"{store.url}/{DOC_KINDS[kind]}/{name}.json"
 
 
 def find_doc(store: Store, kind: type[Doc], name: str) -> Doc | None:
@@ -77,8 +77,8 @@ def find_doc(store: Store, kind: type[Doc], name: str) -> Doc | None:
     if kind is TagRecord:
         found = read_tag(store, name)
         return None if found is None else found[0]  # type: ignore[return-value]
-    data = store.get_doc(_KINDS[kind], name)
-    return None if data is None else _checked(kind, data, doc_where(store, kind, name), name)
+    data = store.get_doc(DOC_KINDS[kind], name)
+    return None if data is None else checked_doc(kind, data, doc_where(store, kind, name), name)
 
 
 def load_doc(store: Store, kind: type[Doc], name: str, *, hint: str = "build or push it first") -> Doc:
@@ -90,15 +90,32 @@ def load_doc(store: Store, kind: type[Doc], name: str, *, hint: str = "build or 
     return doc
 
 
+def release_bundle(store: Store, resolved: ResolvedRelease, unit: ReleaseUnit) -> BundleRecord:
+    """The bundle a release's unit names. One the store lacks, or one that records another unit,
+    means the store is damaged: an IntegrityError (a release is published after its bundles)."""
+    record = find_doc(store, BundleRecord, unit.key)
+    if record is None:
+        raise IntegrityError(
+            f"{resolved.where}: unit {unit.unit_id} names bundle {unit.key}, which the store lacks",
+            hint="the store is damaged; rebuild the release or push it again",
+        )
+    if record.unit_id != unit.unit_id:
+        raise IntegrityError(
+            f"{doc_where(store, BundleRecord, unit.key)}: records {record.unit_id}, not {unit.unit_id}", hint="the object is corrupt; rebuild the release"
+        )
+    return record
+
+
 def read_tag(store: Store, name: str) -> tuple[TagRecord, str] | None:
     """The tag and its version token (for swap_tag), or None if absent."""
     current = store.read_tag(name)
     if current is None:
         return None
-    return _checked(TagRecord, current[0], doc_where(store, TagRecord, name), name), current[1]
+    return checked_doc(TagRecord, current[0], doc_where(store, TagRecord, name), name), current[1]
 
 
-def _checked(kind: type[Doc], data: bytes, where: str, name: str) -> Doc:
+def checked_doc(kind: type[Doc], data: bytes, where: str, name: str) -> Doc:
+    """Parse a document strictly and check that it is the one its name says."""
     doc = parse(kind, data, where)
     if isinstance(doc, TagRecord) and doc.name != name:
         raise IntegrityError(f"{where}: names tag {doc.name!r}", hint="the object is corrupt or was copied; re-tag the release")

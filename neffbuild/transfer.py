@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.bundle import BundleRecord, FileEntry
+from neffbuild.bundle import FileEntry
 from neffbuild.materialize import BlobTarget
 from neffbuild.publish import move_tag, publish_bundle, publish_release
-from neffbuild.refs import load_doc, parse_ref, read_tag, resolve
+from neffbuild.refs import parse_ref, read_tag, release_bundle, resolve
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 
@@ -53,7 +53,7 @@ def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path 
         for unit in release.units:
             if dst.get_doc("bundles", unit.key) is not None:
                 continue  # written after its blobs: nothing of this bundle is missing
-            record = load_doc(src, BundleRecord, unit.key, hint="the source store is incomplete; rebuild the release")
+            record = release_bundle(src, resolved, unit)
             sources = _stage_missing(record.files, src, dst, staging, jobs, resolved.release_id)
             uploaded += publish_bundle(dst, record, sources, jobs)
             blobs += len(sources)

@@ -94,6 +94,16 @@ def wait_until_compiling(cli: subprocess.Popen[bytes], stderr: Path, phase: str,
     return descendants(cli.pid)
 
 
+def assert_all_stopped(cli: subprocess.Popen[bytes], running: set[int], signalled_at: float, code: int, stderr: Path, work: Path) -> None:
+    """After a stopping signal: the CLI exits with code within 10 s, every process it ran (running,
+    from wait_until_compiling) is gone, and its scratch in work is removed."""
+    assert cli.wait(30) == code, stderr.read_text()
+    assert time.monotonic() - signalled_at < 10
+    assert wait_for(lambda: all(gone(p) for p in running), 5), running
+    assert not started_by(cli.pid) and not descendants(cli.pid)
+    assert list(work.iterdir()) == []
+
+
 def tree_hash(root: Path) -> str:
     """Every path under root with its kind, bytes, mode and mtime: equal hashes, untouched trees."""
     h = hashlib.sha256()

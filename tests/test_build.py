@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import write_manifest
-from tests.procs import descendants, gone, start_cli, started_by, wait_for, wait_until_compiling
+from tests.procs import assert_all_stopped, start_cli, wait_until_compiling
 
 
 @pytest.fixture(scope="module")
@@ -65,21 +66,22 @@ def test_an_unusable_work_dir_is_bad_input(tiny_model: Path, tmp_path: Path, cli
 # -- real signals during a real compile --------------------------------------------------------
 
 
+def start_build(model: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """`neffbuild build` of one shape of model started in the background, into tmp_path/store with
+    its scratch in tmp_path/work: (the process, the work dir, the file its stderr goes to)."""
+    manifest = write_manifest(tmp_path / "m.toml", model, widths=(128,))
+    work, err = tmp_path / "work", tmp_path / "stderr"
+    return start_cli("build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(work), stderr=err), work, err
+
+
 @pytest.mark.slow
 def test_sigint_to_the_building_process_group_ends_everything_within_10_s(tiny_model: Path, tmp_path: Path) -> None:
-    manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,))
-    work, err = tmp_path / "work", tmp_path / "stderr"
-    proc = start_cli("build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(work), stderr=err)
+    proc, work, err = start_build(tiny_model, tmp_path)
     try:
         running = wait_until_compiling(proc, err, "compiling")
         started = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the foreground group
-        code = proc.wait(30)
-        assert time.monotonic() - started < 10
-        assert code == 130, err.read_text()
-        assert wait_for(lambda: all(gone(p) for p in running), 5), running
-        assert not started_by(proc.pid)
-        assert list(work.iterdir()) == []
+        assert_all_stopped(proc, running, started, 130, err, work)
         assert "interrupted by SIGINT" in err.read_text()
     finally:
         proc.kill()
@@ -87,18 +89,11 @@ def test_sigint_to_the_building_process_group_ends_everything_within_10_s(tiny_m
 
 @pytest.mark.slow
 def test_sigterm_to_the_parent_only_leaves_no_worker_and_no_scratch(tiny_model: Path, tmp_path: Path) -> None:
-    manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,))
-    work, err = tmp_path / "work", tmp_path / "stderr"
-    proc = start_cli("build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(work), stderr=err)
+    proc, work, err = start_build(tiny_model, tmp_path)
     try:
         running = wait_until_compiling(proc, err, "compiling")
         proc.send_signal(signal.SIGTERM)  # the parent only, as a CI runner's timeout does
-        started = time.monotonic()
-        assert proc.wait(30) == 143, err.read_text()
-        assert time.monotonic() - started < 10
-        assert wait_for(lambda: all(gone(p) for p in running), 5), running
-        assert not started_by(proc.pid) and not descendants(proc.pid)
-        assert list(work.iterdir()) == []
+        assert_all_stopped(proc, running, time.monotonic(), 143, err, work)
         assert not (tmp_path / "store" / "tags").exists() or not list((tmp_path / "store" / "tags").iterdir())
     finally:
         proc.kill()

@@ -1,5 +1,6 @@
 """Each fault is reported as what it is, produced for real: a flush the device fails, a store file
-this process may not read, a unit whose failure cannot even keep its log."""
+this process may not read, a unit whose failure cannot even keep its log, a unit whose scratch dir
+is removed while its worker runs."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 from neffbuild.store import open_store
 from neffbuild.store.base import MARKER, blob_key
 from tests.conftest import write_manifest
+from tests.procs import started_by, wait_for
 from tests.storekit import publish_release_of, write_files
-from tests.test_build import damaged_model  # noqa: F401  (a fixture)
+from tests.test_build import damaged_model, start_build  # noqa: F401  (damaged_model: a fixture)
 
 
 def cli_without_override(*args: str) -> subprocess.CompletedProcess[str]:
@@ -133,3 +135,22 @@ def test_a_unit_whose_log_cannot_be_kept_fails_alone_not_the_build(damaged_model
     assert f"its log could not be kept ({work / 'logs'}" in result.stderr and "log: (none kept)" in result.stderr
     [outcome] = json.loads(result.stdout)["outcomes"]
     assert outcome["status"] == "failed" and "its log could not be kept" in outcome["error"]
+
+
+def test_a_unit_whose_scratch_dir_is_removed_while_its_worker_runs_fails_saying_so(tiny_model: Path, tmp_path: Path) -> None:
+    build, work, stderr = start_build(tiny_model, tmp_path)
+    try:
+        # The worker is started (its environment names this build) before it can compile anything.
+        assert wait_for(lambda: bool(started_by(build.pid)) or build.poll() is not None, 120, step=0.02), stderr.read_text()
+        (scratch,) = work.glob("neffbuild-work-*/*/")
+        shutil.rmtree(scratch)
+        assert build.wait(120) == 5, stderr.read_text()
+    finally:
+        if build.poll() is None:
+            build.kill()
+    err = stderr.read_text()
+    assert f"error: 1 of 1 units failed; first: klein/128x128x1: its scratch dir {scratch} was removed while its worker ran" in err
+    assert "a temp cleaner perhaps; rerun with --work-dir on a dir nothing else cleans" in err and "log: (none kept)" in err
+    assert "Traceback" not in err and "internal error" not in err
+    published = open_store(str(tmp_path / "store"))
+    assert [list(published.list_docs(kind)) for kind in ("bundles", "releases")] == [[], []]  # nothing for that unit

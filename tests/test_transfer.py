@@ -67,6 +67,20 @@ def test_push_of_an_unknown_tag_fails_with_not_found(local_release: tuple[str, s
         push("nope", open_store(url), open_store(str(tmp_path / "copy"), create=True), jobs=2)
 
 
+def test_push_and_pull_of_a_release_whose_bundle_the_store_lacks_say_the_store_is_damaged(
+    local_release: tuple[str, str, int], tmp_path: Path, cli
+) -> None:
+    url, release_id, _ = local_release
+    [bundle] = Path(url, "bundles").rglob("*.json")
+    bundle.unlink()
+    where = f"{url}/releases/{release_id}.json"
+    for args in (("push", "main", "--from", url, "--to", str(tmp_path / "copy")), ("pull", "main", "--store", url, "--cache-dir", str(tmp_path / "cache"))):
+        result = cli(*args)
+        assert result.returncode == 4, result.stderr
+        assert f"error: {where}: unit " in result.stderr and f"names bundle {bundle.stem}, which the store lacks" in result.stderr
+        assert "hint: the store is damaged" in result.stderr
+
+
 @pytest.mark.s3
 def test_cli_push_then_tag_rolls_back(local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli) -> None:
     url, release_id, size = local_release

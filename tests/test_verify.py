@@ -14,7 +14,7 @@ import pytest
 from neffbuild.jobs import remove_tree
 from neffbuild.verify import clone_file, make_view, tree_state
 from tests.conftest import write_manifest
-from tests.procs import descendants, gone, start_cli, started_by, tree_hash, wait_for, wait_until_compiling
+from tests.procs import assert_all_stopped, start_cli, tree_hash, wait_until_compiling
 
 
 def make_cache(root: Path) -> Path:
@@ -146,12 +146,7 @@ def test_sigterm_to_a_replaying_parent_stops_its_worker_and_removes_the_copy(tin
     try:
         running = wait_until_compiling(proc, err, "replaying")
         proc.send_signal(signal.SIGTERM)  # the parent only, as a CI runner's timeout does
-        started = time.monotonic()
-        assert proc.wait(30) == 143, err.read_text()
-        assert time.monotonic() - started < 10
-        assert wait_for(lambda: all(gone(p) for p in running), 5), running
-        assert not started_by(proc.pid) and not descendants(proc.pid)
-        assert list(work.iterdir()) == []
+        assert_all_stopped(proc, running, time.monotonic(), 143, err, work)
         assert "interrupted by SIGTERM" in err.read_text()
         assert list(cache.iterdir()) == []
     finally:

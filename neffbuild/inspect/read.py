@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 from neffbuild.bundle import BundleRecord, Release, TagRecord, parse
 from neffbuild.hashing import hash_bytes
-from neffbuild.refs import _checked, doc_where  # the one check that a document is what its name says
+from neffbuild.refs import DOC_KINDS, Doc, checked_doc, doc_where
 from neffbuild.store.base import DocKind, Store
 
 DOC_JOBS = 32  # documents read at once: S3 round trips overlap; a local store barely cares
-KINDS: dict[type, DocKind] = {BundleRecord: "bundles", Release: "releases", TagRecord: "tags"}
-
-Doc = TypeVar("Doc", BundleRecord, Release, TagRecord)
 
 
 @dataclass(frozen=True)
@@ -42,7 +38,7 @@ def snapshot(store: Store, *, all_bundles: bool = False, jobs: int = DOC_JOBS) -
 
 def fetch(store: Store, kind: type[Doc], names: Iterable[str], jobs: int = DOC_JOBS) -> dict[str, Doc]:
     """The named documents of one kind that exist, parsed, by name."""
-    raw = get_docs(store, KINDS[kind], list(names), jobs)
+    raw = get_docs(store, DOC_KINDS[kind], list(names), jobs)
     return {name: named(store, kind, name, data) for name, data in raw.items() if data is not None}
 
 
@@ -58,4 +54,4 @@ def named(store: Store, kind: type[Doc], name: str, data: bytes) -> Doc:
         # Stored as published (canonical bytes): its id is their digest. Skipping the re-dump that
         # proves it otherwise halves the cost of listing 1,000 releases.
         return parse(kind, data, where)
-    return _checked(kind, data, where, name)
+    return checked_doc(kind, data, where, name)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 from neffbuild.atomic import write_atomic
-from neffbuild.errors import InputError, IntegrityError, NotFoundError, StoreError
+from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.locks import exclusive
 from neffbuild.materialize import BlobTarget, disk_error, write_verified
 from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
@@ -61,15 +60,7 @@ class LocalStore:
     @staticmethod
     def _read_marker(marker: Path) -> bytes | None:
         """The marker's bytes (at most MARKER_MAX + 1), or None if there is none."""
-        try:
-            with _open_regular(marker) as f:
-                return f.read(MARKER_MAX + 1)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except _NotRegular as exc:
-            raise StoreError(f"{marker}: a {exc.kind}, not a store marker", hint=MARKER_HINT) from None
-        except OSError as exc:  # reading the store, whatever disk it is on
-            raise StoreError(f"{marker}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions") from None
+        return _read_small(marker, MARKER_MAX + 1, lambda found: StoreError(f"{marker}: a {found}, not a store marker", hint=MARKER_HINT))
 
     @property
     def url(self) -> str:
@@ -113,47 +104,30 @@ class LocalStore:
             list(pool.map(self._download_one, targets))
 
     def _download_one(self, target: BlobTarget) -> None:
-        origin = f"{self.url}/{blob_key(target.digest)}"
-        try:
-            stream = _open_regular(self.root / blob_key(target.digest))
-        except FileNotFoundError:
-            raise NotFoundError(f"blob {target.digest} missing from store {self.url} (needed for {target.dest})", hint="re-push the release") from None
-        except _NotRegular as exc:
-            raise IntegrityError(f"{target.dest}: {origin} is a {exc.kind}, not a regular file", hint=CORRUPT_HINT) from None
-        except OSError as exc:
-            raise StoreError(f"{origin}: cannot read it ({exc.strerror or exc}) (needed for {target.dest})", hint="check the store's permissions") from None
-        with stream:
-            write_verified(target, _chunks(stream, target.size + 1), origin=origin)
+        with self.open_blob(target.digest, needed_for=target.dest) as stream:
+            write_verified(target, _chunks(stream, target.size + 1), origin=f"{self.url}/{blob_key(target.digest)}")
 
-    @contextmanager
-    def open_blob(self, digest: str) -> Iterator[BinaryIO]:
+    def open_blob(self, digest: str, *, needed_for: Path | None = None) -> BinaryIO:
+        """The blob's file, opened (it is its own context manager); each way that fails is a typed
+        error naming it (and the file it was read for)."""
         where = f"{self.url}/{blob_key(digest)}"
+        need = f" (needed for {needed_for})" if needed_for else ""
         try:
-            stream = _open_regular(self.root / blob_key(digest))
+            return _open_regular(self.root / blob_key(digest))
         except FileNotFoundError:
-            raise NotFoundError(f"blob {digest} missing from store {self.url}", hint="re-push the release") from None
+            raise NotFoundError(f"blob {digest} missing from store {self.url}{need}", hint="re-push the release") from None
         except _NotRegular as exc:
-            raise IntegrityError(f"{where} is a {exc.kind}, not a regular file", hint=CORRUPT_HINT) from None
+            raise IntegrityError(f"{where} is a {exc.kind}, not a regular file{need}", hint=CORRUPT_HINT) from None
         except OSError as exc:
-            raise StoreError(f"{where}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions") from None
-        with stream:
-            yield stream
+            raise _read_error(where, exc, need) from None
 
     def put_doc(self, kind: DocKind, name: str, data: bytes) -> bool:
         return self._write_new(doc_key(kind, name), data)
 
     def get_doc(self, kind: DocKind, name: str) -> bytes | None:
         path = self.root / doc_key(kind, name)
-        try:
-            with _open_regular(path) as f:
-                data = f.read(DOC_MAX + 1)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except _NotRegular as exc:
-            raise IntegrityError(f"{path} is a {exc.kind}, not a document", hint=CORRUPT_HINT) from None
-        except OSError as exc:
-            raise StoreError(f"{path}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions") from None
-        if len(data) > DOC_MAX:
+        data = _read_small(path, DOC_MAX + 1, lambda found: IntegrityError(f"{path} is a {found}, not a document", hint=CORRUPT_HINT))
+        if data is not None and len(data) > DOC_MAX:
             raise IntegrityError(f"{path}: over {DOC_MAX} bytes, not a document", hint=CORRUPT_HINT)
         return data
 
@@ -230,6 +204,26 @@ class _NotRegular(Exception):
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
         self.kind = kind
+
+
+def _read_error(where: object, exc: OSError, context: str = "") -> StoreError:
+    """Reading the store failed: a store error (its permissions), not a local disk one, whatever
+    disk the store is on."""
+    return StoreError(f"{where}: cannot read it ({exc.strerror or exc}){context}", hint="check the store's permissions")
+
+
+def _read_small(path: Path, limit: int, not_regular: Callable[[str], NeffbuildError]) -> bytes | None:
+    """At most limit bytes of the regular file at path, or None if there is none; something else
+    at path (a FIFO, a directory...) is not_regular(its kind)."""
+    try:
+        with _open_regular(path) as f:
+            return f.read(limit)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except _NotRegular as exc:
+        raise not_regular(exc.kind) from None
+    except OSError as exc:
+        raise _read_error(path, exc) from None
 
 
 def _open_regular(path: Path) -> BinaryIO:
