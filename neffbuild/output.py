@@ -167,14 +167,26 @@ class Console:
             self.out.print(f"release {report.release_id}; tag {report.tag} -> it")
 
     def pull(self, report: PullReport) -> None:
+        if report.stale:  # loud on stderr, --json or not: a journal must show the host booted stale
+            print(
+                f"warning: store unreachable ({report.stale_reason}); serving the release already installed, "
+                f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale",
+                file=sys.stderr,
+            )
         if self.as_json:
-            self._json(report)
+            mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
+            self._json({
+                **asdict(report),
+                "files_skipped": report.files_total - report.files_fetched,
+                "bytes_skipped": report.bytes_total - report.bytes_fetched,
+                "mb_per_s": round(mb_per_s, 3),
+            })  # fmt: skip
             return
         for warning in report.host_warnings:
             print(f"warning: {warning} (informational: kernels are unaffected)", file=sys.stderr)
         print(
             f"pulled {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
-            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s",
+            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s{' (stale)' if report.stale else ''}",
             file=sys.stderr,
         )
         self.exports(report.exports)
