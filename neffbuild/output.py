@@ -185,8 +185,8 @@ class Console:
         for warning in report.host_warnings:
             print(f"warning: {warning} (informational: kernels are unaffected)", file=sys.stderr)
         print(
-            f"pulled {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
-            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s{' (stale)' if report.stale else ''}",
+            f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
+            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s",
             file=sys.stderr,
         )
         self.exports(report.exports)
