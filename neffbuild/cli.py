@@ -16,7 +16,7 @@ import click
 
 from neffbuild import __version__
 from neffbuild.errors import InputError, NeffbuildError
-from neffbuild.output import Console
+from neffbuild.output import Console, printed_document
 
 if TYPE_CHECKING:
     from neffbuild.store import StoreChoice
@@ -432,7 +432,7 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
         return 0
     except NeffbuildError as exc:
         _print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
-        if as_json:  # machines read stdout: the failure as a document too (the lines above stay for logs)
+        if as_json and not printed_document():  # machines read stdout: the failure as a document too (the lines above stay for logs)
             error = {"error": exc.message, "kind": type(exc).__name__, "exit_code": exc.exit_code, "hint": exc.hint}
             sys.stdout.write(json.dumps(error, indent=2) + "\n")
         return exc.exit_code

@@ -52,6 +52,15 @@ FINAL_STATUSES = frozenset({"built", "present", "failed", "hit", "miss"})
 HEARTBEAT_S = 60.0  # without a TTY, a line for each unit still in one phase this long
 
 
+_DOCUMENTS = {"printed": False}  # whether this process wrote a JSON document to stdout
+
+
+def printed_document() -> bool:
+    """Whether a command already wrote its JSON document (a failed build prints its report first):
+    then its error goes to stderr only, so that stdout stays one document."""
+    return _DOCUMENTS["printed"]
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -82,6 +91,7 @@ class Console:
 
     def _json(self, value: Any) -> None:
         sys.stdout.write(json.dumps(jsonable(value), indent=2) + "\n")
+        _DOCUMENTS["printed"] = True
 
     @contextmanager
     def units_progress(self, verb: str, total: int, *, heartbeat_s: float = HEARTBEAT_S) -> Iterator[Callable[[str, str], None]]:
