@@ -18,7 +18,7 @@ from pathlib import Path
 
 from neffbuild.bundle import FileEntry
 from neffbuild.cachestate import CacheState, Installed, open_existing, read_state
-from neffbuild.errors import StoreError
+from neffbuild.errors import NeffbuildError, StoreError
 from neffbuild.exports import env_file_text, write_env_file
 from neffbuild.materialize import Beneath
 from neffbuild.pull import PullReport, preflight, pull
@@ -72,7 +72,7 @@ def fully_installed(cache_dir: Path, ref: str | None = None) -> Installed | None
             return None
         with Beneath(root, cache_dir) as tree:
             return installed if all(_as_recorded(tree, f, state) for f in installed.release.files) else None
-    except Exception:  # noqa: BLE001 - a cache dir we cannot read is not fully installed; the store error stands
+    except (NeffbuildError, OSError):  # a link or an unreadable dir: not fully installed; the store error stands
         return None
     finally:
         os.close(root)

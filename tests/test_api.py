@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import neffbuild
-from neffbuild.errors import NotFoundError, StoreError
+from neffbuild.errors import EnvironmentMismatch, NotFoundError, StoreError
 from neffbuild.store.local import LocalStore
 from tests.storekit import publish_release_of, write_files
 
@@ -79,6 +79,17 @@ def test_allow_stale_keeps_the_installed_release_when_the_store_is_gone(publishe
     assert "no neffbuild store" in (stale.stale_reason or "") and stale.installed_at
     with pytest.raises(StoreError):  # another tag than the one installed does not fall back
         neffbuild.ensure_cache("other", store=url, cache_dir=cache, allow_stale=True)
+    # The host check needs no store, and a mismatch is never booted, stale or not.
+    with pytest.raises(EnvironmentMismatch, match="ATEN_CPU_CAPABILITY"):
+        neffbuild.ensure_cache("prod", store=url, cache_dir=cache, allow_stale=True, env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+
+
+def test_past_the_deadline_falls_back_to_the_installed_release_with_allow_stale(published, tmp_path: Path) -> None:
+    url, release_id = published
+    cache = tmp_path / "cache"
+    neffbuild.ensure_cache("prod", store=url, cache_dir=cache)
+    stale = neffbuild.ensure_cache("prod", store=url, cache_dir=cache, timeout=0, allow_stale=True)
+    assert stale.stale and stale.release_id == release_id and "deadline" in (stale.stale_reason or "")
 
 
 def test_importing_neffbuild_imports_no_core_module() -> None:
