@@ -16,7 +16,7 @@ import click
 
 from neffbuild import __version__
 from neffbuild.errors import InputError, NeffbuildError
-from neffbuild.output import Console
+from neffbuild.output import Console, printed_document
 
 if TYPE_CHECKING:
     from neffbuild.store import StoreChoice
@@ -125,6 +125,10 @@ _env_file_option = click.option(
     "--lock-timeout", type=click.FloatRange(min=0), default=300.0, show_default=True, metavar="SECONDS",
     help="Give up (exit 9) if another pull holds the cache dir's lock this long; 0: at once. A dead holder's lock is dropped by the kernel.",
 )  # fmt: skip
+@click.option(
+    "--allow-stale", is_flag=True,
+    help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning.",
+)  # fmt: skip
 @json_option
 def pull(
     ref: str,
@@ -135,14 +139,18 @@ def pull(
     env_file: Path | None,
     no_host_check: bool,
     lock_timeout: float,
+    allow_stale: bool,
     as_json: bool,
 ) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move), after
     checking that this host would hit them (exit 7 naming each field that differs)."""
-    from neffbuild.pull import pull as run_pull
+    from neffbuild.fallback import pull_or_stale
 
     host_env = None if no_host_check else os.environ
-    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout)
+    report = pull_or_stale(
+        lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
+        jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout,
+    )  # fmt: skip
     Console(as_json).pull(report)
 
 
@@ -413,16 +421,20 @@ def main(argv: list[str] | None = None) -> None:
     # What start-up imported lives as long as the process: keep it out of every later garbage
     # collection (those run often while thousands of small files land, and scanned it all).
     gc.freeze()
-    code = _run(lambda: cli.main(args=argv, prog_name="neffbuild", standalone_mode=False))
+    args = sys.argv[1:] if argv is None else argv
+    code = _run(lambda: cli.main(args=args, prog_name="neffbuild", standalone_mode=False), as_json="--json" in args)
     sys.exit(code)
 
 
-def _run(invoke: Callable[[], Any]) -> int:
+def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
     try:
         invoke()
         return 0
     except NeffbuildError as exc:
         _print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
+        if as_json and not printed_document():  # machines read stdout: the failure as a document too (the lines above stay for logs)
+            error = {"error": exc.message, "kind": type(exc).__name__, "exit_code": exc.exit_code, "hint": exc.hint}
+            sys.stdout.write(json.dumps(error, indent=2) + "\n")
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -52,6 +52,15 @@ FINAL_STATUSES = frozenset({"built", "present", "failed", "hit", "miss"})
 HEARTBEAT_S = 60.0  # without a TTY, a line for each unit still in one phase this long
 
 
+_DOCUMENTS = {"printed": False}  # whether this process wrote a JSON document to stdout
+
+
+def printed_document() -> bool:
+    """Whether a command already wrote its JSON document (a failed build prints its report first):
+    then its error goes to stderr only, so that stdout stays one document."""
+    return _DOCUMENTS["printed"]
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -82,6 +91,7 @@ class Console:
 
     def _json(self, value: Any) -> None:
         sys.stdout.write(json.dumps(jsonable(value), indent=2) + "\n")
+        _DOCUMENTS["printed"] = True
 
     @contextmanager
     def units_progress(self, verb: str, total: int, *, heartbeat_s: float = HEARTBEAT_S) -> Iterator[Callable[[str, str], None]]:
@@ -167,13 +177,25 @@ class Console:
             self.out.print(f"release {report.release_id}; tag {report.tag} -> it")
 
     def pull(self, report: PullReport) -> None:
+        if report.stale:  # loud on stderr, --json or not: a journal must show the host booted stale
+            print(
+                f"warning: store unreachable ({report.stale_reason}); serving the release already installed, "
+                f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale",
+                file=sys.stderr,
+            )
         if self.as_json:
-            self._json(report)
+            mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
+            self._json({
+                **asdict(report),
+                "files_skipped": report.files_total - report.files_fetched,
+                "bytes_skipped": report.bytes_total - report.bytes_fetched,
+                "mb_per_s": round(mb_per_s, 3),
+            })  # fmt: skip
             return
         for warning in report.host_warnings:
             print(f"warning: {warning} (informational: kernels are unaffected)", file=sys.stderr)
         print(
-            f"pulled {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
+            f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
             f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s",
             file=sys.stderr,
         )

@@ -39,7 +39,7 @@ from neffbuild.cachestate import (
     find_target,
     read_cache_state,
 )
-from neffbuild.errors import EnvironmentMismatch, NotFoundError
+from neffbuild.errors import EnvironmentMismatch, NotFoundError, StoreError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.locks import acquire
 from neffbuild.materialize import (
@@ -74,6 +74,9 @@ class PullReport:
     exports: Mapping[str, str]
     host_checked: bool = False  # the release was compared with this host before anything moved
     host_warnings: tuple[str, ...] = ()  # informational differences: our key differs, kernels do not
+    stale: bool = False  # the store was unreachable: this is the release installed before (--allow-stale)
+    stale_reason: str | None = None  # the store error that made it stale
+    installed_at: str | None = None  # when a stale release was installed
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
@@ -122,6 +125,7 @@ def pull(
     env_file: Path | None = None,
     host_env: Mapping[str, str] | None = None,
     lock_timeout: float | None = LOCK_TIMEOUT_S,
+    timeout: float | None = None,
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
@@ -130,14 +134,23 @@ def pull(
     With host_env (the environment the server will run in, before the release's exports), the
     host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
+
+    timeout (seconds) is a wall-clock deadline checked between phases (after resolving REF, after
+    reading its bundles, before downloading): past it, StoreError. It also caps the wait for
+    another pull's lock (ConflictError). It does not cut a request in flight: a stalled read is
+    bounded only by the store's own per-request timeouts.
     """
     started = time.perf_counter()
+    deadline = _Deadline(store, ref, timeout)
     resolved = resolve(store, ref)
+    deadline.check("resolving it")
     cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
     exports = release_exports(resolved, cache_dir, allow_env)
     env_text = env_file_text(exports) if env_file is not None else ""
     old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
+    deadline.check("reading its bundles")
+    lock_timeout = deadline.cap(lock_timeout)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
     try:
@@ -145,6 +158,7 @@ def pull(
         if root is None:
             root = _open_dir(cache_dir)
         if missing or _state_bytes(installed, found) != old_bytes:
+            deadline.check(f"checking the cache dir, before fetching {len(missing)} files")
             missing = _complete(store, resolved, root, cache_dir, found, jobs, installed, lock_timeout)
     finally:
         if root is not None:
@@ -164,6 +178,27 @@ def pull(
         host_checked=host_env is not None,
         host_warnings=warnings,
     )
+
+
+class _Deadline:
+    """pull's timeout: a wall-clock deadline looked at between phases."""
+
+    def __init__(self, store: Store, ref: str, timeout: float | None) -> None:
+        self.store, self.ref, self.timeout = store, ref, timeout
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def check(self, after: str) -> None:
+        if self.at is not None and time.monotonic() > self.at:
+            raise StoreError(
+                f"{self.store.url}: pulling {self.ref} went past its {self.timeout:g} s deadline, {after}",
+                hint="the store is slow or unreachable; raise the timeout, or allow the installed release (allow_stale)",
+            )
+
+    def cap(self, seconds: float | None) -> float | None:
+        if self.at is None:
+            return seconds
+        left = max(0.0, self.at - time.monotonic())
+        return left if seconds is None else min(seconds, left)
 
 
 def _missing_that_fits(

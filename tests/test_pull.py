@@ -699,3 +699,38 @@ def test_short_of_room_while_another_pull_holds_the_lock_waits_for_what_it_lands
         assert waiting.returncode == 0, err.decode()
         assert json.loads(out)["files_fetched"] == 1  # only small.so
         assert all((cache / rel).read_bytes() == data for rel, data in files.items())
+
+
+# ---- observability: --json says what moved, and how it failed (issue 12, item 11) ---------------
+
+
+def test_pull_json_reports_what_moved_and_a_journal_gets_plain_lines(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    first = pull_cli(cli, store, cache, "--json")
+    assert first.returncode == 0, first.stderr
+    doc = json.loads(first.stdout)
+    total = sum(len(b) for b in FILES.values())
+    assert (doc["files_fetched"], doc["files_skipped"], doc["bytes_fetched"], doc["bytes_skipped"]) == (len(FILES), 0, total, 0)
+    assert doc["stale"] is False and doc["seconds"] > 0 and doc["mb_per_s"] == pytest.approx(total / doc["seconds"] / 1e6, abs=1e-3)
+
+    (cache / "00/c0000.so").unlink()
+    again = json.loads(pull_cli(cli, store, cache, "--json").stdout)
+    assert (again["files_fetched"], again["files_skipped"]) == (1, len(FILES) - 1)
+    assert (again["bytes_fetched"], again["bytes_skipped"]) == (1000, total - 1000)
+
+    (cache / "00/c0000.so").unlink()
+    plain = pull_cli(cli, store, cache)  # stderr is a pipe here, as under systemd's journal
+    assert len(plain.stderr.splitlines()) == 1 and plain.stderr.startswith("pulled t: 1 of 41 files fetched")
+    assert "\r" not in plain.stderr and "\x1b" not in plain.stderr  # no bar, no colour
+
+
+def test_a_failed_pull_with_json_prints_the_failure_as_a_document(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    failed = pull_cli(cli, store, tmp_path / "cache", "--json", ref="nope")
+    assert failed.returncode == 8
+    doc = json.loads(failed.stdout)
+    assert doc["kind"] == "NotFoundError" and doc["exit_code"] == 8 and "nope" in doc["error"] and doc["hint"]
+    assert f"error: {doc['error']}" in failed.stderr  # the journal keeps its line
+    gone = cli("pull", "t", "--store", str(tmp_path / "no-store"), "--cache-dir", str(tmp_path / "cache"), "--json")
+    assert gone.returncode == 3 and json.loads(gone.stdout)["kind"] == "StoreError"

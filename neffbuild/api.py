@@ -1,0 +1,54 @@
+"""The Python API for serving code that pulls in-process: `neffbuild.ensure_cache`, `neffbuild.apply_exports`.
+
+Unlike the CLI it prints nothing, reads no environment variable to find the store, changes no
+os.environ and leaves the garbage collector alone; failures are the typed errors of
+neffbuild.errors (StoreError, IntegrityError, EnvironmentMismatch, NotFoundError, DiskError...).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+
+from neffbuild.pull import PullReport
+from neffbuild.store.base import Store
+
+
+def ensure_cache(
+    ref: str,
+    *,
+    store: str | Store,
+    cache_dir: str | os.PathLike[str],
+    timeout: float | None = None,
+    allow_stale: bool = False,
+    host_check: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> PullReport:
+    """Make cache_dir hold REF's release (a tag or release id) from store (a URL or an open Store);
+    a complete cache fetches nothing. The report's `exports` are what the server must export.
+
+    timeout: seconds, a wall-clock deadline checked between the pull's phases and capping the
+    wait for another pull's lock; a request already in flight is bounded only by the store's own
+    per-request timeouts (see neffbuild.pull.pull). allow_stale: an unreachable store (StoreError)
+    returns the release cache_dir already holds, if it is REF's and complete, with `stale` set.
+    host_check: compare this host (env, default os.environ, read only) with the release first.
+    env also holds the S3 settings when store is a URL (AWS_ENDPOINT_URL, credentials).
+    """
+    from neffbuild.fallback import pull_or_stale
+    from neffbuild.store import open_store
+
+    environ = dict(os.environ if env is None else env)  # a copy: nothing here may change the caller's
+
+    def opened() -> Store:
+        return open_store(store, env=environ) if isinstance(store, str) else store
+
+    return pull_or_stale(
+        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout
+    )
+
+
+def apply_exports(report: PullReport, environ: MutableMapping[str, str] | None = None) -> None:
+    """Set the report's exports in environ (default os.environ). Call it before the compiler
+    (torch, torch_neuronx) is imported: they read their cache variables when they load."""
+    (os.environ if environ is None else environ).update(report.exports)
