@@ -125,6 +125,10 @@ _env_file_option = click.option(
     "--lock-timeout", type=click.FloatRange(min=0), default=300.0, show_default=True, metavar="SECONDS",
     help="Give up (exit 9) if another pull holds the cache dir's lock this long; 0: at once. A dead holder's lock is dropped by the kernel.",
 )  # fmt: skip
+@click.option(
+    "--verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+    help="fast: trust files whose (size, mtime) match what pull recorded; full: rehash every installed file and fetch again any that differ.",
+)  # fmt: skip
 @json_option
 def pull(
     ref: str,
@@ -135,6 +139,7 @@ def pull(
     env_file: Path | None,
     no_host_check: bool,
     lock_timeout: float,
+    verify: str,
     as_json: bool,
 ) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move), after
@@ -142,7 +147,7 @@ def pull(
     from neffbuild.pull import pull as run_pull
 
     host_env = None if no_host_check else os.environ
-    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout)
+    report = run_pull(store.open(os.environ), ref, cache_dir, jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify)
     Console(as_json).pull(report)
 
 

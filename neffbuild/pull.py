@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,7 @@ _LOCK_HINT = "another pull into this cache dir is still running; wait for it or 
 LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
+VERIFY_MODES = ("fast", "full")  # fast: trust (size, mtime) the state recorded; full: rehash every file
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class PullReport:
     exports: Mapping[str, str]
     host_checked: bool = False  # the release was compared with this host before anything moved
     host_warnings: tuple[str, ...] = ()  # informational differences: our key differs, kernels do not
+    files_rehashed: int = 0  # installed files read back and hashed (all of them with verify="full")
+    files_repaired: int = 0  # files fetched again because the cache held wrong bytes at their path
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
@@ -121,6 +125,7 @@ def pull(
     env_file: Path | None = None,
     host_env: Mapping[str, str] | None = None,
     lock_timeout: float | None = LOCK_TIMEOUT_S,
+    verify: str = "fast",
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
@@ -129,7 +134,13 @@ def pull(
     With host_env (the environment the server will run in, before the release's exports), the
     host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
+
+    verify="fast" (default) takes a file the state recorded with the same (size, mtime) as
+    intact: bytes changed in place with the mtime put back go unnoticed. verify="full" rehashes
+    every installed file (in parallel) and fetches again, atomically, any that differ.
     """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
     started = time.perf_counter()
     resolved = resolve(store, ref)
     cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
@@ -140,11 +151,11 @@ def pull(
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
     try:
-        found, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout)
+        scan, missing = _missing_that_fits(root, cache_dir, installed, _trusted(old.files, verify), lock_timeout, jobs)
         if root is None:
             root = _open_dir(cache_dir)
-        if missing or _state_bytes(installed, found) != old_bytes:
-            missing = _complete(store, resolved, root, cache_dir, found, jobs, installed, lock_timeout)
+        if missing or _state_bytes(installed, scan.found) != old_bytes:
+            missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify)
     finally:
         if root is not None:
             os.close(root)
@@ -162,31 +173,39 @@ def pull(
         exports=exports,
         host_checked=host_env is not None,
         host_warnings=warnings,
+        files_rehashed=scan.hashed,
+        files_repaired=sum(f.path in scan.damaged for f in missing),
     )
 
 
+def _trusted(state: State, verify: str) -> State:
+    """What of the state may stand in for reading the files: nothing with verify="full"."""
+    return state if verify == "fast" else {}
+
+
 def _missing_that_fits(
-    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None
-) -> tuple[dict[str, os.stat_result | None], list[FileEntry]]:
+    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None, jobs: int
+) -> tuple[Scan, list[FileEntry]]:
     """(what the cache holds, the files to fetch), once its filesystem has room for them: else
     DiskError, with nothing written. Short of room while another pull holds the lock, whatever
     that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
-    found, missing, sizes = _missing(root, cache_dir, installed, state)
+    scan, missing, sizes = _missing(root, cache_dir, installed, state, jobs)
     if missing and root is not None and not room_for(cache_dir, sizes).fits and _wait_for_other_pull(root, cache_dir, lock_timeout):
-        found, missing, sizes = _missing(root, cache_dir, installed, read_state(root, cache_dir)[1].files)
+        fresh = read_state(root, cache_dir)[1].files if state else {}  # verify="full" trusts no state
+        scan, missing, sizes = _missing(root, cache_dir, installed, fresh, jobs)
     if missing:
         require_room(cache_dir, sizes, f"pulling {len(missing)} files of {installed.release.name}")
-    return found, missing
+    return scan, missing
 
 
 def _missing(
-    root: int | None, cache_dir: Path, installed: Installed, state: State
-) -> tuple[dict[str, os.stat_result | None], list[FileEntry], list[int]]:
+    root: int | None, cache_dir: Path, installed: Installed, state: State, jobs: int
+) -> tuple[Scan, list[FileEntry], list[int]]:
     """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
     files = installed.release.files
-    found = _scan(root, cache_dir, files, state) if root is not None else dict.fromkeys(f.path for f in files)
-    missing = [f for f in files if found[f.path] is None]
-    return found, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
+    scan = _scan(root, cache_dir, files, state, jobs) if root is not None else Scan(dict.fromkeys(f.path for f in files))
+    missing = [f for f in files if scan.found[f.path] is None]
+    return scan, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
 
 
 def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> bool:
@@ -234,10 +253,11 @@ def _complete(
     resolved: ResolvedRelease,
     root: int,
     cache_dir: Path,
-    found: dict[str, os.stat_result | None],
+    scan: Scan,
     jobs: int,
     installed: Installed,
     lock_timeout: float | None,
+    verify: str,
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     state_dir = open_state_dir(root, cache_dir, create=True)
@@ -246,9 +266,10 @@ def _complete(
         # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
         with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE, lock_timeout):
             old_state, state = load_state(state_dir)
+            found = scan.found
             # Another pull may have landed some while we waited for the lock.
             missing = [f for f in resolved.release.files if found[f.path] is None]
-            found.update(_scan(root, cache_dir, missing, state.files))
+            found.update(_scan(root, cache_dir, missing, _trusted(state.files, verify), jobs).found)
             missing = [f for f in missing if found[f.path] is None]
             if missing:
                 remove_stale_temp_files(cache_dir)
@@ -266,10 +287,64 @@ def _complete(
     return missing
 
 
-def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State) -> dict[str, os.stat_result | None]:
-    """path -> status of each file the cache already holds, None for the others (only reads)."""
+@dataclass(frozen=True)
+class Scan:
+    """What the cache dir holds of a release's files."""
+
+    found: dict[str, os.stat_result | None]  # path -> status of a file holding its bytes, else None
+    hashed: int = 0  # files read back and hashed (the state did not vouch for them)
+    damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
+
+
+def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
+    """What the cache already holds of files (only reads). One stat per file; a file of the right
+    size the state does not vouch for is hashed, in parallel (xxhash and reads release the GIL)."""
+    found: dict[str, os.stat_result | None] = {}
+    unsure: list[tuple[FileEntry, os.stat_result]] = []
+    damaged = set()
     with Beneath(root, cache_dir) as tree:
-        return {f.path: _present(tree, f, state, cache_dir) for f in files}
+        for f in files:
+            st = found[f.path] = _stat(tree, f.path, cache_dir)
+            if st is None:
+                continue
+            if st.st_size != f.size:
+                found[f.path] = None
+                damaged.add(f.path)
+            elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
+                unsure.append((f, st))
+    for (f, st), digest in zip(unsure, _hash_all(root, cache_dir, [f for f, _ in unsure], jobs), strict=True):
+        if digest != f.digest:
+            found[f.path] = None
+            damaged.add(f.path)
+    return Scan(found, len(unsure), frozenset(damaged))
+
+
+def _hash_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> list[str | None]:
+    """Each file's digest (None: gone or not a regular file), read by up to jobs threads, each
+    with its own Beneath (one thread at a time each)."""
+    if len(files) <= 1:
+        jobs = 1
+    local = threading.local()
+    trees: list[Beneath] = []
+
+    def digest(entry: FileEntry) -> str | None:
+        tree = getattr(local, "tree", None)
+        if tree is None:
+            tree = local.tree = Beneath(root, cache_dir)
+            trees.append(tree)  # list.append is atomic: closed below, whichever thread made it
+        try:
+            return tree.hash_file(entry.path, entry.size)
+        except OSError as exc:
+            raise disk_error(exc, cache_dir / entry.path) from None
+
+    try:
+        if jobs == 1:
+            return [digest(f) for f in files]
+        with ThreadPoolExecutor(max_workers=min(jobs, len(files)), thread_name_prefix="neffbuild-verify") as pool:
+            return list(pool.map(digest, files))
+    finally:
+        for tree in trees:
+            tree.__exit__()
 
 
 @contextmanager
@@ -345,20 +420,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _present(tree: Beneath, entry: FileEntry, state: State, cache_dir: Path) -> os.stat_result | None:
-    """The file's status if the cache already holds entry's bytes at its path, else None."""
-    st = _stat(tree, entry.path, cache_dir)
-    if st is None or st.st_size != entry.size:
-        return None
-    if state.get(entry.path) == (entry.size, st.st_mtime_ns, entry.digest):
-        return st
-    try:
-        digest = tree.hash_file(entry.path, entry.size)
-    except OSError as exc:
-        raise disk_error(exc, cache_dir / entry.path) from None
-    return st if digest == entry.digest else None
 
 
 def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:

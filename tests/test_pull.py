@@ -114,6 +114,51 @@ def test_damaged_or_deleted_local_files_are_fetched_again(store: LocalStore, tmp
     assert (cache / deleted).read_bytes() == FILES[deleted]
 
 
+def flip_a_byte_in_place(path: Path) -> None:
+    """Change one byte, keeping the size and putting the mtime back: what (size, mtime) cannot see."""
+    before = path.stat()
+    with path.open("r+b") as f:
+        f.seek(7)
+        byte = f.read(1)
+        f.seek(7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def test_verify_full_repairs_a_byte_flipped_behind_the_states_back(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    victim = sorted(FILES)[5]
+    flip_a_byte_in_place(cache / victim)
+    fast = pull(store, "t", cache)  # documented: the default trusts the (size, mtime) it recorded
+    assert (fast.files_fetched, fast.files_rehashed) == (0, 0)
+    assert (cache / victim).read_bytes() != FILES[victim]
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--verify", "full", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["files_rehashed"], report["files_repaired"], report["files_fetched"]) == (len(FILES), 1, 1)
+    assert (cache / victim).read_bytes() == FILES[victim]
+    again = pull(store, "t", cache, verify="full")  # repaired and recorded: nothing left to fetch
+    assert (again.files_rehashed, again.files_fetched) == (len(FILES), 0)
+    assert incomplete_files(cache) == []
+
+
+@pytest.mark.parametrize("verify", ["fast", "full"])
+def test_a_truncated_file_is_repaired_by_either_verify(store: LocalStore, tmp_path: Path, verify: str) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    victim = sorted(FILES)[9]
+    before = (cache / victim).stat()
+    os.truncate(cache / victim, 100)
+    os.utime(cache / victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    report = pull(store, "t", cache, verify=verify)
+    assert (report.files_fetched, report.files_repaired) == (1, 1)
+    assert (cache / victim).read_bytes() == FILES[victim]
+
+
 def test_corrupt_store_object_fails_closed_naming_the_file(store: LocalStore, tmp_path: Path, cli) -> None:
     publish_files(store, FILES, tmp_path)
     victim = sorted(FILES)[3]
