@@ -146,7 +146,7 @@ def pull(
     cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
     exports = release_exports(resolved, cache_dir, allow_env)
     env_text = env_file_text(exports) if env_file is not None else ""
-    old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
+    _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
@@ -154,7 +154,7 @@ def pull(
         scan, missing = _missing_that_fits(root, cache_dir, installed, _trusted(old.files, verify), lock_timeout, jobs)
         if root is None:
             root = _open_dir(cache_dir)
-        if missing or _state_bytes(installed, scan.found) != old_bytes:
+        if missing or not _recorded(old, installed, scan.found):
             missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify)
     finally:
         if root is not None:
@@ -432,12 +432,22 @@ def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
 
 
 def _state_bytes(installed: Installed, found: Mapping[str, os.stat_result | None]) -> bytes:
+    return encode_state(installed, _state_files(installed, found))
+
+
+def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:
     files = {}
     for entry in installed.release.files:
         st = found.get(entry.path)
         if st is not None:
             files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
-    return encode_state(installed, files)
+    return files
+
+
+def _recorded(old: CacheState, installed: Installed, found: Mapping[str, os.stat_result | None]) -> bool:
+    """Whether the state file already says what this pull would write: compared as data, not
+    encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes."""
+    return old.version == 2 and old.installed == installed and old.files == _state_files(installed, found)
 
 
 def _state_size(installed: Installed) -> int:
