@@ -348,17 +348,17 @@ class Beneath:
                 return None
             raise
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None
             hasher = xxhash.xxh3_128()
             size = 0
             # Into one reused buffer, read to limit + 1 (one byte more says it is too long): no
             # allocation per chunk, and the read and the hash of a large chunk both drop the GIL.
             view = self._buffer(limit + 1)
-            with open(fd, "rb", buffering=0, closefd=False) as src:
-                while size <= limit and (n := src.readinto(view[: limit + 1 - size])):
-                    hasher.update(view[:n])
-                    size += n
+            while size <= limit and (n := os.readv(fd, [view[: limit + 1 - size]])):
+                hasher.update(view[:n])
+                size += n
             return hasher.hexdigest() if size <= limit else None
         finally:
             os.close(fd)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +55,7 @@ from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
 _LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
+HASH_RUN = 64 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
 LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
@@ -142,11 +142,11 @@ def pull(
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
     started = time.perf_counter()
-    resolved = resolve(store, ref)
     cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
+    _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
+    resolved = resolve(store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None)
     exports = release_exports(resolved, cache_dir, allow_env)
     env_text = env_file_text(exports) if env_file is not None else ""
-    _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
@@ -320,31 +320,41 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
 
 
 def _hash_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> list[str | None]:
-    """Each file's digest (None: gone or not a regular file), read by up to jobs threads, each
-    with its own Beneath (one thread at a time each)."""
-    if len(files) <= 1:
-        jobs = 1
-    local = threading.local()
-    trees: list[Beneath] = []
+    """Each file's digest (None: gone or not a regular file), in runs of neighbouring files
+    (their directories stay open) spread over up to jobs threads, each with its own Beneath."""
 
-    def digest(entry: FileEntry) -> str | None:
-        tree = getattr(local, "tree", None)
-        if tree is None:
-            tree = local.tree = Beneath(root, cache_dir)
-            trees.append(tree)  # list.append is atomic: closed below, whichever thread made it
-        try:
-            return tree.hash_file(entry.path, entry.size)
-        except OSError as exc:
-            raise disk_error(exc, cache_dir / entry.path) from None
+    def digests(run: list[FileEntry]) -> list[str | None]:
+        with Beneath(root, cache_dir) as tree:
+            return [_hash_one(tree, f, cache_dir) for f in run]
 
+    jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
+    runs = _runs(files, jobs)
+    if len(runs) <= 1:
+        return digests(files)
+    with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
+        return [d for run in pool.map(digests, runs) for d in run]
+
+
+def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
+    """files cut into runs of about HASH_RUN bytes (at least one file), at most 4 per thread
+    and never so small that handing one to a thread costs more than reading it."""
+    per_run = max(HASH_RUN, sum(f.size for f in files) // (4 * max(jobs, 1)) + 1)
+    runs: list[list[FileEntry]] = [[]]
+    size = 0
+    for f in files:
+        if size >= per_run:
+            runs.append([])
+            size = 0
+        runs[-1].append(f)
+        size += f.size
+    return [r for r in runs if r]
+
+
+def _hash_one(tree: Beneath, entry: FileEntry, cache_dir: Path) -> str | None:
     try:
-        if jobs == 1:
-            return [digest(f) for f in files]
-        with ThreadPoolExecutor(max_workers=min(jobs, len(files)), thread_name_prefix="neffbuild-verify") as pool:
-            return list(pool.map(digest, files))
-    finally:
-        for tree in trees:
-            tree.__exit__()
+        return tree.hash_file(entry.path, entry.size)
+    except OSError as exc:
+        raise disk_error(exc, cache_dir / entry.path) from None
 
 
 @contextmanager

@@ -241,6 +241,26 @@ def test_corrupt_release_document_is_rejected(store: LocalStore, tmp_path: Path,
     assert result.returncode == 4 and f"releases/{release_id}.json: not valid JSON" in result.stderr
 
 
+@pytest.mark.parametrize("damage", ["truncate", "reencode", "remove"])
+def test_the_installed_release_stands_in_only_for_the_very_bytes_of_its_store_document(store: LocalStore, tmp_path: Path, cli, damage: str) -> None:
+    """A no-op pull takes the release from the cache dir's state instead of parsing the store's
+    document again, only while the store still holds that document byte for byte."""
+    release_id = publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "c"
+    assert pull(store, "t", cache).files_fetched == len(FILES)
+    doc = store.root / "releases" / f"{release_id}.json"
+    doc.chmod(0o644)
+    if damage == "truncate":
+        doc.write_text(doc.read_text()[:-20])
+    elif damage == "reencode":  # the same document, other bytes: parsed and checked as before
+        doc.write_text(json.dumps(json.loads(doc.read_text()), indent=1))
+    else:
+        doc.unlink()
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache))
+    expected = {"truncate": 4, "reencode": 0, "remove": 8}[damage]
+    assert result.returncode == expected, result.stderr
+
+
 def test_a_release_cannot_write_outside_the_cache_dir(store: LocalStore, tmp_path: Path, cli) -> None:
     publish_files(store, {"ok": b"x"}, tmp_path)
     evil = {
