@@ -8,6 +8,25 @@ re-reading gigabytes of NEFFs; a no-op pull writes nothing at all (a full disk d
 Nothing below the cache dir is reached through a symlink (materialize's module docstring says
 how): not the files, not their directories, not the state dir and its lock. A file that is a
 link is never "present"; pull replaces it with the verified file.
+
+A power cut, and what the host sees after it, by the step a pull was at (the state file is the
+commit point: it vouches only for bytes already flushed, so "the next pull" below repairs all):
+
+1. Resolving and checking (release, host, room, links): nothing was written; the previous
+   install and its state are as they were.
+2. Files landing (each unnamed or `*.incomplete` until verified, then linked or renamed into
+   place; no flush per file): a landed file may come back whole, empty, absent or, where it
+   replaced an older file, as the older one; an unfinished one leaves nothing (a named temp file
+   at worst, removed by the next pull). The state is still the previous pull's, which vouches
+   for none of these new files (their mtimes differ), so the next pull re-hashes them and
+   fetches again any that is wrong.
+3. The flush (one syncfs for the filesystem): as in 2 until it returns. If it fails, pull exits
+   10 and writes no state.
+4. The state file (temp file, fsync, rename, fsync of its directory): either the previous state
+   or the new one, never a mix; both vouch only for flushed files. Its (size, mtime) check
+   trusts the disk after that: `--verify full` rehashes everything.
+5. The env file (--env-file, written the same way, last): the previous one or the new one; a
+   server started from the previous one is the reason boot runs pull first.
 """
 
 from __future__ import annotations
@@ -275,10 +294,6 @@ def _complete(
                 remove_stale_temp_files(cache_dir)
                 targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir) for f in missing]
                 store.download_blobs(targets, jobs, release=resolved.release_id)
-                # One flush for all files, then the state file: the state is the commit point. A file
-                # put in place but lost to a power cut before this flush is not in the state, so
-                # the next pull re-hashes it and fetches it again.
-                sync_filesystem(cache_dir)
                 with Beneath(root, cache_dir) as tree:
                     found.update({f.path: _stat(tree, f.path, cache_dir) for f in missing})
             _save_state(state_dir, cache_dir, _state_bytes(installed, found), old_state)
@@ -499,7 +514,12 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
 
 
 def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None) -> None:
-    """Replace the state file with data, unless it already holds exactly that."""
+    """Replace the state file with data, unless it already holds exactly that; first flush the
+    filesystem (one syncfs for all files), as the state is the commit point: it may vouch only
+    for durable bytes. Also for files this pull only re-hashed: a killed pull may have landed
+    them without its flush. A file lost to a power cut before the flush is not in the state, so
+    the next pull re-hashes it and fetches it again."""
     if data == old:
         return
+    sync_filesystem(cache_dir)
     write_atomic_at(state_dir, STATE_FILE, data, shown=cache_dir / STATE_DIR / STATE_FILE)
