@@ -74,7 +74,10 @@ from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
 _LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
-HASH_RUN = 64 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
+HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
+# Files this large on average are hashed by several threads (their reads and hashes run without
+# the GIL). Measured on 2 cores: 10,000 files of 34 KiB, 0.145 s in one thread, 0.17 s in two.
+HASH_THREADED_MIN = 1 << 20
 LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
@@ -343,6 +346,8 @@ def _hash_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> 
             return [_hash_one(tree, f, cache_dir) for f in run]
 
     jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
+    if sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
+        jobs = 1  # small files cost Python work per file, under the GIL: threads only contend for it
     runs = _runs(files, jobs)
     if len(runs) <= 1:
         return digests(files)

@@ -145,6 +145,18 @@ def test_verify_full_repairs_a_byte_flipped_behind_the_states_back(store: LocalS
     assert incomplete_files(cache) == []
 
 
+def test_verify_full_hashes_large_files_in_threads_and_repairs_each(store: LocalStore, tmp_path: Path) -> None:
+    big = {f"neff/{i}.neff": os.urandom(3 << 20) for i in range(4)}  # large enough to be hashed in threads
+    publish_files(store, big, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    for victim in sorted(big)[1:3]:
+        flip_a_byte_in_place(cache / victim)
+    report = pull(store, "t", cache, jobs=4, verify="full")
+    assert (report.files_rehashed, report.files_repaired, report.files_fetched) == (4, 2, 2)
+    assert all((cache / rel).read_bytes() == data for rel, data in big.items())
+
+
 @pytest.mark.parametrize("verify", ["fast", "full"])
 def test_a_truncated_file_is_repaired_by_either_verify(store: LocalStore, tmp_path: Path, verify: str) -> None:
     publish_files(store, FILES, tmp_path)
