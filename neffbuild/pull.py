@@ -173,7 +173,7 @@ def pull(
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
     try:
-        scan, missing = _missing_that_fits(root, cache_dir, installed, _trusted(old.files, verify), lock_timeout, jobs)
+        scan, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout, jobs, verify)
         if root is None:
             root = _open_dir(cache_dir)
         if missing or not _recorded(old, installed, scan.found):
@@ -206,15 +206,15 @@ def _trusted(state: State, verify: str) -> State:
 
 
 def _missing_that_fits(
-    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None, jobs: int
+    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None, jobs: int, verify: str
 ) -> tuple[Scan, list[FileEntry]]:
     """(what the cache holds, the files to fetch), once its filesystem has room for them: else
     DiskError, with nothing written. Short of room while another pull holds the lock, whatever
     that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
-    scan, missing, sizes = _missing(root, cache_dir, installed, state, jobs)
+    scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(state, verify), jobs)
     if missing and root is not None and not room_for(cache_dir, sizes).fits and _wait_for_other_pull(root, cache_dir, lock_timeout):
-        fresh = read_state(root, cache_dir)[1].files if state else {}  # verify="full" trusts no state
-        scan, missing, sizes = _missing(root, cache_dir, installed, fresh, jobs)
+        fresh = read_state(root, cache_dir)[1].files
+        scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(fresh, verify), jobs)
     if missing:
         require_room(cache_dir, sizes, f"pulling {len(missing)} files of {installed.release.name}")
     return scan, missing
