@@ -18,6 +18,7 @@ keys and wrong types, `parse` refuses (IntegrityError naming the document and th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -218,8 +219,28 @@ Doc = TypeVar("Doc")
 
 
 def to_json(doc: Any) -> dict[str, Any]:
-    """A document as JSON-ready data (tuples become lists when serialised)."""
-    return dataclasses.asdict(doc)
+    """A document as JSON-ready data (tuples become lists when serialised): what
+    dataclasses.asdict gives, without its deep copy of every leaf (a 10,000-file release took
+    0.2 s that way; our documents hold only str, int, float, bool, None, dicts and tuples)."""
+    return _plain(doc)
+
+
+def _plain(value: Any) -> Any:
+    kind = type(value)
+    if kind in (str, int, float, bool) or value is None:
+        return value
+    if kind is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if kind in (tuple, list):
+        return kind(_plain(v) for v in value)
+    if dataclasses.is_dataclass(kind):
+        return {name: _plain(getattr(value, name)) for name in _field_names(kind)}
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+
+
+@cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
 
 
 def dump(doc: Any) -> bytes:

@@ -129,6 +129,10 @@ _env_file_option = click.option(
     "--allow-stale", is_flag=True,
     help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning.",
 )  # fmt: skip
+@click.option(
+    "--verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+    help="fast: trust files whose (size, mtime) match what pull recorded; full: rehash every installed file and fetch again any that differ.",
+)  # fmt: skip
 @json_option
 def pull(
     ref: str,
@@ -140,6 +144,7 @@ def pull(
     no_host_check: bool,
     lock_timeout: float,
     allow_stale: bool,
+    verify: str,
     as_json: bool,
 ) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move), after
@@ -149,7 +154,7 @@ def pull(
     host_env = None if no_host_check else os.environ
     report = pull_or_stale(
         lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
-        jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout,
+        jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
     )  # fmt: skip
     Console(as_json).pull(report)
 

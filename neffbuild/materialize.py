@@ -49,6 +49,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # and time of the transfer itself; the pulled NEFFs are read once, when the runtime loads them.
 DIRECT_MIN = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+HASH_CHUNK = 4 << 20  # reading back to hash: large reads, few system calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +313,7 @@ class Beneath:
     def __init__(self, root: int, root_path: Path) -> None:
         self.root, self.root_path = root, root_path
         self._chain: list[tuple[str, int]] = []  # (name, fd) from the root down
+        self._read_buffer = memoryview(bytearray())
 
     def __enter__(self) -> Beneath:
         return self
@@ -361,16 +363,26 @@ class Beneath:
                 return None
             raise
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None
             hasher = xxhash.xxh3_128()
             size = 0
-            while size <= limit and (chunk := os.read(fd, 1 << 20)):
-                hasher.update(chunk)
-                size += len(chunk)
+            # Into one reused buffer, read to limit + 1 (one byte more says it is too long): no
+            # allocation per chunk, and the read and the hash of a large chunk both drop the GIL.
+            view = self._buffer(limit + 1)
+            while size <= limit and (n := os.readv(fd, [view[: limit + 1 - size]])):
+                hasher.update(view[:n])
+                size += n
             return hasher.hexdigest() if size <= limit else None
         finally:
             os.close(fd)
+
+    def _buffer(self, wanted: int) -> memoryview:
+        """A read buffer of at most HASH_CHUNK bytes, grown as files need it."""
+        if len(self._read_buffer) < min(wanted, HASH_CHUNK):
+            self._read_buffer = memoryview(bytearray(min(wanted, HASH_CHUNK)))
+        return self._read_buffer
 
     def _trim(self, keep: int) -> None:
         while len(self._chain) > keep:

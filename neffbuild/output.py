@@ -196,7 +196,8 @@ class Console:
             print(f"warning: {warning} (informational: kernels are unaffected)", file=sys.stderr)
         print(
             f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
-            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s",
+            f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s"
+            + (f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired" if report.files_rehashed or report.files_repaired else ""),
             file=sys.stderr,
         )
         self.exports(report.exports)

@@ -8,6 +8,25 @@ re-reading gigabytes of NEFFs; a no-op pull writes nothing at all (a full disk d
 Nothing below the cache dir is reached through a symlink (materialize's module docstring says
 how): not the files, not their directories, not the state dir and its lock. A file that is a
 link is never "present"; pull replaces it with the verified file.
+
+A power cut, and what the host sees after it, by the step a pull was at (the state file is the
+commit point: it vouches only for bytes already flushed, so "the next pull" below repairs all):
+
+1. Resolving and checking (release, host, room, links): nothing was written; the previous
+   install and its state are as they were.
+2. Files landing (each unnamed or `*.incomplete` until verified, then linked or renamed into
+   place; no flush per file): a landed file may come back whole, empty, absent or, where it
+   replaced an older file, as the older one; an unfinished one leaves nothing (a named temp file
+   at worst, removed by the next pull). The state is still the previous pull's, which vouches
+   for none of these new files (their mtimes differ), so the next pull re-hashes them and
+   fetches again any that is wrong.
+3. The flush (one syncfs for the filesystem): as in 2 until it returns. If it fails, pull exits
+   10 and writes no state.
+4. The state file (temp file, fsync, rename, fsync of its directory): either the previous state
+   or the new one, never a mix; both vouch only for flushed files. Its (size, mtime) check
+   trusts the disk after that: `--verify full` rehashes everything.
+5. The env file (--env-file, written the same way, last): the previous one or the new one; a
+   server started from the previous one is the reason boot runs pull first.
 """
 
 from __future__ import annotations
@@ -56,9 +75,14 @@ from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
 _LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
+HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
+# Files this large on average are hashed by several threads (their reads and hashes run without
+# the GIL). Measured on 2 cores: 10,000 files of 34 KiB, 0.145 s in one thread, 0.17 s in two.
+HASH_THREADED_MIN = 1 << 20
 LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
+VERIFY_MODES = ("fast", "full")  # fast: trust (size, mtime) the state recorded; full: rehash every file
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,8 @@ class PullReport:
     stale: bool = False  # the store was unreachable: this is the release installed before (--allow-stale)
     stale_reason: str | None = None  # the store error that made it stale
     installed_at: str | None = None  # when a stale release was installed
+    files_rehashed: int = 0  # installed files read back and hashed (all of them with verify="full")
+    files_repaired: int = 0  # files fetched again because the cache held wrong bytes at their path
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
@@ -126,6 +152,7 @@ def pull(
     host_env: Mapping[str, str] | None = None,
     lock_timeout: float | None = LOCK_TIMEOUT_S,
     timeout: float | None = None,
+    verify: str = "fast",
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
@@ -139,27 +166,33 @@ def pull(
     reading its bundles, before downloading): past it, StoreError. It also caps the wait for
     another pull's lock (ConflictError). It does not cut a request in flight: a stalled read is
     bounded only by the store's own per-request timeouts.
+
+    verify="fast" (default) takes a file the state recorded with the same (size, mtime) as
+    intact: bytes changed in place with the mtime put back go unnoticed. verify="full" rehashes
+    every installed file (in parallel) and fetches again, atomically, any that differ.
     """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
     started = time.perf_counter()
     deadline = _Deadline(store, ref, timeout)
-    resolved = resolve(store, ref)
-    deadline.check("resolving it")
     cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
+    _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
+    resolved = resolve(store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None)
+    deadline.check("resolving it")
     exports = release_exports(resolved, cache_dir, allow_env)
     env_text = env_file_text(exports) if env_file is not None else ""
-    old_bytes, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
     installed = _installed(store, resolved, exports, old, jobs)
     deadline.check("reading its bundles")
     lock_timeout = deadline.cap(lock_timeout)
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
     try:
-        found, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout)
+        scan, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout, jobs, verify)
         if root is None:
             root = _open_dir(cache_dir)
-        if missing or _state_bytes(installed, found) != old_bytes:
+        if missing or not _recorded(old, installed, scan.found):
             deadline.check(f"checking the cache dir, before fetching {len(missing)} files")
-            missing = _complete(store, resolved, root, cache_dir, found, jobs, installed, lock_timeout)
+            missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify)
     finally:
         if root is not None:
             os.close(root)
@@ -177,6 +210,8 @@ def pull(
         exports=exports,
         host_checked=host_env is not None,
         host_warnings=warnings,
+        files_rehashed=scan.hashed,
+        files_repaired=sum(f.path in scan.damaged for f in missing),
     )
 
 
@@ -201,28 +236,34 @@ class _Deadline:
         return left if seconds is None else min(seconds, left)
 
 
+def _trusted(state: State, verify: str) -> State:
+    """What of the state may stand in for reading the files: nothing with verify="full"."""
+    return state if verify == "fast" else {}
+
+
 def _missing_that_fits(
-    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None
-) -> tuple[dict[str, os.stat_result | None], list[FileEntry]]:
+    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None, jobs: int, verify: str
+) -> tuple[Scan, list[FileEntry]]:
     """(what the cache holds, the files to fetch), once its filesystem has room for them: else
     DiskError, with nothing written. Short of room while another pull holds the lock, whatever
     that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
-    found, missing, sizes = _missing(root, cache_dir, installed, state)
+    scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(state, verify), jobs)
     if missing and root is not None and not room_for(cache_dir, sizes).fits and _wait_for_other_pull(root, cache_dir, lock_timeout):
-        found, missing, sizes = _missing(root, cache_dir, installed, read_state(root, cache_dir)[1].files)
+        fresh = read_state(root, cache_dir)[1].files
+        scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(fresh, verify), jobs)
     if missing:
         require_room(cache_dir, sizes, f"pulling {len(missing)} files of {installed.release.name}")
-    return found, missing
+    return scan, missing
 
 
 def _missing(
-    root: int | None, cache_dir: Path, installed: Installed, state: State
-) -> tuple[dict[str, os.stat_result | None], list[FileEntry], list[int]]:
+    root: int | None, cache_dir: Path, installed: Installed, state: State, jobs: int
+) -> tuple[Scan, list[FileEntry], list[int]]:
     """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
     files = installed.release.files
-    found = _scan(root, cache_dir, files, state) if root is not None else dict.fromkeys(f.path for f in files)
-    missing = [f for f in files if found[f.path] is None]
-    return found, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
+    scan = _scan(root, cache_dir, files, state, jobs) if root is not None else Scan(dict.fromkeys(f.path for f in files))
+    missing = [f for f in files if scan.found[f.path] is None]
+    return scan, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
 
 
 def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> bool:
@@ -270,10 +311,11 @@ def _complete(
     resolved: ResolvedRelease,
     root: int,
     cache_dir: Path,
-    found: dict[str, os.stat_result | None],
+    scan: Scan,
     jobs: int,
     installed: Installed,
     lock_timeout: float | None,
+    verify: str,
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     state_dir = open_state_dir(root, cache_dir, create=True)
@@ -282,18 +324,15 @@ def _complete(
         # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
         with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE, lock_timeout):
             old_state, state = load_state(state_dir)
+            found = scan.found
             # Another pull may have landed some while we waited for the lock.
             missing = [f for f in resolved.release.files if found[f.path] is None]
-            found.update(_scan(root, cache_dir, missing, state.files))
+            found.update(_scan(root, cache_dir, missing, _trusted(state.files, verify), jobs).found)
             missing = [f for f in missing if found[f.path] is None]
             if missing:
                 remove_stale_temp_files(cache_dir)
                 targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir) for f in missing]
                 store.download_blobs(targets, jobs, release=resolved.release_id)
-                # One flush for all files, then the state file: the state is the commit point. A file
-                # put in place but lost to a power cut before this flush is not in the state, so
-                # the next pull re-hashes it and fetches it again.
-                sync_filesystem(cache_dir)
                 with Beneath(root, cache_dir) as tree:
                     found.update({f.path: _stat(tree, f.path, cache_dir) for f in missing})
             _save_state(state_dir, cache_dir, _state_bytes(installed, found), old_state)
@@ -302,10 +341,76 @@ def _complete(
     return missing
 
 
-def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State) -> dict[str, os.stat_result | None]:
-    """path -> status of each file the cache already holds, None for the others (only reads)."""
+@dataclass(frozen=True)
+class Scan:
+    """What the cache dir holds of a release's files."""
+
+    found: dict[str, os.stat_result | None]  # path -> status of a file holding its bytes, else None
+    hashed: int = 0  # files read back and hashed (the state did not vouch for them)
+    damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
+
+
+def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
+    """What the cache already holds of files (only reads). One stat per file; a file of the right
+    size the state does not vouch for is hashed, in parallel (xxhash and reads release the GIL)."""
+    found: dict[str, os.stat_result | None] = {}
+    unsure: list[tuple[FileEntry, os.stat_result]] = []
+    damaged = set()
     with Beneath(root, cache_dir) as tree:
-        return {f.path: _present(tree, f, state, cache_dir) for f in files}
+        for f in files:
+            st = found[f.path] = _stat(tree, f.path, cache_dir)
+            if st is None:
+                continue
+            if st.st_size != f.size:
+                found[f.path] = None
+                damaged.add(f.path)
+            elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
+                unsure.append((f, st))
+    for (f, st), digest in zip(unsure, _hash_all(root, cache_dir, [f for f, _ in unsure], jobs), strict=True):
+        if digest != f.digest:
+            found[f.path] = None
+            damaged.add(f.path)
+    return Scan(found, len(unsure), frozenset(damaged))
+
+
+def _hash_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> list[str | None]:
+    """Each file's digest (None: gone or not a regular file), in runs of neighbouring files
+    (their directories stay open) spread over up to jobs threads, each with its own Beneath."""
+
+    def digests(run: list[FileEntry]) -> list[str | None]:
+        with Beneath(root, cache_dir) as tree:
+            return [_hash_one(tree, f, cache_dir) for f in run]
+
+    jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
+    if sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
+        jobs = 1  # small files cost Python work per file, under the GIL: threads only contend for it
+    runs = _runs(files, jobs)
+    if len(runs) <= 1:
+        return digests(files)
+    with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
+        return [d for run in pool.map(digests, runs) for d in run]
+
+
+def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
+    """files cut into runs of about HASH_RUN bytes (at least one file), at most 4 per thread
+    and never so small that handing one to a thread costs more than reading it."""
+    per_run = max(HASH_RUN, sum(f.size for f in files) // (4 * max(jobs, 1)) + 1)
+    runs: list[list[FileEntry]] = [[]]
+    size = 0
+    for f in files:
+        if size >= per_run:
+            runs.append([])
+            size = 0
+        runs[-1].append(f)
+        size += f.size
+    return [r for r in runs if r]
+
+
+def _hash_one(tree: Beneath, entry: FileEntry, cache_dir: Path) -> str | None:
+    try:
+        return tree.hash_file(entry.path, entry.size)
+    except OSError as exc:
+        raise disk_error(exc, cache_dir / entry.path) from None
 
 
 @contextmanager
@@ -373,20 +478,6 @@ def _is_regular(name: str, dir_fd: int) -> bool:
         return False
 
 
-def _present(tree: Beneath, entry: FileEntry, state: State, cache_dir: Path) -> os.stat_result | None:
-    """The file's status if the cache already holds entry's bytes at its path, else None."""
-    st = _stat(tree, entry.path, cache_dir)
-    if st is None or st.st_size != entry.size:
-        return None
-    if state.get(entry.path) == (entry.size, st.st_mtime_ns, entry.digest):
-        return st
-    try:
-        digest = tree.hash_file(entry.path, entry.size)
-    except OSError as exc:
-        raise disk_error(exc, cache_dir / entry.path) from None
-    return st if digest == entry.digest else None
-
-
 def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
     """rel's status if it is a regular file (a link, a directory, a FIFO... count as absent)."""
     try:
@@ -397,12 +488,22 @@ def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
 
 
 def _state_bytes(installed: Installed, found: Mapping[str, os.stat_result | None]) -> bytes:
+    return encode_state(installed, _state_files(installed, found))
+
+
+def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:
     files = {}
     for entry in installed.release.files:
         st = found.get(entry.path)
         if st is not None:
             files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
-    return encode_state(installed, files)
+    return files
+
+
+def _recorded(old: CacheState, installed: Installed, found: Mapping[str, os.stat_result | None]) -> bool:
+    """Whether the state file already says what this pull would write: compared as data, not
+    encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes."""
+    return old.version == 2 and old.installed == installed and old.files == _state_files(installed, found)
 
 
 def _state_size(installed: Installed) -> int:
@@ -439,7 +540,12 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
 
 
 def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None) -> None:
-    """Replace the state file with data, unless it already holds exactly that."""
+    """Replace the state file with data, unless it already holds exactly that; first flush the
+    filesystem (one syncfs for all files), as the state is the commit point: it may vouch only
+    for durable bytes. Also for files this pull only re-hashed: a killed pull may have landed
+    them without its flush. A file lost to a power cut before the flush is not in the state, so
+    the next pull re-hashes it and fetches it again."""
     if data == old:
         return
+    sync_filesystem(cache_dir)
     write_atomic_at(state_dir, STATE_FILE, data, shown=cache_dir / STATE_DIR / STATE_FILE)

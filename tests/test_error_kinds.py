@@ -123,6 +123,23 @@ def test_a_failed_flush_after_a_pull_is_a_disk_error_and_records_nothing(failing
     assert not (cache / ".neffbuild" / "state.json").exists()  # nothing claims the files are durable
 
 
+def test_files_a_pull_only_rehashes_are_flushed_before_the_state_vouches_for_them(failing_disk: Path, tmp_path: Path) -> None:
+    """As after a pull killed before its flush: the files are in place, in the page cache only.
+    The next pull fetches nothing, but must flush them before recording them (here it fails)."""
+    store = open_store(str(tmp_path / "store"), create=True)
+    sources = write_files(tmp_path / "src", {f"f{i:02d}.bin": 1 << 20 for i in range(24)})
+    publish_release_of(store, tmp_path / "src", sources, tag="t")
+    cache = failing_disk / "cache"
+    shutil.copytree(tmp_path / "src", cache)  # 24 MiB, dirty: the device takes only 6 MiB
+    result = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "pull", "t", "--store", store.url, "--cache-dir", str(cache), "--json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 10, result.stderr
+    assert f"error: {cache}: flushing its filesystem to disk failed" in result.stderr
+    assert not (cache / ".neffbuild" / "state.json").exists()
+
+
 # -- a unit's own OSError is that unit's failure -------------------------------------------------
 
 

@@ -114,6 +114,63 @@ def test_damaged_or_deleted_local_files_are_fetched_again(store: LocalStore, tmp
     assert (cache / deleted).read_bytes() == FILES[deleted]
 
 
+def flip_a_byte_in_place(path: Path) -> None:
+    """Change one byte, keeping the size and putting the mtime back: what (size, mtime) cannot see."""
+    before = path.stat()
+    with path.open("r+b") as f:
+        f.seek(7)
+        byte = f.read(1)
+        f.seek(7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def test_verify_full_repairs_a_byte_flipped_behind_the_states_back(store: LocalStore, tmp_path: Path, cli) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    victim = sorted(FILES)[5]
+    flip_a_byte_in_place(cache / victim)
+    fast = pull(store, "t", cache)  # documented: the default trusts the (size, mtime) it recorded
+    assert (fast.files_fetched, fast.files_rehashed) == (0, 0)
+    assert (cache / victim).read_bytes() != FILES[victim]
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--verify", "full", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["files_rehashed"], report["files_repaired"], report["files_fetched"]) == (len(FILES), 1, 1)
+    assert (cache / victim).read_bytes() == FILES[victim]
+    again = pull(store, "t", cache, verify="full")  # repaired and recorded: nothing left to fetch
+    assert (again.files_rehashed, again.files_fetched) == (len(FILES), 0)
+    assert incomplete_files(cache) == []
+
+
+def test_verify_full_hashes_large_files_in_threads_and_repairs_each(store: LocalStore, tmp_path: Path) -> None:
+    big = {f"neff/{i}.neff": os.urandom(3 << 20) for i in range(4)}  # large enough to be hashed in threads
+    publish_files(store, big, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    for victim in sorted(big)[1:3]:
+        flip_a_byte_in_place(cache / victim)
+    report = pull(store, "t", cache, jobs=4, verify="full")
+    assert (report.files_rehashed, report.files_repaired, report.files_fetched) == (4, 2, 2)
+    assert all((cache / rel).read_bytes() == data for rel, data in big.items())
+
+
+@pytest.mark.parametrize("verify", ["fast", "full"])
+def test_a_truncated_file_is_repaired_by_either_verify(store: LocalStore, tmp_path: Path, verify: str) -> None:
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    victim = sorted(FILES)[9]
+    before = (cache / victim).stat()
+    os.truncate(cache / victim, 100)
+    os.utime(cache / victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    report = pull(store, "t", cache, verify=verify)
+    assert (report.files_fetched, report.files_repaired) == (1, 1)
+    assert (cache / victim).read_bytes() == FILES[victim]
+
+
 def test_corrupt_store_object_fails_closed_naming_the_file(store: LocalStore, tmp_path: Path, cli) -> None:
     publish_files(store, FILES, tmp_path)
     victim = sorted(FILES)[3]
@@ -194,6 +251,26 @@ def test_corrupt_release_document_is_rejected(store: LocalStore, tmp_path: Path,
     doc.write_text(doc.read_text()[:-20])
     result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(tmp_path / "c"))
     assert result.returncode == 4 and f"releases/{release_id}.json: not valid JSON" in result.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncate", "reencode", "remove"])
+def test_the_installed_release_stands_in_only_for_the_very_bytes_of_its_store_document(store: LocalStore, tmp_path: Path, cli, damage: str) -> None:
+    """A no-op pull takes the release from the cache dir's state instead of parsing the store's
+    document again, only while the store still holds that document byte for byte."""
+    release_id = publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "c"
+    assert pull(store, "t", cache).files_fetched == len(FILES)
+    doc = store.root / "releases" / f"{release_id}.json"
+    doc.chmod(0o644)
+    if damage == "truncate":
+        doc.write_text(doc.read_text()[:-20])
+    elif damage == "reencode":  # the same document, other bytes: parsed and checked as before
+        doc.write_text(json.dumps(json.loads(doc.read_text()), indent=1))
+    else:
+        doc.unlink()
+    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache))
+    expected = {"truncate": 4, "reencode": 0, "remove": 8}[damage]
+    assert result.returncode == expected, result.stderr
 
 
 def test_a_release_cannot_write_outside_the_cache_dir(store: LocalStore, tmp_path: Path, cli) -> None:

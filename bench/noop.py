@@ -1,0 +1,134 @@
+"""Pull of a release already in place: the boot of a host whose cache dir survived a reboot.
+
+A 10,000-file release (Inductor-like: 100 two-character directories, sizes 4-64 KiB) is
+published to a local store and pulled once into bench/.work/noop/cache. Then:
+
+  (a) no-op: `python -m neffbuild pull TAG --store DIR --cache-dir CACHE` as boot runs it (host
+      check included), whole process wall from spawn to exit, interpreter start included.
+      Target: <= 0.3 s.
+  (b) `--verify full` of the same cache (every file rehashed, nothing to fetch), as a process and
+      as pull() inside this one, against the peer: a tight single-threaded loop of
+      xxhash.xxh3_128 over the same files (read whole, hashed), in the same run, page cache warm
+      for both. Target: >= 0.8x the peer's throughput. A second peer reads into one reused
+      buffer (f.read() allocates and faults in fresh memory for every file: large files suffer).
+
+Each figure is the median of --runs, after one warm-up; the modes are interleaved per round.
+Run:
+    .venv/bin/python bench/noop.py [--runs 7] [--files 10000]
+    .venv/bin/python bench/noop.py --files 8 --size 64     (NEFF-like: 8 files of 64 MiB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import xxhash
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WORK = ROOT / "bench" / ".work" / "noop"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--files", type=int, default=10_000)
+    p.add_argument("--jobs", type=int, default=16)
+    p.add_argument("--size", type=int, default=0, help="every file this many MiB (NEFF-like) instead of 4-64 KiB")
+    args = p.parse_args()
+    store_dir, cache = prepare(args.files, args.size)
+    files = sorted(str(p) for p in cache.rglob("*") if p.is_file() and ".neffbuild" not in p.parts)
+    size = sum(os.path.getsize(f) for f in files)
+    command = [sys.executable, "-m", "neffbuild", "pull", "t", "--store", str(store_dir), "--cache-dir", str(cache)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    timings: dict[str, list[float]] = {"noop": [], "full_cli": [], "full_inproc": [], "xxh3": [], "xxh3_buf": []}
+    for round_ in range(1 + args.runs):
+        got = {
+            "noop": timed(lambda: run(command, env)),
+            "full_cli": timed(lambda: run([*command, "--verify", "full", "--jobs", str(args.jobs)], env)),
+            "full_inproc": timed(lambda: verify_in_process(store_dir, cache, args.jobs)),
+            "xxh3": timed(lambda: raw_xxh3(files)),
+            "xxh3_buf": timed(lambda: raw_xxh3_reused_buffer(files)),
+        }
+        print(f"  round {round_}: " + ", ".join(f"{k} {v:.3f}s" for k, v in got.items()), file=sys.stderr)
+        if round_:
+            for k, v in got.items():
+                timings[k].append(v)
+    med = {k: statistics.median(v) for k, v in timings.items()}
+    mbs = {k: size / v / 1e6 for k, v in med.items()}
+    print(f"\n{len(files):,} files, {size / 1e6:,.0f} MB; median of {args.runs} runs after 1 warm-up; --jobs {args.jobs}\n")
+    low = {k: min(v) for k, v in timings.items()}
+    print("| what | min s | median s | MB/s (median) | x raw XXH3 | x raw XXH3, reused buffer |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| (a) no-op `pull` (process, interpreter start included) | {low['noop']:.3f} | {med['noop']:.3f} | - | - | - |")
+    for key, label in (("full_cli", "(b) `pull --verify full` (process)"), ("full_inproc", "(b) `pull(verify=\"full\")` in-process"),
+                       ("xxh3", "raw XXH3 loop (peer, one thread)"), ("xxh3_buf", "raw XXH3 loop, one reused 4 MiB buffer")):  # fmt: skip
+        print(f"| {label} | {low[key]:.3f} | {med[key]:.3f} | {mbs[key]:,.0f} | {mbs[key] / mbs['xxh3']:.2f} | {mbs[key] / mbs['xxh3_buf']:.2f} |")
+    print(f"\nmachine: {os.cpu_count()} CPUs; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+
+
+def prepare(count: int, mib: int) -> tuple[Path, Path]:
+    """The store and the cache dir with the release in place (made once, reused)."""
+    from neffbuild.pull import pull
+    from neffbuild.store.local import LocalStore
+    from tests.storekit import publish_release_of, write_files
+
+    name = f"{count}x{mib}MiB" if mib else f"{count}"
+    store_dir, cache = WORK / f"store-{name}", WORK / f"cache-{name}"
+    if not (store_dir / "tags").is_dir():
+        rng = random.Random(1)
+        sizes = {f"{i % 100:02x}/c{i:05d}.bin": (mib << 20) or rng.randrange(4 << 10, 64 << 10) for i in range(count)}
+        src = WORK / f"src-{name}"
+        sources = write_files(src, sizes)
+        publish_release_of(LocalStore(store_dir, create=True), src, sources, tag="t")
+    pull(LocalStore(store_dir), "t", cache, jobs=16)
+    return store_dir, cache
+
+
+def run(command: list[str], env: dict[str, str]) -> None:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0 or "0 of" not in done.stderr:
+        raise SystemExit(f"{' '.join(command)} failed or fetched something ({done.returncode}):\n{done.stderr[-2000:]}")
+
+
+def verify_in_process(store_dir: Path, cache: Path, jobs: int) -> None:
+    from neffbuild.pull import pull
+    from neffbuild.store.local import LocalStore
+
+    report = pull(LocalStore(store_dir), "t", cache, jobs=jobs, verify="full")
+    assert report.files_fetched == 0 and report.files_rehashed == report.files_total, report
+
+
+def raw_xxh3(files: list[str]) -> None:
+    for f in files:
+        with open(f, "rb") as src:
+            xxhash.xxh3_128(src.read()).hexdigest()
+
+
+def raw_xxh3_reused_buffer(files: list[str]) -> None:
+    """The peer without a fresh allocation per file (what pull's reader does, in one thread)."""
+    buffer = memoryview(bytearray(4 << 20))
+    for f in files:
+        with open(f, "rb", buffering=0) as src:
+            hasher = xxhash.xxh3_128()
+            while n := src.readinto(buffer):
+                hasher.update(buffer[:n])
+            hasher.hexdigest()
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    main()
