@@ -24,6 +24,7 @@ def ensure_cache(
     allow_stale: bool = False,
     host_check: bool = True,
     env: Mapping[str, str] | None = None,
+    verify: str = "fast",
 ) -> PullReport:
     """Make cache_dir hold REF's release (a tag or release id) from store (a URL or an open Store);
     a complete cache fetches nothing. The report's `exports` are what the server must export.
@@ -34,6 +35,7 @@ def ensure_cache(
     returns the release cache_dir already holds, if it is REF's and complete, with `stale` set.
     host_check: compare this host (env, default os.environ, read only) with the release first.
     env also holds the S3 settings when store is a URL (AWS_ENDPOINT_URL, credentials).
+    verify: "fast" trusts files whose (size, mtime) pull recorded; "full" rehashes every file.
     """
     from neffbuild.fallback import pull_or_stale
     from neffbuild.store import open_store
@@ -44,7 +46,7 @@ def ensure_cache(
         return open_store(store, env=environ) if isinstance(store, str) else store
 
     return pull_or_stale(
-        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout
+        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout, verify=verify
     )
 
 
