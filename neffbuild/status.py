@@ -108,10 +108,12 @@ def status(
 
 
 def status_of(ref: str | None, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str], verify: bool = False) -> StatusReport:
-    """`status` as the CLI names it: REF is a manifest (a .toml or existing file: its tag and its
+    """`status` as the CLI names it: REF is a manifest (a .toml file or a path: its tag and its
     units), a tag, a release, or nothing (the installed release); the store opens only if needed."""
     plan, manifest_store = None, None
-    if ref is not None and (ref.endswith(".toml") or Path(ref).is_file()):
+    # A path, never a file that happens to lie in the working directory under a tag's name: tags
+    # and ids cannot hold "/" and a manifest ends in .toml.
+    if ref is not None and (ref.endswith(".toml") or "/" in ref):
         from neffbuild.manifest import load_manifest
         from neffbuild.plan import make_plan
 

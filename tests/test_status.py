@@ -93,6 +93,10 @@ def test_a_complete_host_hits_from_the_cache_dir_alone(target, tmp_path: Path, c
         assert report["source"].endswith(".neffbuild/state.json")
     plain = cli("status", "--cache-dir", str(cache))
     assert plain.returncode == 0 and "2 of 2 units will hit" in plain.stdout and "verify --replay" in plain.stdout
+    # A file named like the tag in the working directory is not taken for a manifest.
+    (tmp_path / "prod").write_text("not a manifest")
+    by_tag = cli("status", "prod", "--cache-dir", str(cache), env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, cwd=tmp_path)
+    assert by_tag.returncode == 0 and "2 of 2 units will hit" in by_tag.stdout, by_tag.stderr
 
 
 def test_a_deleted_file_makes_its_unit_missing(target, tmp_path: Path, cli) -> None:
