@@ -39,6 +39,7 @@ from neffbuild.materialize import disk_error, open_dir_beneath
 from neffbuild.names import STATE_DIR
 
 if TYPE_CHECKING:
+    from neffbuild.refs import ResolvedRelease
     from neffbuild.store.base import Store
 
 STATE_FORMAT = "neffbuild.cache-state/2"
@@ -260,7 +261,6 @@ def find_target(
         )
     if open_store is None:
         raise InputError(f"{ref}: not the release installed in {cache_dir}", hint="pass --store to read it from the store")
-    from neffbuild.pull import release_units
     from neffbuild.refs import resolve
 
     store = open_store()
@@ -275,3 +275,20 @@ def accepted_env(state: CacheState, target: Target) -> tuple[str, ...]:
     """Variables the pull accepted with --allow-env (they are in its exports) stay accepted."""
     installed = state.installed
     return tuple(installed.exports) if installed is not None and installed.release_id == target.release_id else ()
+
+
+def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[InstalledUnit, ...]:
+    """Each unit of the release as its bundle records it (read in parallel); a bundle the store
+    lacks or that does not match its key is an error: the store is damaged."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from neffbuild.refs import release_bundle
+
+
+    def load(unit: ReleaseUnit) -> InstalledUnit:
+        record = release_bundle(store, resolved, unit)
+        return InstalledUnit(unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
+
+    units = resolved.release.units
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles") as pool:
+        return tuple(pool.map(load, units))

@@ -43,12 +43,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from neffbuild.atomic import write_atomic_at
-from neffbuild.bundle import FileEntry, ReleaseUnit
+from neffbuild.bundle import FileEntry
 from neffbuild.cachestate import (
     STATE_FILE,
     CacheState,
     Installed,
-    InstalledUnit,
     encode_state,
     load_state,
     open_existing,
@@ -57,6 +56,7 @@ from neffbuild.cachestate import (
     accepted_env,
     find_target,
     read_cache_state,
+    release_units,
 )
 from neffbuild.errors import EnvironmentMismatch, NotFoundError, StoreError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
@@ -69,7 +69,7 @@ from neffbuild.materialize import (
 )
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
-from neffbuild.refs import ResolvedRelease, release_bundle, resolve
+from neffbuild.refs import ResolvedRelease, resolve
 from neffbuild.room import require_room, room_for
 from neffbuild.store.base import Store
 
@@ -524,19 +524,6 @@ def _installed(store: Store, resolved: ResolvedRelease, exports: Mapping[str, st
         exports=dict(exports),
         units=same.units if same else release_units(store, resolved, jobs),
     )
-
-
-def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[InstalledUnit, ...]:
-    """Each unit of the release as its bundle records it (read in parallel); a bundle the store
-    lacks or that does not match its key is an error: the store is damaged."""
-
-    def load(unit: ReleaseUnit) -> InstalledUnit:
-        record = release_bundle(store, resolved, unit)
-        return InstalledUnit(unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
-
-    units = resolved.release.units
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles") as pool:
-        return tuple(pool.map(load, units))
 
 
 def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None) -> None:
