@@ -66,6 +66,9 @@ class BlobTarget:
     # missing directories below it are made. None: dest's parent is made and used as a path
     # (scratch directories of our own).
     root: Path | None = None
+    # Write a blob of DIRECT_MIN bytes or more with O_DIRECT (where the filesystem takes it):
+    # see DIRECT_MIN for what that trades.
+    direct: bool = True
 
 
 def temp_name_for(name: str) -> str:
@@ -80,7 +83,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
     landed = False
     try:
         parent = _open_parent(target)
-        fd, named, direct = _open_temp(parent, dest.name, direct=target.size >= DIRECT_MIN)
+        fd, named, direct = _open_temp(parent, dest.name, direct=target.direct and target.size >= DIRECT_MIN)
         try:
             hasher = xxhash.xxh3_128()
             size = 0

@@ -153,6 +153,7 @@ def pull(
     lock_timeout: float | None = LOCK_TIMEOUT_S,
     timeout: float | None = None,
     verify: str = "fast",
+    direct_writes: bool = True,
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
@@ -170,6 +171,9 @@ def pull(
     verify="fast" (default) takes a file the state recorded with the same (size, mtime) as
     intact: bytes changed in place with the mtime put back go unnoticed. verify="full" rehashes
     every installed file (in parallel) and fetches again, atomically, any that differ.
+
+    direct_writes: land files of materialize.DIRECT_MIN bytes or more with O_DIRECT (bypassing
+    the page cache; see DIRECT_MIN for the trade).
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
@@ -192,7 +196,7 @@ def pull(
             root = _open_dir(cache_dir)
         if missing or not _recorded(old, installed, scan.found):
             deadline.check(f"checking the cache dir, before fetching {len(missing)} files")
-            missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify)
+            missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes)
     finally:
         if root is not None:
             os.close(root)
@@ -316,6 +320,7 @@ def _complete(
     installed: Installed,
     lock_timeout: float | None,
     verify: str,
+    direct_writes: bool,
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     state_dir = open_state_dir(root, cache_dir, create=True)
@@ -331,7 +336,7 @@ def _complete(
             missing = [f for f in missing if found[f.path] is None]
             if missing:
                 remove_stale_temp_files(cache_dir)
-                targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir) for f in missing]
+                targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir, direct=direct_writes) for f in missing]
                 store.download_blobs(targets, jobs, release=resolved.release_id)
                 with Beneath(root, cache_dir) as tree:
                     found.update({f.path: _stat(tree, f.path, cache_dir) for f in missing})

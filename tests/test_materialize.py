@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -12,6 +13,7 @@ import xxhash
 from neffbuild import materialize
 from neffbuild.errors import DiskError, IntegrityError
 from neffbuild.materialize import DIRECT_MIN, BlobTarget, aligned_buffer, write_verified
+from tests.pagecache import direct_io_possible, resident_fraction
 
 
 @pytest.fixture(params=["unnamed", "named"])
@@ -64,6 +66,30 @@ def test_unaligned_chunks_of_a_large_file_still_land(tmp_path: Path, temp_kind: 
     dest = tmp_path / "big.neff"
     write_verified(target_for(data, dest), [data[:5], data[5:]], origin="test")  # bytes objects: unaligned
     assert dest.read_bytes() == data
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_and_buffered_writes_land_the_same_bytes(tmp_path: Path, temp_kind: str, direct: bool) -> None:
+    data = os.urandom(DIRECT_MIN + (1 << 20) + 12_345)
+    dest = tmp_path / "big.neff"
+    target = dataclasses.replace(target_for(data, dest), direct=direct)
+    write_verified(target, aligned_chunks(data), origin="test")
+    assert dest.read_bytes() == data and leftovers(tmp_path, dest) == []
+
+
+def test_buffered_writes_leave_the_file_in_memory_and_direct_ones_do_not(tmp_path: Path) -> None:
+    # What the option is for: after a buffered landing the server's first load reads memory;
+    # after an O_DIRECT one (where the filesystem takes it) it reads the disk.
+    data = os.urandom(DIRECT_MIN)
+    for direct in (False, True):
+        dest = tmp_path / f"direct-{direct}.neff"
+        write_verified(dataclasses.replace(target_for(data, dest), direct=direct), aligned_chunks(data), origin="test")
+        resident = resident_fraction(dest)
+        if not direct:
+            assert resident > 0.9
+        elif direct_io_possible(tmp_path):
+            assert resident < 0.1
+        assert dest.read_bytes() == data
 
 
 def test_mismatch_leaves_nothing_and_keeps_the_old_file(tmp_path: Path, temp_kind: str) -> None:

@@ -811,3 +811,25 @@ def test_a_failed_pull_with_json_prints_the_failure_as_a_document(store: LocalSt
     assert f"error: {doc['error']}" in failed.stderr  # the journal keeps its line
     gone = cli("pull", "t", "--store", str(tmp_path / "no-store"), "--cache-dir", str(tmp_path / "cache"), "--json")
     assert gone.returncode == 3 and json.loads(gone.stdout)["kind"] == "StoreError"
+
+
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_large_files_pulled_from_s3_land_the_same_bytes_with_or_without_o_direct(
+    s3_url: str, s3_env: dict[str, str], tmp_path: Path, direct_writes: bool
+) -> None:
+    from neffbuild.materialize import DIRECT_MIN
+    from neffbuild.store import open_store
+    from tests.pagecache import direct_io_possible, resident_fraction
+
+    files = {"neff/big.neff": os.urandom(DIRECT_MIN + (3 << 20) + 7), "small.py": b"x = 1\n"}
+    store = open_store(s3_url, create=True, env=s3_env)
+    publish_files(store, files, tmp_path)
+    cache = tmp_path / "cache"
+    report = pull(store, "t", cache, direct_writes=direct_writes)
+    assert report.files_fetched == 2
+    resident = resident_fraction(cache / "neff/big.neff")  # before reading it: S3's aligned buffers can go straight to the device
+    assert all((cache / rel).read_bytes() == data for rel, data in files.items())
+    if not direct_writes:
+        assert resident > 0.9  # the server's first load reads memory
+    elif direct_io_possible(tmp_path):
+        assert resident < 0.5  # all but an unaligned tail went around the page cache
