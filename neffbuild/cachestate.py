@@ -116,7 +116,8 @@ def _files(value: Any) -> Files:
         if (
             isinstance(entry, list)
             and len(entry) == 3
-            and all(type(v) is int for v in entry[:2])
+            and type(entry[0]) is int  # exactly: a bool is no size
+            and type(entry[1]) is int
             and isinstance(entry[2], str)
         ):
             files[path] = (entry[0], entry[1], entry[2])

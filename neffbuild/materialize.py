@@ -43,6 +43,7 @@ from neffbuild.errors import DiskError, IntegrityError, StoreError
 from neffbuild.names import INCOMPLETE_SUFFIX
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 # Blobs this large are written with O_DIRECT where the filesystem allows: straight from our
 # receive buffers to the device. Through the page cache, every byte is copied into freshly
 # allocated cache pages and written back later, which measured (bench/RESULTS.md) 2-4x the CPU
@@ -317,6 +318,7 @@ class Beneath:
         self.root, self.root_path = root, root_path
         self._chain: list[tuple[str, int]] = []  # (name, fd) from the root down
         self._read_buffer = memoryview(bytearray())
+        self._last: tuple[str | None, int] = (None, root)  # (directory, fd) of the last lookup
 
     def __enter__(self) -> Beneath:
         return self
@@ -326,7 +328,10 @@ class Beneath:
 
     def parent(self, rel: str) -> int | None:
         """The directory holding rel (borrowed: valid until the next call), or None if absent."""
-        parts = rel.split("/")[:-1]
+        head = rel.rpartition("/")[0]
+        if head == self._last[0]:  # rel's neighbour came before it (a release is sorted)
+            return self._last[1]
+        parts = head.split("/") if head else []
         keep = 0
         while keep < min(len(parts), len(self._chain)) and self._chain[keep][0] == parts[keep]:
             keep += 1
@@ -340,6 +345,7 @@ class Beneath:
             except _LinkFound:
                 raise link_refused(self.root_path.joinpath(*parts[: i + 1])) from None
             self._chain.append((parts[i], fd))
+        self._last = (head, fd)
         return fd
 
     def lstat(self, rel: str) -> os.stat_result | None:
@@ -348,38 +354,71 @@ class Beneath:
         if parent is None:
             return None
         try:
-            return os.stat(rel.rsplit("/", 1)[-1], dir_fd=parent, follow_symlinks=False)
+            return os.stat(rel.rpartition("/")[2], dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:
             return None
 
     def hash_file(self, rel: str, limit: int) -> str | None:
         """XXH3-128 of the regular file rel if it holds at most limit bytes, else None."""
-        parent = self.parent(rel)
-        if parent is None:
+        fd = self._open_file(rel)
+        if fd is None:
             return None
-        try:
-            fd = os.open(rel.rsplit("/", 1)[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a link: never counted as present
-                return None
-            raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None
-            hasher = xxhash.xxh3_128()
-            size = 0
-            # Into one reused buffer, read to limit + 1 (one byte more says it is too long): no
-            # allocation per chunk, and the read and the hash of a large chunk both drop the GIL.
-            view = self._buffer(limit + 1)
-            while size <= limit and (n := os.readv(fd, [view[: limit + 1 - size]])):
-                hasher.update(view[:n])
-                size += n
-            return hasher.hexdigest() if size <= limit else None
+            return self._hash_open(fd, limit, st.st_size)
         finally:
             os.close(fd)
+
+    def look(self, rel: str, size: int) -> tuple[os.stat_result, str | None] | None:
+        """rel's status and, if it holds size bytes, their XXH3-128 (None: another length); None
+        if absent or not a regular file. One open answers both: no stat pass before reading."""
+        fd = self._open_file(rel)
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            return st, (self._hash_open(fd, size, st.st_size) if st.st_size == size else None)
+        finally:
+            os.close(fd)
+
+    def _open_file(self, rel: str) -> int | None:
+        """rel opened for reading, or None if absent or a link (never counted as present).
+        O_NONBLOCK: a FIFO put there opens without waiting for a writer (and fstat tells)."""
+        parent = self.parent(rel)
+        if parent is None:
+            return None
+        try:
+            return os.open(rel.rpartition("/")[2], _READ_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return None
+            raise
+
+    def _hash_open(self, fd: int, limit: int, expected: int) -> str | None:
+        """XXH3-128 of what fd holds if at most limit bytes, else None; expected: fstat's size."""
+        hasher = xxhash.xxh3_128()
+        size = 0
+        # Into one reused buffer, read to limit + 1 (one byte more says it is too long): no
+        # allocation per chunk, and the read and the hash of a large chunk both drop the GIL.
+        view = self._read_buffer
+        if len(view) <= limit:
+            view = self._buffer(limit + 1)
+        while size <= limit:
+            asked = min(len(view), limit + 1 - size)
+            n = os.readv(fd, [view[:asked]])
+            if not n:
+                break
+            hasher.update(view[:n])
+            size += n
+            if n < asked and size == expected:  # a regular file reads short only at its end: no read of 0
+                break
+        return hasher.hexdigest() if size <= limit else None
 
     def _buffer(self, wanted: int) -> memoryview:
         """A read buffer of at most HASH_CHUNK bytes, grown as files need it."""
@@ -388,6 +427,7 @@ class Beneath:
         return self._read_buffer
 
     def _trim(self, keep: int) -> None:
+        self._last = (None, self.root)
         while len(self._chain) > keep:
             os.close(self._chain.pop()[1])
 

@@ -357,43 +357,61 @@ class Scan:
 
 def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
     """What the cache already holds of files (only reads). One stat per file; a file of the right
-    size the state does not vouch for is hashed, in parallel (xxhash and reads release the GIL)."""
+    size the state does not vouch for is read and hashed, in parallel where that pays. With no
+    state to vouch for anything (verify="full", a first pull), each file is opened once instead:
+    its fstat stands in for the stat."""
     found: dict[str, os.stat_result | None] = {}
-    unsure: list[tuple[FileEntry, os.stat_result]] = []
     damaged = set()
-    with Beneath(root, cache_dir) as tree:
-        for f in files:
-            st = found[f.path] = _stat(tree, f.path, cache_dir)
-            if st is None:
-                continue
-            if st.st_size != f.size:
-                found[f.path] = None
-                damaged.add(f.path)
-            elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
-                unsure.append((f, st))
-    for (f, st), digest in zip(unsure, _hash_all(root, cache_dir, [f for f, _ in unsure], jobs), strict=True):
-        if digest != f.digest:
-            found[f.path] = None
-            damaged.add(f.path)
-    return Scan(found, len(unsure), frozenset(damaged))
-
-
-def _hash_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> list[str | None]:
-    """Each file's digest (None: gone or not a regular file), in runs of neighbouring files
-    (their directories stay open) spread over up to jobs threads, each with its own Beneath."""
-
-    def digests(run: list[FileEntry]) -> list[str | None]:
+    if state:
+        unsure = []
         with Beneath(root, cache_dir) as tree:
-            return [_hash_one(tree, f, cache_dir) for f in run]
+            for f in files:
+                st = found[f.path] = _stat(tree, f.path, cache_dir)
+                if st is None:
+                    continue
+                if st.st_size != f.size:
+                    found[f.path] = None
+                    damaged.add(f.path)
+                elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
+                    unsure.append(f)
+    else:
+        unsure = list(files)
+    hashed = 0
+    for f, look in zip(unsure, _look_all(root, cache_dir, unsure, jobs), strict=True):
+        found[f.path] = None
+        if look is None:  # absent, a link, not a regular file
+            continue
+        st, digest = look
+        hashed += st.st_size == f.size  # look reads a file only then
+        if digest == f.digest:
+            found[f.path] = st
+        else:
+            damaged.add(f.path)
+    return Scan(found, hashed, frozenset(damaged))
+
+
+def _look_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, str | None] | None]:
+    """Beneath.look of each file, in runs of neighbouring files (their directories stay open)
+    spread over up to jobs threads, each with its own Beneath."""
+
+    def looks(run: list[FileEntry]) -> list[tuple[os.stat_result, str | None] | None]:
+        done: list[tuple[os.stat_result, str | None] | None] = []
+        with Beneath(root, cache_dir) as tree:
+            try:
+                for f in run:
+                    done.append(tree.look(f.path, f.size))
+            except OSError as exc:
+                raise disk_error(exc, cache_dir / run[len(done)].path) from None
+        return done
 
     jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
     if sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
         jobs = 1  # small files cost Python work per file, under the GIL: threads only contend for it
     runs = _runs(files, jobs)
-    if len(runs) <= 1:
-        return digests(files)
+    if jobs == 1 or len(runs) <= 1:
+        return looks(files)
     with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
-        return [d for run in pool.map(digests, runs) for d in run]
+        return [d for run in pool.map(looks, runs) for d in run]
 
 
 def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
@@ -409,13 +427,6 @@ def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
         runs[-1].append(f)
         size += f.size
     return [r for r in runs if r]
-
-
-def _hash_one(tree: Beneath, entry: FileEntry, cache_dir: Path) -> str | None:
-    try:
-        return tree.hash_file(entry.path, entry.size)
-    except OSError as exc:
-        raise disk_error(exc, cache_dir / entry.path) from None
 
 
 @contextmanager

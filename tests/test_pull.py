@@ -114,13 +114,13 @@ def test_damaged_or_deleted_local_files_are_fetched_again(store: LocalStore, tmp
     assert (cache / deleted).read_bytes() == FILES[deleted]
 
 
-def flip_a_byte_in_place(path: Path) -> None:
+def flip_a_byte_in_place(path: Path, at: int = 7) -> None:
     """Change one byte, keeping the size and putting the mtime back: what (size, mtime) cannot see."""
     before = path.stat()
     with path.open("r+b") as f:
-        f.seek(7)
+        f.seek(at)
         byte = f.read(1)
-        f.seek(7)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
@@ -155,6 +155,33 @@ def test_verify_full_hashes_large_files_in_threads_and_repairs_each(store: Local
     report = pull(store, "t", cache, jobs=4, verify="full")
     assert (report.files_rehashed, report.files_repaired, report.files_fetched) == (4, 2, 2)
     assert all((cache / rel).read_bytes() == data for rel, data in big.items())
+
+
+def test_verify_full_finds_every_kind_of_damage_among_many_small_files(store: LocalStore, tmp_path: Path) -> None:
+    # Many small files in several directories (read in one pass: each opened once, read in one
+    # go): each kind of damage, wherever it sits in that pass, is found and fetched again.
+    files = {f"{i % 7:02x}/k{i:04d}.py": os.urandom(100 + i * 13) for i in range(300)} | {"top.txt": b"top-level"}
+    publish_files(store, files, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    names = sorted(files)
+    flip_a_byte_in_place(cache / names[0])
+    flip_a_byte_in_place(cache / names[150], at=files[names[150]].__len__() - 1)  # the last byte
+    with (cache / names[151]).open("ab") as f:  # one byte more
+        f.write(b"\0")
+    os.truncate(cache / names[152], len(files[names[152]]) - 1)  # one byte less
+    (cache / names[200]).unlink()
+    (tmp_path / "twin").write_bytes(files[names[201]])
+    (cache / names[201]).unlink()
+    (cache / names[201]).symlink_to(tmp_path / "twin")  # the right bytes, through a link: not present
+    (cache / names[202]).unlink()
+    os.mkfifo(cache / names[202])
+    (cache / "top.txt").write_bytes(b"top-levex")  # same size, new mtime
+    report = pull(store, "t", cache, verify="full")
+    assert (report.files_fetched, report.files_repaired, report.files_rehashed) == (8, 5, len(files) - 5)
+    assert all((cache / rel).read_bytes() == data and not (cache / rel).is_symlink() for rel, data in files.items())
+    again = pull(store, "t", cache, verify="full")
+    assert (again.files_fetched, again.files_rehashed) == (0, len(files))
 
 
 @pytest.mark.parametrize("verify", ["fast", "full"])
