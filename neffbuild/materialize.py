@@ -48,6 +48,10 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 # receive buffers to the device. Through the page cache, every byte is copied into freshly
 # allocated cache pages and written back later, which measured (bench/RESULTS.md) 2-4x the CPU
 # and time of the transfer itself; the pulled NEFFs are read once, when the runtime loads them.
+# The price is that this first load reads the disk, not memory: pull + first load together
+# (bench/ready.py, "Time to ready") still came out lower with O_DIRECT, the page-cache copy
+# costing more than the cold read. It also keeps a pull of many GB from pushing the host's
+# working set out of memory for files read once. BlobTarget.direct turns it off per blob.
 DIRECT_MIN = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 HASH_CHUNK = 4 << 20  # reading back to hash: large reads, few system calls

@@ -405,10 +405,10 @@ def _look_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> 
         return done
 
     jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
-    if sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
-        jobs = 1  # small files cost Python work per file, under the GIL: threads only contend for it
+    if jobs == 1 or sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
+        return looks(files)  # small files cost Python work per file, under the GIL: threads only contend for it
     runs = _runs(files, jobs)
-    if jobs == 1 or len(runs) <= 1:
+    if len(runs) <= 1:
         return looks(files)
     with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
         return [d for run in pool.map(looks, runs) for d in run]
