@@ -12,7 +12,7 @@ import xxhash
 
 from neffbuild import materialize
 from neffbuild.errors import DiskError, IntegrityError
-from neffbuild.materialize import DIRECT_MIN, BlobTarget, aligned_buffer, write_verified
+from neffbuild.materialize import DIRECT_MIN, HASH_CHUNK, BlobTarget, aligned_buffer, write_verified
 from tests.pagecache import direct_io_possible, resident_fraction
 
 
@@ -240,5 +240,31 @@ def test_beneath_never_reports_a_link_or_a_fifo_as_a_file(cache_and_outside) -> 
             assert tree.lstat("missing/x") is None
             with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
                 tree.lstat("dir/keep.txt")
+            # look: the status and the digest from one open, the same rules
+            assert tree.look("f.bin", 15) is None and tree.look("pipe.bin", 0) is None
+            st, digest = tree.look("real.bin", 7)
+            assert (st.st_size, digest) == (7, xxhash.xxh3_128_hexdigest(b"outside"))
+            assert tree.look("real.bin", 6)[1] is None  # another size: its status, no digest, not read
+            assert tree.look("missing/x", 1) is None
+            with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
+                tree.look("dir/keep.txt", 15)
+    finally:
+        os.close(root)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, HASH_CHUNK - 1, HASH_CHUNK, HASH_CHUNK + 1, 2 * HASH_CHUNK + 3])
+def test_look_hashes_every_byte_at_each_size_around_the_read_buffer(tmp_path: Path, size: int) -> None:
+    # Small files are read in one go (the short read at fstat's size ends it), larger ones in
+    # buffer-sized reads: either way a change in the last byte shows.
+    data = os.urandom(size)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f").write_bytes(data)
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with materialize.Beneath(root, tmp_path) as tree:
+            assert tree.look("a/f", size)[1] == xxhash.xxh3_128_hexdigest(data)
+            if size:
+                (tmp_path / "a" / "f").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+                assert tree.look("a/f", size)[1] not in (None, xxhash.xxh3_128_hexdigest(data))
     finally:
         os.close(root)
