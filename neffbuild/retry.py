@@ -162,8 +162,10 @@ def timeouts() -> tuple[float, float]:
     return min(CONNECT_S, left), min(READ_S, left)
 
 
-def backoff(tries: int, *, base: float = BASE_S, cap: float = CAP_S) -> float:
-    """Seconds to wait after `tries` failed tries: full jitter, uniform in [0, min(cap, base * 2**tries)]."""
+def backoff(tries: int, *, base: float | None = None, cap: float | None = None) -> float:
+    """Seconds to wait after `tries` failed tries: full jitter, uniform in [0, min(cap, base * 2**tries)]
+    (default BASE_S and CAP_S)."""
+    base, cap = BASE_S if base is None else base, CAP_S if cap is None else cap
     return random.uniform(0.0, min(cap, base * 2 ** min(tries, 32)))
 
 

@@ -329,8 +329,7 @@ class DataPlane:
         except urllib3.exceptions.HTTPError as exc:
             raise unreachable(self.base, rel if named is None else named, exc) from None
         deadline = retry.current()
-        sock = getattr(getattr(response, "connection", None), "sock", None)
-        if deadline is not None and sock is not None and not kwargs.get("preload_content", True):
+        if deadline is not None and not kwargs.get("preload_content", True) and (sock := body_socket(response)) is not None:
             deadline.watch(id(response), lambda: _shut(sock))
         return response
 
@@ -348,6 +347,14 @@ class DataPlane:
     def retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
         """attempt() under the retry policy (neffbuild/retry.py), naming rel's URL when it gives up."""
         return retry.retried(self.where(rel), attempt)
+
+
+def body_socket(response: urllib3.BaseHTTPResponse) -> socket.socket | None:
+    """The socket a response's body is read from: http.client's file over it (the connection
+    forgets its socket when the server says it will close, but the body still comes through it)."""
+    reader = getattr(getattr(response, "_fp", None), "fp", None)  # http.client's buffered socket file
+    sock = getattr(getattr(reader, "raw", None), "_sock", None)
+    return sock if isinstance(sock, socket.socket) else getattr(getattr(response, "connection", None), "sock", None)
 
 
 def _shut(sock: socket.socket) -> None:
