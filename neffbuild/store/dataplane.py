@@ -324,8 +324,9 @@ class DataPlane:
         Its socket timeouts end at the deadline; a response whose body the caller streams is cut
         (its socket shut down) when the deadline passes, until finish() releases it."""
         connect, read = retry.timeouts()
+        timeout = urllib3.Timeout(connect=connect, read=read)
         try:
-            response = self.pool.request(method, self._presign(method, rel, params or {}), timeout=urllib3.Timeout(connect=connect, read=read), **kwargs)
+            response = self.pool.request(method, self._presign(method, rel, params or {}), timeout=timeout, **kwargs)
         except urllib3.exceptions.HTTPError as exc:
             raise unreachable(self.base, rel if named is None else named, exc) from None
         deadline = retry.current()
@@ -497,7 +498,7 @@ def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None
 
 def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:
     """The data plane's pool; honours AWS_CA_BUNDLE and HTTP(S)_PROXY/NO_PROXY as botocore does."""
-    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=10, read=120)}
+    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=retry.CONNECT_S, read=retry.READ_S)}
     if env.get("AWS_CA_BUNDLE"):
         kwargs["ca_certs"] = env["AWS_CA_BUNDLE"]
     scheme, host = "https", "s3.amazonaws.com"
