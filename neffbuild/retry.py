@@ -83,9 +83,12 @@ class Deadline:
         with self._lock:
             self._landed += 1
 
+    def now(self) -> str:
+        """What the operation is doing, e.g. "fetching 12 of 40 files (...), 3 landed"."""
+        return f"{self.step}, {self._landed} landed" if self._landed else self.step
+
     def error(self, where: str) -> DeadlineExceeded:
-        landed = f", {self._landed} landed" if self._landed else ""
-        return DeadlineExceeded(f"{where}: {self.what} went past its {self.timeout:g} s deadline while {self.step}{landed}", hint=DEADLINE_HINT)
+        return DeadlineExceeded(f"{where}: {self.what} went past its {self.timeout:g} s deadline while {self.now()}", hint=DEADLINE_HINT)
 
     def check(self, where: str) -> None:
         if self.passed():
@@ -178,7 +181,8 @@ def pause(where: str, tries: int, failure: Transient) -> None:
     if deadline is not None:
         deadline.check(where)
     if tries + 1 >= ATTEMPTS:
-        raise StoreError(f"{where}: {failure} ({ATTEMPTS} tries)", hint=failure.hint)
+        doing = f", {deadline.what}: {deadline.now()}" if deadline is not None else ""
+        raise StoreError(f"{where}: {failure} ({ATTEMPTS} tries{doing})", hint=failure.hint)
     delay = backoff(tries)
     if deadline is not None:
         delay = min(delay, deadline.left())
