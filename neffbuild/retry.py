@@ -106,6 +106,13 @@ class Deadline:
         with self._lock:
             self._cuts.pop(key, None)
 
+    def start(self) -> None:
+        """Arm the watchdog (a timer thread) that cuts what is watched when the deadline passes."""
+        self._timer.start()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
     def _pass(self) -> None:
         with self._lock:  # held while cutting: an unwatched socket may already serve another request
             self._passed = True
@@ -125,11 +132,11 @@ def bounded(timeout: float | None, what: str) -> Iterator[Deadline | None]:
         return
     deadline = Deadline(timeout, what)
     token = _CURRENT.set(deadline)
-    deadline._timer.start()
+    deadline.start()
     try:
         yield deadline
     finally:
-        deadline._timer.cancel()
+        deadline.stop()
         _CURRENT.reset(token)
 
 
