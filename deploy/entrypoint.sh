@@ -13,7 +13,7 @@ neffbuild=${NEFFBUILD_BIN:-neffbuild}
 
 # Non-zero (store down, host mismatch, no room, ...) stops the container: nothing serves half-warm.
 "$neffbuild" pull "$NEFFBUILD_RELEASE" --cache-dir "$cache_dir" --env-file "$env_file" \
-    --lock-timeout "${NEFFBUILD_LOCK_TIMEOUT:-300}" >/dev/null
+    --lock-timeout "${NEFFBUILD_LOCK_TIMEOUT:-300}" --timeout "${NEFFBUILD_TIMEOUT:-600}" >/dev/null
 
 # The server gets the exports but not the store's credentials.
 unset NEFFBUILD_STORE AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN

@@ -29,9 +29,10 @@ def ensure_cache(
     """Make cache_dir hold REF's release (a tag or release id) from store (a URL or an open Store);
     a complete cache fetches nothing. The report's `exports` are what the server must export.
 
-    timeout: seconds, a wall-clock deadline checked between the pull's phases and capping the
-    wait for another pull's lock; a request already in flight is bounded only by the store's own
-    per-request timeouts (see neffbuild.pull.pull). allow_stale: an unreachable store (StoreError)
+    timeout: seconds, a wall-clock deadline on opening the store and the whole pull (pull
+    --timeout): every request's socket timeouts end at it, a stalled or trickling response is cut
+    when it passes, and it caps the wait for another pull's lock; past it, DeadlineExceeded (a
+    StoreError). None: no deadline. allow_stale: an unreachable store (StoreError)
     returns the release cache_dir already holds, if it is REF's and complete, with `stale` set.
     host_check: compare this host (env, default os.environ, read only) with the release first.
     env also holds the S3 settings when store is a URL (AWS_ENDPOINT_URL, credentials).

@@ -284,7 +284,7 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
     from concurrent.futures import ThreadPoolExecutor
 
     from neffbuild.refs import release_bundle
-
+    from neffbuild.retry import carried
 
     def load(unit: ReleaseUnit) -> InstalledUnit:
         record = release_bundle(store, resolved, unit)
@@ -292,4 +292,5 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
 
     units = resolved.release.units
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles") as pool:
-        return tuple(pool.map(load, units))
+        loads = [pool.submit(carried(lambda u=u: load(u))) for u in units]  # under the pull's deadline
+        return tuple(f.result() for f in loads)

@@ -126,6 +126,10 @@ _env_file_option = click.option(
     help="Give up (exit 9) if another pull holds the cache dir's lock this long; 0: at once. A dead holder's lock is dropped by the kernel.",
 )  # fmt: skip
 @click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, metavar="SECONDS",
+    help="Give up (exit 3, saying what it was doing) once the whole pull has taken this long: every request, retry and stalled read counts.",
+)
+@click.option(
     "--allow-stale", is_flag=True,
     help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning.",
 )  # fmt: skip
@@ -143,6 +147,7 @@ def pull(
     env_file: Path | None,
     no_host_check: bool,
     lock_timeout: float,
+    timeout: float,
     allow_stale: bool,
     verify: str,
     as_json: bool,
@@ -155,6 +160,7 @@ def pull(
     report = pull_or_stale(
         lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
         jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
+        timeout=timeout,
     )  # fmt: skip
     Console(as_json).pull(report)
 

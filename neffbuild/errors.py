@@ -44,6 +44,10 @@ class StoreError(NeffbuildError):
     exit_code = 3
 
 
+class DeadlineExceeded(StoreError):
+    """An operation on the store (a pull's --timeout) ran past its deadline: a slow or stalled store."""
+
+
 class IntegrityError(NeffbuildError):
     """Bytes or a document do not match their recorded digest or schema."""
 

@@ -22,6 +22,7 @@ from neffbuild.errors import NeffbuildError, StoreError
 from neffbuild.exports import env_file_text, write_env_file
 from neffbuild.materialize import Beneath
 from neffbuild.pull import PullReport, preflight, pull
+from neffbuild.retry import bounded
 from neffbuild.store.base import Store
 
 
@@ -33,14 +34,18 @@ def pull_or_stale(
     allow_stale: bool = False,
     env_file: Path | None = None,
     host_env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
     **pull_options: object,
 ) -> PullReport:
     """pull (the store opened inside, so that failing to open it counts as unreachable); with
     allow_stale, a StoreError returns a stale report of the release cache_dir holds, when it is
-    REF's (its tag or id) and fully installed; otherwise the StoreError is raised as it was."""
+    REF's (its tag or id) and fully installed; otherwise the StoreError is raised as it was.
+    timeout (seconds) bounds opening the store and the pull together (pull's deadline): past it
+    is a StoreError too (DeadlineExceeded)."""
     started = time.perf_counter()
     try:
-        return pull(open_store(), ref, cache_dir, env_file=env_file, host_env=host_env, **pull_options)  # type: ignore[arg-type]
+        with bounded(timeout, f"pulling {ref}"):
+            return pull(open_store(), ref, cache_dir, env_file=env_file, host_env=host_env, **pull_options)  # type: ignore[arg-type]
     except StoreError as exc:
         installed = fully_installed(cache_dir.expanduser().resolve(), ref) if allow_stale else None
         if installed is None:

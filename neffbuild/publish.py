@@ -17,6 +17,7 @@ from neffbuild.bundle import BundleRecord, Release, TagEvent, TagRecord, dump
 from neffbuild.errors import ConflictError, NotFoundError
 from neffbuild.fence import wait_for_gc
 from neffbuild.names import check_digest, check_tag
+from neffbuild.retry import backoff
 from neffbuild.refs import read_tag
 from neffbuild.store.base import BlobSource, Store
 
@@ -90,7 +91,9 @@ def move_tag(store: Store, name: str, release_id: str, *, by: str | None = None)
         record = TagRecord(name=name, release=release_id, history=(*history, event))
         if store.swap_tag(name, dump(record), current[1] if current else None):
             return _settle_tag(store, record, current)
-        time.sleep(min(0.05 * 2**attempt, 1.0))  # another publisher moved it: re-read and retry
+        # Another publisher moved it: re-read and retry. A lost race, not a failing store (the
+        # store's own retries are below swap_tag), but the same jitter keeps racers apart.
+        time.sleep(backoff(attempt, base=0.05, cap=1.0))
     raise ConflictError(f"tag {name}: lost {TAG_RETRIES} compare-and-swap races", hint="retry the publish")
 
 

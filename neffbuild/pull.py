@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from neffbuild import retry
 from neffbuild.atomic import write_atomic_at
 from neffbuild.bundle import FileEntry
 from neffbuild.cachestate import (
@@ -58,7 +59,7 @@ from neffbuild.cachestate import (
     read_cache_state,
     release_units,
 )
-from neffbuild.errors import EnvironmentMismatch, NotFoundError, StoreError
+from neffbuild.errors import EnvironmentMismatch, NotFoundError
 from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.locks import acquire
 from neffbuild.materialize import (
@@ -163,10 +164,11 @@ def pull(
     host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
 
-    timeout (seconds) is a wall-clock deadline checked between phases (after resolving REF, after
-    reading its bundles, before downloading): past it, StoreError. It also caps the wait for
-    another pull's lock (ConflictError). It does not cut a request in flight: a stalled read is
-    bounded only by the store's own per-request timeouts.
+    timeout (seconds) is a wall-clock deadline on the whole pull (neffbuild/retry.py):
+    every store request's socket timeouts end at it, a response still streaming is cut when it
+    passes (a stalled or trickling server too), no retry starts after it, and it is checked
+    between phases: past it, DeadlineExceeded (a StoreError, exit 3) naming the store and the
+    step. It also caps the wait for another pull's lock (ConflictError).
 
     verify="fast" (default) takes a file the state recorded with the same (size, mtime) as
     intact: bytes changed in place with the mtime put back go unnoticed. verify="full" rehashes
@@ -177,67 +179,52 @@ def pull(
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
-    started = time.perf_counter()
-    deadline = _Deadline(store, ref, timeout)
-    cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
-    _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
-    resolved = resolve(store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None)
-    deadline.check("resolving it")
-    exports = release_exports(resolved, cache_dir, allow_env)
-    env_text = env_file_text(exports) if env_file is not None else ""
-    installed = _installed(store, resolved, exports, old, jobs)
-    deadline.check("reading its bundles")
-    lock_timeout = deadline.cap(lock_timeout)
-    warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
-    root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
-    try:
-        scan, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout, jobs, verify)
-        if root is None:
-            root = _open_dir(cache_dir)
-        if missing or not _recorded(old, installed, scan.found):
-            deadline.check(f"checking the cache dir, before fetching {len(missing)} files")
-            missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes)
-    finally:
-        if root is not None:
-            os.close(root)
-    if env_file is not None:
-        write_env_file(env_file, env_text)
-    return PullReport(
-        release_id=resolved.release_id,
-        tag=resolved.tag,
-        cache_dir=cache_dir,
-        files_total=len(resolved.release.files),
-        files_fetched=len(missing),
-        bytes_fetched=sum(f.size for f in missing),
-        bytes_total=resolved.release.total_size,
-        seconds=time.perf_counter() - started,
-        exports=exports,
-        host_checked=host_env is not None,
-        host_warnings=warnings,
-        files_rehashed=scan.hashed,
-        files_repaired=sum(f.path in scan.damaged for f in missing),
-    )
-
-
-class _Deadline:
-    """pull's timeout: a wall-clock deadline looked at between phases."""
-
-    def __init__(self, store: Store, ref: str, timeout: float | None) -> None:
-        self.store, self.ref, self.timeout = store, ref, timeout
-        self.at = None if timeout is None else time.monotonic() + timeout
-
-    def check(self, after: str) -> None:
-        if self.at is not None and time.monotonic() > self.at:
-            raise StoreError(
-                f"{self.store.url}: pulling {self.ref} went past its {self.timeout:g} s deadline, {after}",
-                hint="the store is slow or unreachable; raise the timeout, or allow the installed release (allow_stale)",
-            )
-
-    def cap(self, seconds: float | None) -> float | None:
-        if self.at is None:
-            return seconds
-        left = max(0.0, self.at - time.monotonic())
-        return left if seconds is None else min(seconds, left)
+    with retry.bounded(timeout, f"pulling {ref}"):
+        started = time.perf_counter()
+        deadline = retry.current()
+        retry.doing(f"resolving {ref}")
+        cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
+        _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
+        resolved = resolve(store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None)
+        retry.check(store.url)
+        exports = release_exports(resolved, cache_dir, allow_env)
+        env_text = env_file_text(exports) if env_file is not None else ""
+        retry.doing(f"reading the bundles of release {resolved.release_id}")
+        installed = _installed(store, resolved, exports, old, jobs)
+        retry.check(store.url)
+        if deadline is not None:
+            lock_timeout = deadline.left() if lock_timeout is None else min(lock_timeout, deadline.left())
+        retry.doing("checking the cache dir")
+        warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
+        root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
+        try:
+            scan, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout, jobs, verify)
+            if root is None:
+                root = _open_dir(cache_dir)
+            if missing or not _recorded(old, installed, scan.found):
+                retry.check(store.url)
+                retry.doing(f"fetching {len(missing)} of {len(installed.release.files)} files ({sum(f.size for f in missing)} bytes)")
+                missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes)
+        finally:
+            if root is not None:
+                os.close(root)
+        if env_file is not None:
+            write_env_file(env_file, env_text)
+        return PullReport(
+            release_id=resolved.release_id,
+            tag=resolved.tag,
+            cache_dir=cache_dir,
+            files_total=len(resolved.release.files),
+            files_fetched=len(missing),
+            bytes_fetched=sum(f.size for f in missing),
+            bytes_total=resolved.release.total_size,
+            seconds=time.perf_counter() - started,
+            exports=exports,
+            host_checked=host_env is not None,
+            host_warnings=warnings,
+            files_rehashed=scan.hashed,
+            files_repaired=sum(f.path in scan.damaged for f in missing),
+        )
 
 
 def _trusted(state: State, verify: str) -> State:

@@ -11,6 +11,14 @@ Modes:
 - "endless": successful GET responses for `paths` lose their Content-Length and, after the real
   body, go on with zero bytes until the client hangs up (or `endless_cap` bytes): a body that
   never ends. `extra_sent` counts the bytes sent past the real bodies.
+- "slowdown": answer the first `slowdowns` requests for `paths` (and `methods`, if given) with
+  S3's 503 SlowDown (an XML error body), without forwarding them (a throttling server).
+- "trickle": successful GET responses for `paths` forward their headers, then the body
+  `trickle[0]` bytes every `trickle[1]` seconds (a server that never stops, never finishes).
+- "stall": successful GET responses for `paths` forward their headers, then nothing until the
+  client hangs up or the proxy stops (a frozen server).
+
+`seen` records every request as (method, path, headers with lower-case names), in arrival order.
 
 Each request is forwarded with `Connection: close`, so a connection carries one exchange and the
 proxy needs no HTTP framing beyond the request's Content-Length. It serves until stop().
@@ -20,13 +28,21 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Sequence
+
+SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (
+    len(SLOWDOWN_BODY), SLOWDOWN_BODY,
+)  # fmt: skip
+MISBEHAVING = ("slowdown", "trickle", "stall")  # modes served by TcpProxy._misbehave
 
 
 class TcpProxy:
     def __init__(
-        self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",), cuts: int = 0, endless_cap: int = 1 << 30
-    ) -> None:
+        self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",), cuts: int = 0, endless_cap: int = 1 << 30,
+        *, slowdowns: int = 0, methods: Sequence[str] = (), trickle: tuple[int, float] = (1, 1.0),
+    ) -> None:  # fmt: skip
         self.upstream = ("127.0.0.1", upstream_port)
         self.mode = mode
         self.paths = tuple(p.encode() for p in paths)
@@ -35,6 +51,11 @@ class TcpProxy:
         self._cuts_lock = threading.Lock()
         self.endless_cap = endless_cap
         self.extra_sent = 0
+        self.slowdowns = slowdowns
+        self.methods = tuple(m.encode() for m in methods)
+        self.slowed: list[tuple[str, str]] = []  # (method, path) of each request answered 503 SlowDown
+        self.trickle = trickle
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
@@ -69,6 +90,9 @@ class TcpProxy:
             threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
     def _handle(self, client: socket.socket) -> None:
+        if self.mode in MISBEHAVING:
+            self._misbehave(client)
+            return
         try:
             upstream = socket.create_connection(self.upstream, timeout=30)
         except OSError:
@@ -96,6 +120,7 @@ class TcpProxy:
         headers = [h for h in headers if not h.lower().startswith(b"connection:")] + [b"Connection: close"]
         length = next((int(h.split(b":", 1)[1]) for h in headers if h.lower().startswith(b"content-length:")), 0)
         method, path = first.split(b" ")[:2]
+        self._saw(method, path, headers)
         matches = any(p in path for p in self.paths)
         flip = self.mode == "flip-body" and method == b"PUT" and length > 0 and matches
         if self.mode == "cut-gets" and method == b"GET" and matches:
@@ -166,3 +191,82 @@ class TcpProxy:
             client.sendall(filler)
             with self._cuts_lock:
                 self.extra_sent += len(filler)
+
+    def _saw(self, method: bytes, path: bytes, headers: Sequence[bytes]) -> None:
+        fields = dict(h.decode(errors="replace").split(":", 1) for h in headers if b":" in h)
+        with self._cuts_lock:
+            self.seen.append((method.decode(), path.decode(errors="replace"), {k.strip().lower(): v.strip() for k, v in fields.items()}))
+
+    def _misbehave(self, client: socket.socket) -> None:
+        """One exchange in the modes of MISBEHAVING, request and response in this thread."""
+        upstream = None
+        try:
+            head, body = _head(client)
+            if not head:
+                return
+            first, *headers = head.split(b"\r\n")
+            method, path = first.split(b" ")[:2]
+            self._saw(method, path, headers)
+            matches = any(p in path for p in self.paths)
+            if self.mode == "slowdown" and matches and self._slow_down(method, path):
+                client.sendall(SLOWDOWN)
+                return
+            upstream = socket.create_connection(self.upstream, timeout=30)
+            headers = [h for h in headers if not h.lower().startswith(b"connection:")] + [b"Connection: close"]
+            length = next((int(h.split(b":", 1)[1]) for h in headers if h.lower().startswith(b"content-length:")), 0)
+            upstream.sendall(b"\r\n".join([first, *headers]) + b"\r\n\r\n" + body)
+            remaining = length - len(body)
+            while remaining > 0 and (chunk := client.recv(min(65536, remaining))):
+                upstream.sendall(chunk)
+                remaining -= len(chunk)
+            self._answer(upstream, client, slow=self.mode != "slowdown" and method == b"GET" and matches)
+        except OSError:
+            pass
+        finally:
+            if upstream is not None:
+                upstream.close()
+            client.close()
+
+    def _slow_down(self, method: bytes, path: bytes) -> bool:
+        with self._cuts_lock:
+            if self.slowdowns <= 0 or (self.methods and method not in self.methods):
+                return False
+            self.slowdowns -= 1
+            self.slowed.append((method.decode(), path.decode(errors="replace")))
+            return True
+
+    def _answer(self, upstream: socket.socket, client: socket.socket, *, slow: bool) -> None:
+        """Forward the response; if slow and a 2xx: its head, then the body trickled or stalled."""
+        head, body = _head(upstream)
+        status = (head.split(b" ", 2) + [b""])[1]  # b"" if the server answered no head
+        if not slow or not status.startswith(b"2"):
+            client.sendall(head + b"\r\n\r\n" + body if head else body)
+            while chunk := upstream.recv(65536):
+                client.sendall(chunk)
+            return
+        client.sendall(head + b"\r\n\r\n")
+        if self.mode == "stall":
+            while not self._stopped.wait(0.1):
+                pass
+            return
+        size, every = self.trickle
+        while not self._stopped.is_set():
+            while len(body) < size and (chunk := upstream.recv(65536)):
+                body += chunk
+            if not body:
+                return
+            client.sendall(body[:size])
+            body = body[size:]
+            time.sleep(every)
+
+
+def _head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(a message's head, the bytes after it) read from sock; (b"", what came) if it ended first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"", data
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    return head, rest

@@ -3,8 +3,10 @@
 botocore costs milliseconds of Python per request, and large bodies must not be copied more than
 needed, so reads bypass it: the store presigns each request (store/sigv4.py, or botocore when only
 it can resolve the credentials or endpoint) and this module moves the bytes, receiving them into
-reused buffers and handing them to materialize.write_verified as they arrive. Connection failures
-and 5xx are retried; S3's error codes become typed errors naming the object and what needed it.
+reused buffers and handing them to materialize.write_verified as they arrive. Connection failures,
+throttling and 5xx are retried under neffbuild/retry.py's policy and deadline (a retried body
+continues with a ranged GET from the bytes it has); S3's error codes become typed errors naming the
+object and what needed it.
 No read trusts the server to end a body: each stops at the size it expects (a blob's, a range's)
 or at a limit (documents, indexes, listings, error bodies), whatever Content-Length says.
 """
@@ -15,8 +17,8 @@ import html
 import http.client
 import mmap
 import re
+import socket
 import threading
-import time
 import urllib.parse
 import urllib.request
 from collections import deque
@@ -28,13 +30,14 @@ from typing import Any, TypeVar
 
 import urllib3
 
+from neffbuild import retry
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.materialize import BlobTarget, aligned_buffer
+from neffbuild.retry import Transient
 from neffbuild.store.base import DOC_MAX, ObjectInfo
 
 PART = 8 << 20  # a large blob is fetched as parallel ranges of this size
 WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
-FETCH_ATTEMPTS = 4
 ERROR_BODY_MAX = 64 << 10  # an S3 error body is a few hundred bytes; only its <Code> is read
 LIST_PAGE_MAX = 64 << 20  # a page of 1,000 keys is ~300 KB
 CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
@@ -67,7 +70,7 @@ def ranges_in_order(
             buffers.give(buf)
             raise
 
-    pending = deque(fetchers.submit(fetch, start) for start in range(0, min(target.size, WINDOW * PART), PART))
+    pending = deque(fetchers.submit(retry.carried(lambda s=start: fetch(s))) for start in range(0, min(target.size, WINDOW * PART), PART))
     next_start = WINDOW * PART
     try:
         while pending:
@@ -75,7 +78,7 @@ def ranges_in_order(
             yield view  # write_verified has written it when we resume
             buffers.give(buf)
             if next_start < target.size:
-                pending.append(fetchers.submit(fetch, next_start))
+                pending.append(fetchers.submit(retry.carried(lambda s=next_start: fetch(s))))
                 next_start += PART
     finally:
         for f in pending:  # on failure: give back what was fetched, cancel the rest
@@ -93,13 +96,13 @@ def received(response: urllib3.BaseHTTPResponse, buf: Buffer) -> Iterator[memory
         try:
             n = readinto(view)
         except _READ_ERRORS as exc:
-            raise Transient(f"read failed after {got} bytes ({exc})") from None
+            raise Transient(f"read failed after {got} bytes ({exc})", received=got) from None
         if not n:
             break
         got += n
         yield view[:n]
     if length is not None and length != got:  # http.client reports a connection closed early as a plain end
-        raise Transient(f"connection closed after {got} of {length} bytes")
+        raise Transient(f"connection closed after {got} of {length} bytes", received=got)
 
 
 class Body:
@@ -181,14 +184,32 @@ class DataPlane:
         `needed` names what needed the object (a cache file), for the errors.
         """
 
-        def attempt() -> memoryview:
-            response = self._get(rel, start, end, needed)
+        if end is None:
+
+            def attempt() -> memoryview:
+                response = self._get(rel, start, end, needed)
+                try:
+                    return read_body(response, self.where(rel), None, into, needed=needed, limit=limit)
+                finally:
+                    finish(response)
+
+            return self.retried(rel, attempt)
+        view = memoryview(into if into is not None and len(into) >= end - start else bytearray(end - start))[: end - start]
+        got = 0  # a retry asks only for the rest of the range
+
+        def rest() -> memoryview:
+            nonlocal got
+            response = self._get(rel, start + got, end, needed)
             try:
-                return read_body(response, self.where(rel), None if end is None else end - start, into, needed=needed, limit=limit)
+                read_body(response, self.where(rel), end - start - got, view[got:], needed=needed, limit=limit)
+            except Transient as failure:
+                got += failure.received
+                raise
             finally:
                 finish(response)
+            return view
 
-        return self.retried(rel, attempt)
+        return self.retried(rel, rest)
 
     def stream(self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None) -> urllib3.BaseHTTPResponse:
         """An open response for [start, end) (the whole object if end is None); the caller reads
@@ -203,6 +224,27 @@ class DataPlane:
             return response
 
         return self.retried(rel, attempt)
+
+    def resumed(self, rel: str, size: int, buf: Buffer, *, needed: str | None = None) -> Iterator[memoryview]:
+        """An object's `size` bytes in order, as views of buf (see received). A body cut short
+        continues with a ranged GET from the bytes already received, under the retry policy; the
+        caller still checks what it got as a whole (write_verified hashes every byte)."""
+        got = tries = 0
+        while True:
+            response = self.stream(rel, got, size if got else None, needed=needed)
+            before = got
+            try:
+                for view in received(response, buf):
+                    got += len(view)
+                    yield view
+                return
+            except Transient as failure:
+                if got > before:
+                    tries = 0  # it moved on: a drop now and then is not a failing store
+                retry.pause(self.where(rel), tries, failure)
+                tries += 1
+            finally:
+                finish(response)
 
     def read(self, rel: str, *, limit: int = DOC_MAX) -> tuple[bytes, str] | None:
         """A small object's bytes and ETag, or None if there is no such key. At most limit + 1
@@ -277,11 +319,20 @@ class DataPlane:
     def _request(
         self, method: str, rel: str, params: Mapping[str, str] | None = None, *, named: str | None = None, **kwargs: Any
     ) -> urllib3.BaseHTTPResponse:
-        """One presigned request; a connection failure is Transient (named: what to call it then)."""
+        """One presigned request; a connection failure is Transient (named: what to call it then).
+
+        Its socket timeouts end at the deadline; a response whose body the caller streams is cut
+        (its socket shut down) when the deadline passes, until finish() releases it."""
+        connect, read = retry.timeouts()
+        timeout = urllib3.Timeout(connect=connect, read=read)
         try:
-            return self.pool.request(method, self._presign(method, rel, params or {}), **kwargs)
+            response = self.pool.request(method, self._presign(method, rel, params or {}), timeout=timeout, **kwargs)
         except urllib3.exceptions.HTTPError as exc:
             raise unreachable(self.base, rel if named is None else named, exc) from None
+        deadline = retry.current()
+        if deadline is not None and not kwargs.get("preload_content", True) and (sock := body_socket(response)) is not None:
+            deadline.watch(id(response), lambda: _shut(sock))
+        return response
 
     def _get(self, rel: str, start: int, end: int | None, needed: str | None) -> urllib3.BaseHTTPResponse:
         headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
@@ -295,22 +346,24 @@ class DataPlane:
         raise http_error(self.base, rel, response.status, body, needed)
 
     def retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
-        for i in range(FETCH_ATTEMPTS):
-            try:
-                return attempt()
-            except Transient as exc:
-                if i + 1 == FETCH_ATTEMPTS:
-                    raise StoreError(f"{self.base}/{rel}: {exc}", hint=exc.hint) from None
-                time.sleep(0.2 * 2**i)
-        raise AssertionError("unreachable")
+        """attempt() under the retry policy (neffbuild/retry.py), naming rel's URL when it gives up."""
+        return retry.retried(self.where(rel), attempt)
 
 
-class Transient(Exception):
-    """A connection or server failure worth another try."""
+def body_socket(response: urllib3.BaseHTTPResponse) -> socket.socket | None:
+    """The socket a response's body is read from: http.client's file over it (the connection
+    forgets its socket when the server says it will close, but the body still comes through it)."""
+    reader = getattr(getattr(response, "_fp", None), "fp", None)  # http.client's buffered socket file
+    sock = getattr(getattr(reader, "raw", None), "_sock", None)
+    return sock if isinstance(sock, socket.socket) else getattr(getattr(response, "connection", None), "sock", None)
 
-    def __init__(self, message: str, hint: str = "the endpoint keeps failing; retry later") -> None:
-        super().__init__(message)
-        self.hint = hint
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection's reads now (a blocked recv returns): close() alone would not wake it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
 
 
 def unreachable(base: str, rel: str, exc: urllib3.exceptions.HTTPError) -> Transient:
@@ -351,9 +404,9 @@ def read_body(
         while got < length and (n := readinto(view[got:])):
             got += n
     except _READ_ERRORS as exc:
-        raise Transient(f"read failed after {got} of {length} bytes ({exc})") from None
+        raise Transient(f"read failed after {got} of {length} bytes ({exc})", received=got) from None
     if got != length:
-        raise Transient(f"connection closed after {got} of {length} bytes")
+        raise Transient(f"connection closed after {got} of {length} bytes", received=got)
     return view
 
 
@@ -402,6 +455,9 @@ def too_long(where: str, limit: int, needed: str | None) -> IntegrityError:
 def finish(response: urllib3.BaseHTTPResponse) -> None:
     """Give the connection back for reuse only if its body was read to the end; else close it
     (a half-read body left on a pooled connection would be parsed as the next response)."""
+    deadline = retry.current()
+    if deadline is not None:
+        deadline.unwatch(id(response))
     raw = getattr(response, "_fp", None)
     if raw is not None and not (isinstance(raw, http.client.HTTPResponse) and raw.isclosed()):
         response.close()
@@ -435,14 +491,14 @@ def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None
         return StoreError(f"access denied to {where} ({code or status})", hint=CREDENTIALS_HINT)
     if status == 416:
         return IntegrityError(f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT)
-    if status >= 500 or status == 429:
-        return Transient(f"HTTP {status}")
+    if status >= 500 or status == 429:  # throttled (503 SlowDown, 429) or failing: worth another try
+        return Transient(f"HTTP {status} {code}".rstrip())
     return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
 
 
 def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:
     """The data plane's pool; honours AWS_CA_BUNDLE and HTTP(S)_PROXY/NO_PROXY as botocore does."""
-    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=10, read=120)}
+    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=retry.CONNECT_S, read=retry.READ_S)}
     if env.get("AWS_CA_BUNDLE"):
         kwargs["ca_certs"] = env["AWS_CA_BUNDLE"]
     scheme, host = "https", "s3.amazonaws.com"
@@ -463,7 +519,7 @@ def run_all(tasks: Sequence[Callable[[], _T]], jobs: int) -> list[_T]:
     if len(tasks) == 1:
         return [tasks[0]()]
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
-        futures = [pool.submit(t) for t in tasks]
+        futures = [pool.submit(retry.carried(t)) for t in tasks]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in futures if f in done and f.exception() is not None), None)
         if failed is not None:

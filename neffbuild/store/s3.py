@@ -25,10 +25,11 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import urllib3
 
+from neffbuild import retry
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.materialize import BlobTarget
 from neffbuild.store import dataplane, packs, sigv4
@@ -52,6 +53,8 @@ from neffbuild.store.s3errors import ABSENT_BUCKET, LOST_RACE, client_error, err
 from neffbuild.store.s3packs import PackCatalog
 from neffbuild.store.s3probe import ALLOW_UNCONDITIONAL_ENV, ConditionalProbe
 from neffbuild.store.s3transfer import Transfers, crc32c
+
+_T = TypeVar("_T")
 
 
 class S3Store:
@@ -117,7 +120,7 @@ class S3Store:
         check_marker(marker, f"{self.url}/{MARKER}")
 
     def _ensure_bucket(self) -> None:
-        with translated(self.location, ""):
+        def ensure() -> None:
             try:
                 self.client.head_bucket(Bucket=self.location.bucket)
             except client_error() as exc:  # evaluated (and botocore imported) only on an error
@@ -125,9 +128,10 @@ class S3Store:
                     raise
                 self.client.create_bucket(Bucket=self.location.bucket, **bucket_region(self.client))
 
+        self._sent("", ensure)
+
     def _create(self) -> None:
-        with translated(self.location, ""):
-            listed = self.client.list_objects_v2(Bucket=self.location.bucket, Prefix=self.location.prefix, MaxKeys=1)
+        listed = self._sent("", lambda: self.client.list_objects_v2(Bucket=self.location.bucket, Prefix=self.location.prefix, MaxKeys=1))
         if listed.get("KeyCount", 0):
             raise StoreError(f"{self.url} is not empty and not a neffbuild store", hint="choose an empty or new prefix")
         self._put(MARKER, f'{{"format":"{STORE_FORMAT}"}}'.encode(), IfNoneMatch="*")
@@ -177,10 +181,8 @@ class S3Store:
         failures: list[tuple[str, str]] = []
         for start in range(0, len(todo), DELETE_BATCH):
             batch = todo[start : start + DELETE_BATCH]
-            with translated(self.location, batch[0]):
-                answer = self.client.delete_objects(
-                    Bucket=self.location.bucket, Delete={"Objects": [{"Key": self.location.key(k)} for k in batch], "Quiet": True}
-                )
+            delete = {"Objects": [{"Key": self.location.key(k)} for k in batch], "Quiet": True}
+            answer = self._sent(batch[0], lambda d=delete: self.client.delete_objects(Bucket=self.location.bucket, Delete=d))
             for error in answer.get("Errors", ()):
                 key = str(error.get("Key", "")).removeprefix(self.location.prefix)
                 failures.append((key, f"{error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")))
@@ -238,7 +240,10 @@ class S3Store:
         """PUT with a CRC32C the server verifies; False if a condition did not hold."""
         if crc is None:
             crc = crc32c(body)
-        with translated(self.location, rel):
+
+        def put() -> bool:
+            if hasattr(body, "seek"):  # a file: a retry sends it from the start
+                body.seek(0)
             try:
                 self.client.put_object(
                     Bucket=self.location.bucket, Key=self.location.key(rel), Body=body,
@@ -249,7 +254,20 @@ class S3Store:
                 if error_code(exc) in LOST_RACE:
                     return False
                 raise
-        return True
+            return True
+
+        # A retried conditional put whose first try landed unseen answers 412: for an immutable
+        # object that is "already there"; for a tag, move_tag re-reads it and finds its own record.
+        return self._sent(rel, put)
+
+    def _sent(self, rel: str, call: Callable[[], _T]) -> _T:
+        """A botocore call under the retry policy (neffbuild/retry.py); its errors typed."""
+
+        def attempt() -> _T:
+            with translated(self.location, rel, transient=True):
+                return call()
+
+        return retry.retried(self.reader.where(rel), attempt)
 
     def get_object(self, rel: str, *, limit: int = DOC_MAX) -> bytes | None:
         """An object's bytes (at most limit + 1), or None if absent."""

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from neffbuild.errors import StoreError
+from neffbuild.retry import CONNECT_S
 from neffbuild.store.s3errors import translated
+
+
+WRITE_READ_S = 60.0  # botocore's default: an upload's answer waiting this long is Transient
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +68,16 @@ def botocore_client(location: S3Location, endpoint: str | None, env: Mapping[str
 
 
 def _client_config(endpoint: str | None) -> Any:
+    """botocore retries nothing itself: S3Store._sent retries each call under neffbuild/retry.py's
+    policy, so writes back off and give up like reads. A call in flight is bounded by the socket
+    timeouts here; the deadline is checked before each try and bounds the sleeps between them."""
     from botocore.config import Config
 
     return Config(
         signature_version="s3v4",
-        retries={"mode": "standard", "max_attempts": 5},
+        retries={"mode": "standard", "total_max_attempts": 1},
+        connect_timeout=CONNECT_S,
+        read_timeout=WRITE_READ_S,
         max_pool_connections=64,
         # We send our own CRC32C and verify XXH3 on read: skip botocore's extra checksums and the
         # SHA-256 of every payload it would compute on plain-http endpoints.

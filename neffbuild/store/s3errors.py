@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError, StoreError
+from neffbuild.retry import Transient
 from neffbuild.store import dataplane
 
 if TYPE_CHECKING:
@@ -17,14 +18,18 @@ DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Expire
 CORRUPT = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch"}
 LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}  # a conditional write did not hold
 ABSENT_BUCKET = ("404", "NoSuchBucket", "NotFound")
+THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "RequestTimeout", "InternalError"}
 
 
 @contextmanager
-def translated(location: S3Location, rel: str) -> Iterator[None]:
-    """botocore's exceptions become our typed errors, one line each, naming the object."""
+def translated(location: S3Location, rel: str, *, transient: bool = False) -> Iterator[None]:
+    """botocore's exceptions become our typed errors, one line each, naming the object. With
+    transient, throttling, 5xx and dropped connections become retry.Transient instead (for a
+    call made under the retry policy: S3Store._sent)."""
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
+        HTTPClientError,
         NoCredentialsError,
         PartialCredentialsError,
         ProfileNotFound,
@@ -39,6 +44,9 @@ def translated(location: S3Location, rel: str) -> Iterator[None]:
     except ClientError as exc:
         code = error_code(exc)
         message = exc.response.get("Error", {}).get("Message", "")
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if transient and (code in THROTTLED or status == 429 or status >= 500):
+            raise Transient(f"HTTP {status} {code}".rstrip()) from None
         if code == "NoSuchBucket":
             raise StoreError(
                 f"bucket {location.bucket!r} does not exist",
@@ -58,7 +66,9 @@ def translated(location: S3Location, rel: str) -> Iterator[None]:
         raise StoreError(f"no AWS credentials for {location.url} ({exc})", hint=dataplane.CREDENTIALS_HINT) from None
     except ProfileNotFound as exc:
         raise StoreError(str(exc), hint="check AWS_PROFILE and ~/.aws/config") from None
-    except BotoConnectionError as exc:
+    except (BotoConnectionError, HTTPClientError) as exc:
+        if transient:  # refused, dropped or timed out
+            raise Transient(str(exc), hint="check --endpoint-url / AWS_ENDPOINT_URL and the network") from None
         raise StoreError(f"cannot reach S3 for {where}: {exc}", hint="check --endpoint-url / AWS_ENDPOINT_URL and the network") from None
     except BotoCoreError as exc:
         raise StoreError(f"{where}: {exc}") from None

@@ -20,6 +20,7 @@ from typing import Any
 
 import xxhash
 
+from neffbuild import retry
 from neffbuild.errors import IntegrityError, StoreError
 from neffbuild.hashing import CHUNK
 from neffbuild.materialize import BlobTarget, write_verified
@@ -128,29 +129,24 @@ class Transfers:
             return
         buffers = dataplane.Buffers(dataplane.PART)
         writers = threading.BoundedSemaphore(max(1, jobs // dataplane.WINDOW))
-        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="neffbuild-s3-part") as parts:
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="neffbuild-s3-part") as parts:  # tasks carry the deadline (ranges_in_order)
 
             def write_large(target: BlobTarget) -> None:
                 with writers:
                     key = blob_key(target.digest)
                     chunks = dataplane.ranges_in_order(self._reader, key, target, parts, buffers)
                     write_verified(target, chunks, origin=self._reader.where(key))
+                retry.landed()
 
             dataplane.run_all([lambda t=t: write_large(t) for t in large] + tasks, jobs)
 
     def _stream_loose(self, target: BlobTarget, chunks: dataplane.Buffers) -> None:
-        """One GET of a blob's own object, received into a small buffer and landed as it comes."""
+        """One GET of a blob's own object, received into a small buffer and landed as it comes
+        (a dropped connection continues from the bytes received: DataPlane.resumed)."""
         key = blob_key(target.digest)
-
-        def attempt() -> None:  # write_verified leaves nothing behind when a try fails
-            response = self._reader.stream(key, needed=str(target.dest))
-            try:
-                with chunks.lend() as buf:
-                    write_verified(target, dataplane.received(response, buf), origin=self._reader.where(key))
-            finally:
-                dataplane.finish(response)
-
-        self._reader.retried(key, attempt)
+        with chunks.lend() as buf:
+            write_verified(target, self._reader.resumed(key, target.size, buf, needed=str(target.dest)), origin=self._reader.where(key))
+        retry.landed()
 
     def _stream_range(self, fetch: packs.RangeFetch, chunks: dataplane.Buffers) -> None:
         """One ranged GET of a pack; each blob in it is landed as its bytes arrive."""
@@ -171,6 +167,7 @@ class Transfers:
                         write_verified(piece.target, body.take(piece.size), origin=f"{self._reader.where(key)} at byte {at}")
                         pos = at + piece.size
                         landed += 1
+                        retry.landed()
             finally:
                 dataplane.finish(response)
 

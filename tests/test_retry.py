@@ -1,0 +1,284 @@
+"""The retry and deadline policy (neffbuild/retry.py): the policy itself, then against the real S3
+server with faults made for real by a proxy (tests/tcpproxy.py) or by killing the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from neffbuild import retry
+from neffbuild.api import ensure_cache
+from neffbuild.errors import DeadlineExceeded, IntegrityError, NotFoundError, StoreError
+from neffbuild.materialize import BlobTarget
+from neffbuild.store import open_store
+from neffbuild.store.base import blob_key
+from neffbuild.store.dataplane import PART, http_error
+from tests.s3server import S3Server, client_for
+from tests.storekit import publish_release_of, write_files
+from tests.tcpproxy import TcpProxy
+
+# ---- the policy ------------------------------------------------------------------------------
+
+
+def test_backoff_is_full_jitter_within_its_exponential_bound() -> None:
+    for tries in range(12):
+        bound = min(retry.CAP_S, retry.BASE_S * 2**tries)
+        waits = [retry.backoff(tries) for _ in range(400)]
+        assert all(0 <= w <= bound for w in waits)
+        # Full jitter: the draws cover [0, bound], not a band near it (nor a fixed value).
+        assert min(waits) < 0.1 * bound and max(waits) > 0.9 * bound
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "kind"),
+    [
+        (503, b"<Error><Code>SlowDown</Code></Error>", retry.Transient),
+        (429, b"", retry.Transient),
+        (500, b"<Error><Code>InternalError</Code></Error>", retry.Transient),
+        (502, b"", retry.Transient),
+        (404, b"<Error><Code>NoSuchKey</Code></Error>", NotFoundError),
+        (403, b"<Error><Code>AccessDenied</Code></Error>", StoreError),
+        (400, b"<Error><Code>InvalidRequest</Code></Error>", StoreError),
+        (416, b"", IntegrityError),
+    ],
+)
+def test_only_throttling_and_5xx_are_worth_another_try(status: int, body: bytes, kind: type) -> None:
+    answer = http_error("s3://b/p", "blobs/ab/cd", status, body, None)
+    assert type(answer) is kind
+
+
+def test_transient_failures_are_retried_and_others_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(retry, "BASE_S", 0.001)
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise retry.Transient("HTTP 503 SlowDown")
+        return "ok"
+
+    assert retry.retried("s3://b/k", flaky) == "ok" and len(calls) == 3
+
+    def corrupt() -> None:
+        calls.append(2)
+        raise IntegrityError("s3://b/k: the object is short")
+
+    with pytest.raises(IntegrityError):
+        retry.retried("s3://b/k", corrupt)
+    assert calls.count(2) == 1  # an integrity failure is never tried again
+
+    def failing() -> None:
+        calls.append(3)
+        raise retry.Transient("connection refused")
+
+    with pytest.raises(StoreError) as err:
+        retry.retried("s3://b/k", failing)
+    assert calls.count(3) == retry.ATTEMPTS and "s3://b/k" in err.value.message and not isinstance(err.value, DeadlineExceeded)
+
+
+def test_the_deadline_bounds_retries_and_socket_timeouts() -> None:
+    assert retry.timeouts() == (retry.CONNECT_S, retry.READ_S)
+    started = time.monotonic()
+    with retry.bounded(0.5, "pulling prod") as deadline:
+        assert deadline is not None and retry.current() is deadline
+        connect, read = retry.timeouts()
+        assert 0 < connect <= 0.5 and 0 < read <= 0.5
+        retry.doing("fetching 3 of 4 files")
+        with pytest.raises(DeadlineExceeded) as err:
+            retry.retried("s3://b/p", lambda: (_ for _ in ()).throw(retry.Transient("HTTP 503 SlowDown")))
+    assert time.monotonic() - started < 1.5
+    assert err.value.exit_code == 3
+    assert err.value.message == "s3://b/p: pulling prod went past its 0.5 s deadline while fetching 3 of 4 files"
+    assert retry.current() is None
+
+
+def test_the_deadline_cuts_a_read_blocked_in_flight() -> None:
+    """A socket read waiting on a peer that sends nothing returns when the deadline passes."""
+    ours, peer = socket.socketpair()
+    got: list[bytes] = []
+    with ours, peer, retry.bounded(0.3, "pulling prod") as deadline:
+        assert deadline is not None
+        deadline.watch(1, lambda: ours.shutdown(socket.SHUT_RDWR))
+        reader = threading.Thread(target=lambda: got.append(ours.recv(10)))  # no timeout on the socket
+        started = time.monotonic()
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive() and got == [b""] and time.monotonic() - started < 1.5
+
+
+def test_pool_threads_carry_the_deadline() -> None:
+    from neffbuild.store.dataplane import run_all
+
+    with retry.bounded(5, "pulling prod") as deadline:
+        seen = run_all([retry.current, retry.current], jobs=2)
+    assert seen == [deadline, deadline]
+
+
+# ---- against the real S3 server ------------------------------------------------------------------
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _published(s3_url: str, env: dict[str, str], root: Path, sizes: dict[str, int]) -> tuple[str, dict[str, bytes]]:
+    store = open_store(s3_url, create=True, env=env)
+    sources = write_files(root, sizes)
+    release_id = publish_release_of(store, root, sources, name="prod", tag="prod")
+    return release_id, {rel: (root / rel).read_bytes() for rel in sizes}
+
+
+def _assert_cache_holds(cache: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        assert (cache / rel).read_bytes() == data, rel
+
+
+@pytest.mark.s3
+def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, s3_server, tmp_path: Path, cli) -> None:
+    _, files = _published(s3_url, s3_env, tmp_path / "src", {f"f{i}.bin": 3000 + i for i in range(6)} | {"big.bin": 9 << 20})
+    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=retry.ATTEMPTS - 1) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        done = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "cache"), "--json", "--timeout", "60", env=env)
+    assert done.returncode == 0, done.stderr
+    assert len(proxy.slowed) == retry.ATTEMPTS - 1  # every 503 was answered and retried past
+    assert json.loads(done.stdout)["files_fetched"] == len(files)
+    _assert_cache_holds(tmp_path / "cache", files)
+
+
+@pytest.mark.s3
+def test_throttled_writes_are_retried_too(s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+    sources = write_files(tmp_path / "src", {"a.bin": 9 << 20, "b.bin": 5000})
+    open_store(s3_url, create=True, env=s3_env)
+    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/blobs/", "/packs/"), methods=("PUT",), slowdowns=3) as proxy:
+        store = open_store(s3_url, env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint})
+        store.put_blobs(sources, jobs=2)
+    assert len(proxy.slowed) == 3
+    puts = [path for method, path, _ in proxy.seen if method == "PUT" and ("/blobs/" in path or "/packs/" in path)]
+    for method, path in proxy.slowed:  # each request throttled was sent again
+        assert [(m, p) for m, p, _ in proxy.seen].count((method, path)) >= 2, (method, path)
+    assert len(set(puts)) == 3  # the big blob, the pack and its index
+    assert open_store(s3_url, env=s3_env).missing_blobs({s.digest for s in sources}) == set()
+
+
+@pytest.mark.s3
+def test_missing_and_denied_objects_are_not_retried(s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+    open_store(s3_url, create=True, env=s3_env)
+    with TcpProxy(_port(s3_server.endpoint)) as proxy:
+        store = open_store(s3_url, env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint})
+        digest = "0" * 32
+        with pytest.raises(NotFoundError):
+            store.download_blobs([BlobTarget(digest, PART + 1, tmp_path / "x")], jobs=1)
+        gets = [(path, h.get("range")) for method, path, h in proxy.seen if method == "GET" and blob_key(digest) in path]
+        assert gets and len(set(gets)) == len(gets), gets  # a 404 is an answer, not a failure: each range asked once
+        proxy.seen.clear()
+        with pytest.raises(StoreError) as err:
+            open_store(s3_url, env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_SECRET_ACCESS_KEY": "wrong"})
+        assert "access denied" in err.value.message and len(proxy.seen) == 1  # a 403 neither
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("mode", ["trickle", "stall"])
+def test_a_trickling_or_stalled_body_ends_at_the_deadline(mode: str, s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+    _published(s3_url, s3_env, tmp_path / "src", {"big.bin": 9 << 20, "small.bin": 4000})
+    with TcpProxy(_port(s3_server.endpoint), mode=mode, paths=("/blobs/", "/packs/"), trickle=(1, 0.5)) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded) as err:
+            ensure_cache("prod", store=s3_url, cache_dir=tmp_path / "cache", timeout=4, env=env, host_check=False)
+        took = time.monotonic() - started
+    assert took <= 4 + 2, took
+    message = err.value.message
+    assert err.value.exit_code == 3 and message.startswith(f"{s3_url}") and "4 s deadline while fetching 2 of 2 files" in message
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and ".neffbuild" not in p.parts]  # nothing half-landed
+
+
+@pytest.mark.s3
+def test_allow_stale_boots_the_installed_release_when_the_store_stalls(s3_url, s3_env, s3_server, tmp_path: Path, cli) -> None:
+    release_id, _ = _published(s3_url, s3_env, tmp_path / "src", {"a.bin": 4000})
+    cache = tmp_path / "cache"
+    assert cli("pull", "prod", "--store", s3_url, "--cache-dir", str(cache), env=s3_env).returncode == 0
+    with TcpProxy(_port(s3_server.endpoint), mode="stall", paths=("/",)) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        refused = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(cache), "--timeout", "2", "--json", env=env)
+        stale = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(cache), "--timeout", "2", "--json", "--allow-stale", env=env)
+    assert refused.returncode == 3 and json.loads(refused.stdout)["kind"] == "DeadlineExceeded", refused.stderr
+    assert stale.returncode == 0, stale.stderr
+    report = json.loads(stale.stdout)
+    assert report["stale"] is True and report["release_id"] == release_id and "deadline" in report["stale_reason"]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("large", [1, 4], ids=["ranges", "streamed"])
+def test_a_cut_large_download_resumes_from_the_bytes_received(large: int, s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+    sizes = {f"big{i}.bin": PART + 4096 + i for i in range(large)}
+    store = open_store(s3_url, create=True, env=s3_env)
+    sources = write_files(tmp_path / "src", sizes)
+    store.put_blobs(sources, jobs=4)
+    with TcpProxy(_port(s3_server.endpoint), mode="cut-gets", paths=("/blobs/",), cuts=1) as proxy:
+        via_proxy = open_store(s3_url, env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint})
+        targets = [BlobTarget(s.digest, s.size, tmp_path / "cache" / s.path.name) for s in sources]
+        via_proxy.download_blobs(targets, jobs=4)
+    assert proxy.cuts == 0
+    for s, t in zip(sources, targets, strict=True):
+        assert t.dest.read_bytes() == s.path.read_bytes(), t.dest
+    starts = [int(h["range"].removeprefix("bytes=").split("-")[0]) for m, p, h in proxy.seen if m == "GET" and "/blobs/" in p and "range" in h]
+    # The proxy cut the body after 64 KiB of response (head included): the retry asks for the rest.
+    resumed = [s % PART for s in starts if s % PART]
+    assert len(resumed) == 1 and 64 * 1024 - 2048 < resumed[0] < 64 * 1024, starts
+    gets = [p for m, p, _ in proxy.seen if m == "GET" and "/blobs/" in p]
+    assert len(gets) == (large + 1 if large > 1 else 2 + 1)  # one GET per blob or range, plus the resumed one
+
+
+# ---- a server killed mid-pull -------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_a_server_killed_mid_pull_fails_within_the_deadline_and_the_next_pull_fetches_the_rest(tmp_path: Path, cli) -> None:
+    server = S3Server(tmp_path / "weed")
+    settings = server.start()
+    try:
+        client_for(settings).create_bucket(Bucket="killed")
+        url = "s3://killed/store"
+        sizes = {f"f{i:02d}.bin": (9 << 20) + i for i in range(8)}
+        _, files = _published(url, settings.env(), tmp_path / "src", sizes)
+        cache = tmp_path / "cache"
+        timeout = 30
+        # Slowed to about 2.5 MB/s, the 72 MiB take ~30 s: the kill lands mid-pull.
+        with TcpProxy(_port(settings.endpoint), mode="trickle", paths=("/blobs/",), trickle=(256 << 10, 0.1)) as proxy:
+            env = {**os.environ, **settings.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+            started = time.monotonic()
+            pulling = subprocess.Popen(
+                [sys.executable, "-m", "neffbuild", "pull", "prod", "--store", url, "--cache-dir", str(cache), "--timeout", str(timeout), "--jobs", "2"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            while not [rel for rel in sizes if (cache / rel).exists()] and time.monotonic() - started < timeout:
+                time.sleep(0.05)
+            assert server.proc is not None
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+            killed_at = time.monotonic()
+            _, stderr = pulling.communicate(timeout=timeout + 10)
+            took = time.monotonic() - started
+        assert pulling.returncode == 3, stderr
+        assert took <= timeout + 2 and url in stderr and "pulling prod: fetching 8 of 8 files" in stderr, (took, stderr)
+        landed = [rel for rel in sizes if (cache / rel).exists()]
+        assert 1 <= len(landed) < len(sizes), landed
+        print(f"killed after {killed_at - started:.1f} s; pull exited 3 {time.monotonic() - killed_at:.1f} s later: {stderr.strip()}")
+
+        settings = server.start()  # the same data dir
+        done = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), "--json", env=settings.env())
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["files_fetched"] == len(sizes) - len(landed)  # only what was missing
+        assert report["bytes_fetched"] == sum(sizes[rel] for rel in sizes if rel not in landed)
+        _assert_cache_holds(cache, files)
+    finally:
+        server.stop()
