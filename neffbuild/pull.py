@@ -329,8 +329,10 @@ def _complete(
             missing = [f for f in resolved.release.files if found[f.path] is None]
             found.update(_scan(root, cache_dir, missing, _trusted(state.files, verify), jobs).found)
             missing = [f for f in missing if found[f.path] is None]
+            # Killed pulls' temp files: in the whole tree when files move, else only where a
+            # state file was being written (all files in: the next pull fetches nothing).
+            remove_stale_temp_files(cache_dir if missing else cache_dir / STATE_DIR)
             if missing:
-                remove_stale_temp_files(cache_dir)
                 targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir) for f in missing]
                 store.download_blobs(targets, jobs, release=resolved.release_id)
                 with Beneath(root, cache_dir) as tree:
