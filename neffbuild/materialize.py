@@ -250,9 +250,6 @@ def _open_temp(parent: int, name: str, *, direct: bool) -> tuple[int, str | None
     return _open_temp(parent, name, direct=False)
 
 
-_LAND_TRIES = 8  # parallel pulls without a working lock may land the same name between our unlink and link
-
-
 def _land(fd: int, named: str | None, parent: int, name: str) -> None:
     """Give the finished file its name in parent, replacing whatever is there (a stale copy, a
     link: unlink and rename act on the entry itself)."""
@@ -265,7 +262,7 @@ def _land(fd: int, named: str | None, parent: int, name: str) -> None:
     # reads (left there by a kill between the two): the stale entry is removed first instead,
     # so a kill leaves the path absent or whole.
     source = f"/proc/self/fd/{fd}"
-    for _ in range(_LAND_TRIES):
+    while True:  # each turn lost is another writer's link won: with finitely many, this ends
         try:
             os.link(source, name, dst_dir_fd=parent, follow_symlinks=True)
             return
@@ -273,8 +270,7 @@ def _land(fd: int, named: str | None, parent: int, name: str) -> None:
             try:
                 os.unlink(name, dir_fd=parent)
             except FileNotFoundError:
-                pass  # another pull removed it first
-    os.link(source, name, dst_dir_fd=parent, follow_symlinks=True)  # still contended: FileExistsError
+                pass  # another writer removed it first
 
 
 def unlink_quietly(parent: int, name: str) -> None:

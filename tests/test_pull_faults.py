@@ -16,11 +16,14 @@ import select
 import shutil
 import struct
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from neffbuild.cachestate import STATE_FILE
+from neffbuild.hashing import hash_bytes
+from neffbuild.materialize import BlobTarget, write_verified
 from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.pull import pull
 from neffbuild.store import open_store
@@ -133,3 +136,22 @@ def test_a_pull_killed_while_writing_its_state_leaves_no_temp_file_after_the_nex
     rerun = subprocess.run(scenario.command(cache, "--json"), env=scenario.env, capture_output=True, text=True, check=False)
     assert rerun.returncode == 0 and json.loads(rerun.stdout)["files_fetched"] == 0, rerun.stderr
     assert_installed(cache, scenario.new)  # every file, the state, and no temp file anywhere
+
+
+def test_writers_replacing_one_path_at_once_without_a_lock_all_land_it_whole(tmp_path: Path) -> None:
+    """Landing never rests on pull's lock: writers racing to replace one file (as pulls would
+    where flock does nothing) all succeed, and the path ends whole, with no other name beside it."""
+    data = os.urandom(100_000)
+    cache = tmp_path / "cache"
+    dest = cache / "d" / "f.bin"
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"stale")
+    target = BlobTarget(hash_bytes(data), len(data), dest, fsync=False, root=cache)
+
+    def write(_: int) -> None:
+        for _ in range(50):
+            write_verified(target, [data], origin="test")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(8)))
+    assert dest.read_bytes() == data and os.listdir(dest.parent) == ["f.bin"]
