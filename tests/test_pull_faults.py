@@ -16,6 +16,7 @@ import select
 import shutil
 import struct
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -155,3 +156,44 @@ def test_writers_replacing_one_path_at_once_without_a_lock_all_land_it_whole(tmp
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(write, range(8)))
     assert dest.read_bytes() == data and os.listdir(dest.parent) == ["f.bin"]
+
+
+# ---- correctness without the lock: a filesystem where flock does nothing (some NFS setups) ------
+
+_NO_FLOCK = "int flock(int fd, int operation) { (void)fd; (void)operation; return 0; }\n"
+_HOLD = "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\nprint(flush=True)\ntime.sleep(600)\n"
+
+
+@pytest.fixture(scope="module")
+def no_flock(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment that makes a process's flock(2) succeed without locking anything, as on a
+    filesystem that ignores it: a libc shim loaded first (LD_PRELOAD); the product is unchanged."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the flock shim")
+    where = tmp_path_factory.mktemp("noflock")
+    (where / "noflock.c").write_text(_NO_FLOCK)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(where / "noflock.so"), str(where / "noflock.c")], check=True)
+    return {"LD_PRELOAD": str(where / "noflock.so")}
+
+
+def test_eight_pulls_racing_where_flock_does_nothing_still_install_the_release(scenario: Scenario, no_flock: dict[str, str], tmp_path: Path) -> None:
+    """An upgrade: the pulls also race to replace the old release's files at the same paths."""
+    cache = tmp_path / "cache"
+    fresh_cache(cache, scenario.template)
+    env = {**scenario.env, **no_flock}
+    (cache / STATE_DIR).mkdir(exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(cache / STATE_DIR / "pull.lock")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+        # The lock is held for real: with a working flock each of these would exit 9 at once.
+        reports = concurrent_pulls(scenario.command(cache, "--json", "--lock-timeout", "0"), env, PULLS)
+    finally:
+        holder.kill()
+        holder.wait()
+    fetched = sum(r["files_fetched"] for r in reports)
+    print(f"{PULLS} pulls without a lock landed {fetched} files of {len(scenario.new)}")
+    assert fetched >= len(scenario.new)
+    assert_installed(cache, scenario.new)
+    report = pull(scenario.store, scenario.ref, cache, verify="full")
+    assert report.files_fetched == 0 and report.files_rehashed == len(scenario.new)
