@@ -14,6 +14,8 @@ or, with --store local or without `weed`, uses a local store. Publishes two rele
       dir, through a counting proxy in front of the server (tests/tcpproxy.py): all must exit 0;
       prints the bytes the server sent (blob data and the rest) against the release's size.
       A local store has no proxy: only the files each pull fetched are counted.
+  (c) the same race where flock(2) does nothing (a libc shim, LD_PRELOAD; needs `cc`), as an
+      upgrade of a cache dir holding "old": correctness must not rest on the lock.
 
 Run:
     .venv/bin/python bench/killpull.py [--points 50] [--pulls 8] [--small 1000] [--large 2] [--store s3|local]
@@ -35,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from neffbuild.pull import pull  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
-from tests.killkit import Traffic, concurrent_pulls, kill_delays, make_scenario, phases  # noqa: E402
+from tests.killkit import Traffic, concurrent_pulls, fresh_cache, kill_delays, make_scenario, no_flock_env, phases  # noqa: E402
 from tests.s3server import S3Server, client_for, weed_binary  # noqa: E402
 from tests.tcpproxy import TcpProxy  # noqa: E402
 
@@ -79,12 +81,18 @@ def run(args: argparse.Namespace, store_url: str, env: dict[str, str], s3_port: 
           f"{time.monotonic() - started:.0f} s with checks and reruns; all passed")  # fmt: skip
     print(f"    where they died: {phases(results, len(scenario.new))}")
     print(f"    state temp files left in .neffbuild right after a kill: {sum(a.temp_in_state_dir for _, a in results)}")
-    race(args, scenario, env, s3_port, size)
+    print("\n(b) race: into an empty cache dir")
+    race(args, scenario, env, s3_port, size, "race")
+    shim = no_flock_env(WORK)
+    if shim is not None:
+        print("\n(c) the same race where flock does nothing (LD_PRELOAD shim), into a cache dir holding old:")
+        race(args, scenario, {**env, **shim}, s3_port, size, "race-no-lock", from_old=True)
     print(f"\nmachine: {os.cpu_count()} CPUs; uptime: {uptime()}")
 
 
-def race(args: argparse.Namespace, scenario, env: dict[str, str], s3_port: int | None, size: int) -> None:
-    cache = WORK / "race"
+def race(args: argparse.Namespace, scenario, env: dict[str, str], s3_port: int | None, size: int, name: str, *, from_old: bool = False) -> None:
+    cache = WORK / name
+    fresh_cache(cache, scenario.template if from_old else None)
     command = scenario.command(cache, "--json")
     started = time.monotonic()
     if s3_port is None:
@@ -99,7 +107,7 @@ def race(args: argparse.Namespace, scenario, env: dict[str, str], s3_port: int |
     fetched = sum(r["files_fetched"] for r in reports)
     verified = pull(scenario.store, scenario.ref, cache, verify="full")
     assert verified.files_fetched == 0 and verified.files_rehashed == len(scenario.new), verified
-    print(f"\n(b) race: {args.pulls} pulls started together, all exit 0 in {took:.2f} s; files landed "
+    print(f"    {args.pulls} pulls started together, all exit 0 in {took:.2f} s; files landed "
           f"{fetched} (release: {len(scenario.new)}); full verify after: nothing to fetch")  # fmt: skip
     print(f"    each pull's own seconds: median {statistics.median(r['seconds'] for r in reports):.2f}, "
           f"max {max(r['seconds'] for r in reports):.2f}")  # fmt: skip
@@ -107,7 +115,7 @@ def race(args: argparse.Namespace, scenario, env: dict[str, str], s3_port: int |
         print(f"    from the server: {traffic.total:,} bytes in {traffic.requests} requests = release {size:,} "
               f"x {traffic.total / size:.4f}")  # fmt: skip
         print(f"      blob data (pack ranges, loose blobs): {traffic.data_bytes:,} bytes in {traffic.data_requests} GETs "
-              f"= release + {traffic.data_bytes - size:,} (response heads)")  # fmt: skip
+              f"= release x {traffic.data_bytes / size:.4f} (a response head each)")  # fmt: skip
         print(f"      documents (tag, release, bundles, locator, pack index) and heads: {traffic.other_bytes:,} bytes, "
               f"{traffic.other_bytes / args.pulls:,.0f} a pull")  # fmt: skip
 

@@ -265,3 +265,18 @@ class Traffic:
 def _is_data(path: str) -> bool:
     key = path.split("?", 1)[0]
     return key.endswith(".pack") or "/blobs/" in key
+
+
+_NO_FLOCK = "int flock(int fd, int operation) { (void)fd; (void)operation; return 0; }\n"
+
+
+def no_flock_env(where: Path) -> dict[str, str] | None:
+    """The environment that makes a process's flock(2) succeed without locking anything, as on a
+    filesystem that ignores it (some NFS setups): a libc shim built in where and loaded first
+    (LD_PRELOAD); the product is unchanged. None without a C compiler."""
+    cc = shutil.which("cc")
+    if cc is None:
+        return None
+    (where / "noflock.c").write_text(_NO_FLOCK)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(where / "noflock.so"), str(where / "noflock.c")], check=True)
+    return {"LD_PRELOAD": str(where / "noflock.so")}

@@ -28,7 +28,7 @@ from neffbuild.materialize import BlobTarget, write_verified
 from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.pull import pull
 from neffbuild.store import open_store
-from tests.killkit import HEAD_MAX, Scenario, Traffic, assert_installed, concurrent_pulls, fresh_cache, kill_delays, make_scenario, phases
+from tests.killkit import HEAD_MAX, Scenario, Traffic, assert_installed, concurrent_pulls, fresh_cache, kill_delays, make_scenario, no_flock_env, phases
 from tests.s3server import S3Settings
 from tests.tcpproxy import TcpProxy
 
@@ -160,21 +160,15 @@ def test_writers_replacing_one_path_at_once_without_a_lock_all_land_it_whole(tmp
 
 # ---- correctness without the lock: a filesystem where flock does nothing (some NFS setups) ------
 
-_NO_FLOCK = "int flock(int fd, int operation) { (void)fd; (void)operation; return 0; }\n"
 _HOLD = "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\nprint(flush=True)\ntime.sleep(600)\n"
 
 
 @pytest.fixture(scope="module")
 def no_flock(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The environment that makes a process's flock(2) succeed without locking anything, as on a
-    filesystem that ignores it: a libc shim loaded first (LD_PRELOAD); the product is unchanged."""
-    cc = shutil.which("cc")
-    if cc is None:
+    env = no_flock_env(tmp_path_factory.mktemp("noflock"))
+    if env is None:
         pytest.skip("needs a C compiler to build the flock shim")
-    where = tmp_path_factory.mktemp("noflock")
-    (where / "noflock.c").write_text(_NO_FLOCK)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(where / "noflock.so"), str(where / "noflock.c")], check=True)
-    return {"LD_PRELOAD": str(where / "noflock.so")}
+    return env
 
 
 def test_eight_pulls_racing_where_flock_does_nothing_still_install_the_release(scenario: Scenario, no_flock: dict[str, str], tmp_path: Path) -> None:
