@@ -2,6 +2,8 @@
 
 The bytes go into a file with no name yet (O_TMPFILE) while they are hashed; only a full, matching
 copy is linked into place, so a reader never sees half a file and a crash leaves nothing behind.
+A file already at the path is unlinked just before the link (linkat never replaces): a kill
+between the two leaves the path absent, never a second name where the server reads.
 Where the filesystem or platform has no O_TMPFILE, a process-unique `*.incomplete` file next to
 the target plays that part and is renamed into place (pull removes those left by killed pulls).
 
@@ -17,8 +19,8 @@ O_NOFOLLOW, and the temp file, its link and the final rename all act on that dir
 descriptor. So no symlink at or below the root is ever followed, and swapping a directory for a
 link midway changes nothing: the descriptor held is the real directory. A symlink where a
 directory is expected is an error naming it (nothing is written); a symlink, or any other
-non-file, where a file is expected is replaced by the verified file (rename acts on the link
-itself, inside a directory reached without links, so nothing outside changes). The same rules
+non-file, where a file is expected is replaced by the verified file (unlink and rename act on
+the link itself, inside a directory reached without links, so nothing outside changes). The same rules
 hold for reading (see `Beneath`): a link at a release path is never "present".
 """
 
@@ -258,23 +260,25 @@ def _open_temp(parent: int, name: str, *, direct: bool) -> tuple[int, str | None
 
 def _land(fd: int, named: str | None, parent: int, name: str) -> None:
     """Give the finished file its name in parent, replacing whatever is there (a stale copy, a
-    link: rename replaces the entry itself), in one atomic step."""
+    link: unlink and rename act on the entry itself)."""
     if named is not None:
         os.replace(named, name, src_dir_fd=parent, dst_dir_fd=parent)
         return
     # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an O_TMPFILE file (open(2)); the
-    # absolute source ignores its directory, the new name is made in parent.
+    # absolute source ignores its directory, the new name is made in parent. linkat never
+    # replaces, and linking beside and renaming over would name a temp file where the server
+    # reads (left there by a kill between the two): the stale entry is removed first instead,
+    # so a kill leaves the path absent or whole.
     source = f"/proc/self/fd/{fd}"
-    try:
-        os.link(source, name, dst_dir_fd=parent, follow_symlinks=True)
-    except FileExistsError:  # a stale or corrupt copy is there: link beside it, then swap
-        beside = temp_name_for(name)
-        os.link(source, beside, dst_dir_fd=parent, follow_symlinks=True)
+    while True:  # each turn lost is another writer's link won: with finitely many, this ends
         try:
-            os.replace(beside, name, src_dir_fd=parent, dst_dir_fd=parent)
-        except BaseException:
-            unlink_quietly(parent, beside)
-            raise
+            os.link(source, name, dst_dir_fd=parent, follow_symlinks=True)
+            return
+        except FileExistsError:
+            try:
+                os.unlink(name, dir_fd=parent)
+            except FileNotFoundError:
+                pass  # another writer removed it first
 
 
 def unlink_quietly(parent: int, name: str) -> None:

@@ -1,7 +1,9 @@
 """Materialise a release into a cache dir: only missing files move, every byte is verified.
 
 Each file lands through materialize.write_verified (a temp file, hashed while written, then named),
-so a crash or a bad object leaves the previous state, never half a file. A small state file
+so a crash or a bad object never leaves half a file: each path holds its old bytes, its new bytes
+or (killed as it replaced them) nothing, and where the filesystem has unnamed files (O_TMPFILE)
+no temp name ever appears beside them (tests/test_pull_faults.py kills pulls to check). A small state file
 remembers (size, mtime) of what we wrote, so a complete cache makes pull a no-op without
 re-reading gigabytes of NEFFs; a no-op pull writes nothing at all (a full disk does not fail it).
 
@@ -321,8 +323,10 @@ def _complete(
             missing = [f for f in resolved.release.files if found[f.path] is None]
             found.update(_scan(root, cache_dir, missing, _trusted(state.files, verify), jobs).found)
             missing = [f for f in missing if found[f.path] is None]
+            # Killed pulls' temp files: in the whole tree when files move, else only where a
+            # state file was being written (all files in: the next pull fetches nothing).
+            remove_stale_temp_files(cache_dir if missing else cache_dir / STATE_DIR)
             if missing:
-                remove_stale_temp_files(cache_dir)
                 targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir, direct=direct_writes) for f in missing]
                 store.download_blobs(targets, jobs, release=resolved.release_id)
                 with Beneath(root, cache_dir) as tree:

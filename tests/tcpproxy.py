@@ -20,6 +20,10 @@ Modes:
 
 `seen` records every request as (method, path, headers with lower-case names), in arrival order.
 
+The proxy counts what it forwards back to clients: `bytes_down` (response heads and bodies as the
+server sent them; what a fault mode makes up or cuts off is not counted), `requests`, and
+`exchanges`, one (method, path, bytes forwarded) per request; read them after settled().
+
 Each request is forwarded with `Connection: close`, so a connection carries one exchange and the
 proxy needs no HTTP framing beyond the request's Content-Length. It serves until stop().
 """
@@ -56,6 +60,11 @@ class TcpProxy:
         self.slowed: list[tuple[str, str]] = []  # (method, path) of each request answered 503 SlowDown
         self.trickle = trickle
         self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.bytes_down = 0
+        self.requests = 0
+        self.exchanges: list[tuple[str, str, int]] = []
+        self._counting = threading.Lock()
+        self._asked: dict[socket.socket, tuple[str, str]] = {}  # upstream connection -> its request
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
@@ -76,6 +85,17 @@ class TcpProxy:
         self._stopped.set()
         self._thread.join(timeout=5)
         self._listener.close()
+
+    def settled(self, timeout: float = 5.0) -> bool:
+        """Whether every request forwarded so far has had its answer counted (waits up to timeout:
+        a client may have read its last bytes before the proxy's thread counted them)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._counting:
+                if len(self.exchanges) == self.requests:
+                    return True
+            time.sleep(0.01)
+        return False
 
     def _serve(self) -> None:
         self._listener.settimeout(0.1)  # closing a listening socket does not wake accept(): poll
@@ -130,6 +150,9 @@ class TcpProxy:
                     cut.set()
         if self.mode == "endless" and method == b"GET" and matches:
             endless.set()
+        with self._counting:
+            self.requests += 1
+            self._asked[upstream] = (method.decode(), path.decode())  # before it is sent: then answered
         upstream.sendall(b"\r\n".join([first, *headers]) + b"\r\n\r\n")
         remaining = length
         while remaining > 0:
@@ -167,6 +190,13 @@ class TcpProxy:
         finally:
             upstream.close()
             client.close()
+            self._answered(upstream, sent)
+
+    def _answered(self, upstream: socket.socket, sent: int) -> None:
+        with self._counting:
+            method, path = self._asked.pop(upstream, ("", ""))
+            self.bytes_down += sent
+            self.exchanges.append((method, path, sent))
 
     def _endless(self, upstream: socket.socket, client: socket.socket, data: bytes) -> None:
         """Forward one response without its Content-Length, then keep the body going (a 2xx only)."""
