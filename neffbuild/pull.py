@@ -59,7 +59,7 @@ from neffbuild.cachestate import (
     release_units,
 )
 from neffbuild.errors import EnvironmentMismatch, NotFoundError, StoreError
-from neffbuild.exports import env_file_text, exports_for, write_env_file
+from neffbuild.exports import env_file_text, exports_for, serving_dirs, write_env_file
 from neffbuild.locks import acquire
 from neffbuild.materialize import (
     BlobTarget,
@@ -196,6 +196,7 @@ def pull(
     finally:
         if root is not None:
             os.close(root)
+    make_serving_dirs(cache_dir, serving_dirs(resolved.release.backend))
     if env_file is not None:
         write_env_file(env_file, env_text)
     return PullReport(
@@ -411,6 +412,16 @@ def _hash_one(tree: Beneath, entry: FileEntry, cache_dir: Path) -> str | None:
         return tree.hash_file(entry.path, entry.size)
     except OSError as exc:
         raise disk_error(exc, cache_dir / entry.path) from None
+
+
+def make_serving_dirs(cache_dir: Path, names: Collection[str]) -> None:
+    """Make the dirs the server writes even on a hit, now, while the cache dir is writable: a
+    host serving it read-only mounts a writable dir over each (README, read-only cache dir)."""
+    for name in names:
+        try:
+            (cache_dir / name).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise disk_error(exc, cache_dir / name) from None
 
 
 @contextmanager
