@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from neffbuild.backends import get_backend
+from neffbuild.backends.serving import BY_BACKEND
 from neffbuild.pull import pull
 from neffbuild.store import open_store
 from neffbuild.verify import tree_state
@@ -44,6 +46,15 @@ def test_pull_makes_the_dir_inductor_writes_on_a_hit_and_a_no_op_pull_makes_it_a
     (cache / "locks").rmdir()  # e.g. by `neffbuild prune`, which removes empty dirs
     assert pull(store, "t", cache).files_fetched == 0
     assert (cache / "locks").is_dir()
+
+
+@pytest.mark.parametrize("name", sorted(BY_BACKEND))
+def test_what_a_server_writes_on_a_hit_is_never_bundled(name: str, tmp_path: Path) -> None:
+    for rel in BY_BACKEND[name].writable:
+        (tmp_path / rel).mkdir()
+        (tmp_path / rel / "c0ffee.lock").write_bytes(b"")
+    assert get_backend(name).select_files(tmp_path) == []
+    assert BY_BACKEND["inductor"].writable == ("locks",) and BY_BACKEND["neuron"].writable == ()  # locks: elsewhere
 
 
 def test_in_place_refuses_a_cache_dir_the_replay_could_write(tiny_model: Path, tmp_path: Path) -> None:
