@@ -73,5 +73,5 @@ def require_read_only(cache_dir: Path, backend: str, writable: Collection[str]) 
         if not can_write(path):
             raise HostNotReady(
                 f"{path}: not writable, and the {backend} compiler writes there even on a hit",
-                hint=f"mount a writable dir over it (systemd BindPaths=, a container tmpfs): {README_SECTION}",
+                hint=f"mount a writable dir over it (systemd ReadWritePaths=, a container tmpfs): {README_SECTION}",
             )
