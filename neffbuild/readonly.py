@@ -58,8 +58,9 @@ def require_read_only(cache_dir: Path, backend: str, writable: Collection[str]) 
     fail on a hit, as the server would)."""
     open_dirs = writable_dirs(cache_dir, writable)
     if open_dirs:
+        more = f" (and {len(open_dirs) - 1} more dirs of {cache_dir})" if len(open_dirs) > 1 else ""
         raise InputError(
-            f"--in-place: {open_dirs[0]} is writable by this replay ({len(open_dirs)} dirs of {cache_dir} are)",
+            f"--in-place: {open_dirs[0]} is writable by this replay{more}",
             hint="a miss would write into the dir it checks: mount it read-only or run as a user that cannot "
             "write it, as the server will (or drop --in-place to replay a private copy)",
         )
