@@ -180,7 +180,7 @@ def replay(
 ) -> ReplayReport:
     """Run every unit's warmup against a private copy of cache_dir (in_place: against cache_dir,
     which this process must not be able to write), one fresh process per model entry (as
-    serving does); cache_dir itself is only read."""
+    serving does); cache_dir itself is only read (in place: but for the backend's lock dir)."""
     backend = get_backend(plan.backend_name)
     cache_dir = cache_dir.expanduser().resolve()
     for flag, path in (("--outputs", outputs_dir), ("--work-dir", work_dir)):
