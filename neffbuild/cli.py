@@ -173,13 +173,26 @@ def pull(
 @store_option
 @click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
 @click.option(
+    "--in-place",
+    is_flag=True,
+    help="Replay against --cache-dir itself, as a server reading it read-only does; refused if this process can write it.",
+)
+@click.option(
     "--work-dir",
     type=click.Path(path_type=Path, file_okay=False),
     help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
 )
 @json_option
 def verify(
-    manifest: Path | None, cache_dir: Path | None, replay: bool, deep: bool, store: StoreChoice, outputs: Path | None, work_dir: Path | None, as_json: bool
+    manifest: Path | None,
+    cache_dir: Path | None,
+    replay: bool,
+    deep: bool,
+    store: StoreChoice,
+    outputs: Path | None,
+    in_place: bool,
+    work_dir: Path | None,
+    as_json: bool,
 ) -> None:
     """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
     (against a private copy: the cache dir is never written). Without MANIFEST: check --store
@@ -187,6 +200,8 @@ def verify(
     from neffbuild.verify import files_error, miss_error, verify_files, verify_replay
 
     console = Console(as_json)
+    if in_place and not replay:
+        raise InputError("--in-place is a --replay option", hint="add --replay")
     if manifest is None:
         from neffbuild.output import print_store_check
         from neffbuild.storecheck import check_store, store_error
@@ -198,7 +213,9 @@ def verify(
         raise InputError("verify MANIFEST needs --cache-dir", hint="or give no MANIFEST and a --store to check the store itself")
     elif replay:
         progress = lambda total: console.units_progress("replaying", total)  # noqa: E731
-        report = verify_replay(manifest, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, progress=progress)
+        report = verify_replay(
+            manifest, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, progress=progress, in_place=in_place
+        )
         console.replay(report)
         error = miss_error(report)
     else:

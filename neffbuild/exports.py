@@ -84,6 +84,12 @@ def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection
     return {serving.cache_env: str(cache_dir), **env}
 
 
+def serving_dirs(backend: str) -> tuple[str, ...]:
+    """Dirs inside the cache dir that the backend's server writes even on a hit (see serving.py)."""
+    serving = BY_BACKEND.get(backend)
+    return serving.writable if serving else ()
+
+
 def shell_lines(exports: Mapping[str, str]) -> str:
     """`export NAME=value` lines for `eval` (names were checked; values are quoted)."""
     return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in exports.items())

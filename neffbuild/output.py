@@ -230,7 +230,9 @@ class Console:
 
     def replay(self, report: ReplayReport) -> None:
         if self.as_json:
-            self._json({"cache_dir": report.cache_dir, "misses": len(report.misses), "units": report.units, "view": report.view})
+            self._json(
+                {"cache_dir": report.cache_dir, "misses": len(report.misses), "units": report.units, "view": report.view, "in_place": report.in_place}
+            )
             return
         self._table(
             f"replay of {report.cache_dir}",
@@ -242,6 +244,13 @@ class Console:
         )
         for u in report.misses:
             self._would_write(u)
+        if report.in_place:
+            self.out.print(
+                f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed in place against "
+                f"{report.cache_dir}, which this replay could not write (but for the dirs its compiler writes on a hit)",
+                markup=False,
+            )
+            return
         v = report.view
         methods = ", ".join(f"{n} by {m}" for m, n in sorted(v.methods.items())) or "empty"
         self.out.print(

@@ -62,7 +62,7 @@ from neffbuild.cachestate import (
     release_units,
 )
 from neffbuild.errors import EnvironmentMismatch, NotFoundError
-from neffbuild.exports import env_file_text, exports_for, write_env_file
+from neffbuild.exports import env_file_text, exports_for, serving_dirs, write_env_file
 from neffbuild.locks import acquire
 from neffbuild.materialize import (
     BlobTarget,
@@ -210,6 +210,7 @@ def pull(
         finally:
             if root is not None:
                 os.close(root)
+        make_serving_dirs(cache_dir, serving_dirs(resolved.release.backend))
         if env_file is not None:
             write_env_file(env_file, env_text)
         return PullReport(
@@ -418,6 +419,16 @@ def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
         runs[-1].append(f)
         size += f.size
     return [r for r in runs if r]
+
+
+def make_serving_dirs(cache_dir: Path, names: Collection[str]) -> None:
+    """Make the dirs the server writes even on a hit, now, while the cache dir is writable: a
+    host serving it read-only mounts a writable dir over each (README, read-only cache dir)."""
+    for name in names:
+        try:
+            (cache_dir / name).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise disk_error(exc, cache_dir / name) from None
 
 
 @contextmanager

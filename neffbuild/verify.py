@@ -8,6 +8,11 @@ replay would turn red into green. Each worker gets a private copy of it in the r
 (reflinked where the filesystem can, so nearly free on XFS or btrfs; copied otherwise), the
 checked dir is only ever opened read-only, and what a miss wrote into the copy is reported as
 what the replay would have written.
+
+In place (`--in-place`), a replay runs against the checked dir itself, as a server that reads it
+read-only does: refused unless this process cannot write the dir, but for the dirs the backend's
+server writes even on a hit (backends/serving.py), which it must be able to write. A miss then
+fails as the server's would, naming the file the compiler could not write.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
 from neffbuild.bundle import BundleRecord
+from neffbuild.exports import serving_dirs
 from neffbuild.errors import (
     BuildError,
     DiskError,
@@ -56,6 +62,7 @@ from neffbuild.jobs import (
 )
 from neffbuild.manifest import LoadedManifest, load_manifest
 from neffbuild.plan import BuildUnit, Plan, make_plan
+from neffbuild.readonly import require_read_only
 from neffbuild.refs import find_doc
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
@@ -98,6 +105,7 @@ class ReplayReport:
     cache_dir: Path
     units: tuple[UnitReplay, ...]
     view: ViewCopy = ViewCopy()
+    in_place: bool = False  # against cache_dir itself, read-only to the replay (no copy)
 
     @property
     def misses(self) -> list[UnitReplay]:
@@ -126,11 +134,15 @@ def verify_replay(
     work_dir: Path | None = None,
     outputs_dir: Path | None = None,
     progress: Progress = no_progress,
+    in_place: bool = False,
 ) -> ReplayReport:
-    """`neffbuild verify --replay`: replay the manifest against cache_dir (see replay)."""
+    """`neffbuild verify --replay [--in-place]`: replay the manifest against cache_dir (see replay)."""
     plan = _plan_for(manifest, cache_dir, env)[1]
     with progress(len(plan.units)) as notify:
-        return replay(plan, cache_dir, env=env, work_dir=work_dir, outputs_dir=outputs_dir, logs_dir=logs_dir_for(work_dir), notify=notify)
+        return replay(
+            plan, cache_dir, env=env, work_dir=work_dir, outputs_dir=outputs_dir,
+            logs_dir=logs_dir_for(work_dir), notify=notify, in_place=in_place,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -164,9 +176,11 @@ def replay(
     outputs_dir: Path | None = None,
     logs_dir: Path = DEFAULT_LOGS_DIR,
     notify: OnPhase | None = None,
+    in_place: bool = False,
 ) -> ReplayReport:
-    """Run every unit's warmup against a private copy of cache_dir, one fresh process per model
-    entry (as serving does); cache_dir itself is only read."""
+    """Run every unit's warmup against a private copy of cache_dir (in_place: against cache_dir,
+    which this process must not be able to write), one fresh process per model entry (as
+    serving does); cache_dir itself is only read (in place: but for the backend's lock dir)."""
     backend = get_backend(plan.backend_name)
     cache_dir = cache_dir.expanduser().resolve()
     for flag, path in (("--outputs", outputs_dir), ("--work-dir", work_dir)):
@@ -177,6 +191,8 @@ def replay(
             outputs_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InputError(f"--outputs {outputs_dir}: cannot create it ({exc.strerror or exc})") from None
+    if in_place:
+        require_read_only(cache_dir, plan.backend_name, serving_dirs(plan.backend_name))
     root = make_scratch_root(work_dir, "neffbuild-replay-")
     if root.resolve().is_relative_to(cache_dir):  # the system's temp dir is
         root.rmdir()
@@ -186,7 +202,7 @@ def replay(
     with supervised(cleanup=lambda: remove_tree(root)) as workers:
         run = _Replay(
             backend,
-            root / "view",
+            cache_dir if in_place else root / "view",
             root,
             {**env, **plan.runtime_env},
             outputs_dir,
@@ -194,15 +210,15 @@ def replay(
             workers,
             notify or (lambda unit_id, status: None),
         )
-        dirty = True
+        dirty = not in_place
         for units in plan.by_entry().values():
             if dirty:  # every entry starts from the checked dir's bytes, not another entry's writes
                 remove_tree(run.view)
                 copy = _add(copy, make_view(cache_dir, run.view))
-            before = tree_state(run.view)
+            before = {} if in_place else tree_state(run.view)
             results.extend(_replay_entry(units, run))
-            dirty = tree_state(run.view) != before
-    return ReplayReport(cache_dir, tuple(results), copy)
+            dirty = not in_place and tree_state(run.view) != before
+    return ReplayReport(cache_dir, tuple(results), copy, in_place)
 
 
 def _replay_entry(units: list[BuildUnit], run: _Replay) -> list[UnitReplay]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from neffbuild.jobs import PARENT_PID_ENV
 
@@ -120,3 +123,13 @@ def tree_hash(root: Path) -> str:
             elif path.is_file():
                 h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def without_override(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """command subject to file permissions: as root (tests here run as root), with the
+    capabilities that bypass them dropped from the process's bounding set."""
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to drop root's permission override")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    return subprocess.run(command, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})})

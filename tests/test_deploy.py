@@ -76,6 +76,16 @@ def test_the_pull_unit_runs_once_before_the_server_with_the_store_in_its_own_env
             assert f"\n{word[2:-1]}=" in f"\n{example}"
 
 
+def test_the_server_reads_the_pulled_cache_read_only_but_for_the_dirs_its_compiler_writes_on_a_hit() -> None:
+    from neffbuild.backends.serving import INDUCTOR
+
+    service = unit("image-server.service")["Service"]
+    example = dict(line.split("=", 1) for line in (DEPLOY / "pull.env.example").read_text().splitlines() if line[:1].isalpha())
+    cache_dir = example["NEFFBUILD_CACHE_DIR"]
+    assert service["ReadOnlyPaths"] == cache_dir
+    assert service["ReadWritePaths"].split() == [f"{cache_dir}/{name}" for name in INDUCTOR.writable]
+
+
 @pytest.mark.parametrize("script", ["entrypoint.sh"])
 def test_the_shell_scripts_parse(script: str) -> None:
     done = subprocess.run(["bash", "-n", str(DEPLOY / script)], capture_output=True, text=True, check=False)

@@ -18,20 +18,14 @@ import pytest
 from neffbuild.store import open_store
 from neffbuild.store.base import MARKER, blob_key
 from tests.conftest import write_manifest
-from tests.procs import started_by, wait_for
+from tests.procs import started_by, wait_for, without_override
 from tests.storekit import publish_release_of, write_files
 from tests.test_build import damaged_model, start_build  # noqa: F401  (damaged_model: a fixture)
 
 
 def cli_without_override(*args: str) -> subprocess.CompletedProcess[str]:
-    """`neffbuild ARGS` subject to file permissions: as root (tests here run as root), with the
-    capabilities that bypass them dropped from the process's bounding set."""
-    command = [sys.executable, "-m", "neffbuild", *args]
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("needs setpriv to drop root's permission override")
-        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
-    return subprocess.run(command, capture_output=True, text=True, check=False)
+    """`neffbuild ARGS` subject to file permissions, as a user would meet them."""
+    return without_override([sys.executable, "-m", "neffbuild", *args])
 
 
 @pytest.fixture
