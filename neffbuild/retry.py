@@ -5,7 +5,9 @@ dropped or refused connection, a socket timeout. Everything else (another 4xx, a
 object: IntegrityError) is raised as it is, at once; an integrity failure is never retried into
 success. Between tries the policy sleeps with exponential backoff and full jitter (a uniform draw
 in [0, min(CAP_S, BASE_S * 2**try)]), so hosts booting together spread out instead of retrying in
-step; after ATTEMPTS tries of one request it gives up with a StoreError naming the object.
+step; after ATTEMPTS tries of one request it gives up with a StoreError naming the object. A
+throttled request (the store is up and asks us to slow down) gets THROTTLED_ATTEMPTS: hosts booting
+together can be throttled for tens of seconds, and the deadline still bounds the whole.
 
 A Deadline (pull --timeout, ensure_cache(timeout=...)) bounds the whole operation, not a request:
 it is the current one for everything run under `bounded()` (thread pools carry it: `carried`).
@@ -38,6 +40,8 @@ from neffbuild.errors import DeadlineExceeded, StoreError
 # Tries of one request: with the backoff below, 1.5 s of sleep in all on average, 3.1 s at most,
 # about what AWS's SDKs wait by default; a store down at boot fails in seconds (or --allow-stale).
 ATTEMPTS = 6
+# Tries of one request while the store keeps throttling it: about 40 s of backoff on average.
+THROTTLED_ATTEMPTS = 16
 BASE_S = 0.1  # the first backoff is drawn from [0, BASE_S]
 CAP_S = 8.0  # no single backoff is longer
 CONNECT_S = 10.0  # a connection not made in this long is Transient
@@ -47,12 +51,16 @@ _T = TypeVar("_T")
 
 
 class Transient(Exception):
-    """A connection or server failure worth another try; `received`: body bytes that made it."""
+    """A connection or server failure worth another try; `received`: body bytes that made it;
+    `throttled`: the store answered, asking us to slow down (503 SlowDown, 429)."""
 
-    def __init__(self, message: str, hint: str = "the endpoint keeps failing; retry later", *, received: int = 0) -> None:
+    def __init__(
+        self, message: str, hint: str = "the endpoint keeps failing; retry later", *, received: int = 0, throttled: bool = False
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.hint = hint
         self.received = received
+        self.throttled = throttled
 
 
 class Deadline:
@@ -187,9 +195,10 @@ def pause(where: str, tries: int, failure: Transient) -> None:
     deadline = _CURRENT.get()
     if deadline is not None:
         deadline.check(where)
-    if tries + 1 >= ATTEMPTS:
+    attempts = THROTTLED_ATTEMPTS if failure.throttled else ATTEMPTS
+    if tries + 1 >= attempts:
         doing = f", {deadline.what}: {deadline.now()}" if deadline is not None else ""
-        raise StoreError(f"{where}: {failure} ({ATTEMPTS} tries{doing})", hint=failure.hint)
+        raise StoreError(f"{where}: {failure} ({tries + 1} tries{doing})", hint=failure.hint)
     delay = backoff(tries)
     if deadline is not None:
         delay = min(delay, deadline.left())

@@ -85,6 +85,28 @@ def test_transient_failures_are_retried_and_others_are_not(monkeypatch: pytest.M
     assert calls.count(3) == retry.ATTEMPTS and "s3://b/k" in err.value.message and not isinstance(err.value, DeadlineExceeded)
 
 
+def test_a_store_that_throttles_gets_more_tries_than_one_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(retry, "BASE_S", 0.0001)
+    monkeypatch.setattr(retry, "CAP_S", 0.001)
+    counts = {True: 0, False: 0}
+
+    def failing(throttled: bool) -> None:
+        counts[throttled] += 1
+        raise retry.Transient("HTTP 503 SlowDown" if throttled else "HTTP 500", throttled=throttled)
+
+    for throttled in (True, False):
+        with pytest.raises(StoreError) as err:
+            retry.retried("s3://b/k", lambda: failing(throttled))
+        assert f"({counts[throttled]} tries" in err.value.message
+    assert counts == {True: retry.THROTTLED_ATTEMPTS, False: retry.ATTEMPTS} and retry.THROTTLED_ATTEMPTS > retry.ATTEMPTS
+
+
+@pytest.mark.parametrize(("status", "code", "throttled"), [(503, b"SlowDown", True), (429, b"", True), (500, b"InternalError", False)])
+def test_throttling_is_told_apart_from_failing(status: int, code: bytes, throttled: bool) -> None:
+    answer = http_error("s3://b/p", "blobs/ab/cd", status, b"<Error><Code>" + code + b"</Code></Error>", None)
+    assert isinstance(answer, retry.Transient) and answer.throttled is throttled
+
+
 def test_the_deadline_bounds_retries_and_socket_timeouts() -> None:
     assert retry.timeouts() == (retry.CONNECT_S, retry.READ_S)
     started = time.monotonic()
@@ -150,6 +172,20 @@ def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, 
     assert done.returncode == 0, done.stderr
     assert len(proxy.slowed) == retry.ATTEMPTS - 1  # every 503 was answered and retried past
     assert json.loads(done.stdout)["files_fetched"] == len(files)
+    _assert_cache_holds(tmp_path / "cache", files)
+
+
+@pytest.mark.s3
+def test_throttling_that_outlasts_the_tries_of_a_failure_is_still_backed_off(
+    s3_url, s3_env, s3_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    monkeypatch.setattr(retry, "BASE_S", 0.005)  # in-process: the backoff's shape, at test speed
+    _, files = _published(s3_url, s3_env, tmp_path / "src", {f"f{i}.bin": 3000 + i for i in range(6)})
+    slowdowns = retry.ATTEMPTS + 4  # more 503s in a row than a failing store gets tries
+    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=slowdowns) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        report = ensure_cache("prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=60)
+    assert len(proxy.slowed) == slowdowns and report.files_fetched == len(files)
     _assert_cache_holds(tmp_path / "cache", files)
 
 

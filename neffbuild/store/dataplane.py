@@ -492,7 +492,7 @@ def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None
     if status == 416:
         return IntegrityError(f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT)
     if status >= 500 or status == 429:  # throttled (503 SlowDown, 429) or failing: worth another try
-        return Transient(f"HTTP {status} {code}".rstrip())
+        return Transient(f"HTTP {status} {code}".rstrip(), throttled=status in (429, 503))
     return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
 
 

@@ -19,6 +19,7 @@ CORRUPT = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "XAmzCon
 LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}  # a conditional write did not hold
 ABSENT_BUCKET = ("404", "NoSuchBucket", "NotFound")
 THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "RequestTimeout", "InternalError"}
+SLOW_DOWN = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}  # the store is up
 
 
 @contextmanager
@@ -46,7 +47,7 @@ def translated(location: S3Location, rel: str, *, transient: bool = False) -> It
         message = exc.response.get("Error", {}).get("Message", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if transient and (code in THROTTLED or status == 429 or status >= 500):
-            raise Transient(f"HTTP {status} {code}".rstrip()) from None
+            raise Transient(f"HTTP {status} {code}".rstrip(), throttled=code in SLOW_DOWN or status in (429, 503)) from None
         if code == "NoSuchBucket":
             raise StoreError(
                 f"bucket {location.bucket!r} does not exist",
