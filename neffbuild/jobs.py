@@ -91,6 +91,24 @@ def write_json_atomic(path: Path, model: BaseModel) -> None:
     write_atomic(path, model.model_dump_json(indent=1).encode())
 
 
+def result_path(job_file: Path, rank: int = 0) -> Path:
+    """Where a worker leaves its result. Rank 0 speaks for a torchrun group; another rank leaves
+    one only when it fails, because torchrun stops the whole group at the first failure and
+    rank 0 may be stopped before it can tell what went wrong."""
+    suffix = ".result.json" if rank == 0 else f".rank{rank}.result.json"
+    return job_file.with_name(job_file.stem + suffix)
+
+
+def _group_result(job_file: Path, code: int) -> WorkerResult | None:
+    """Rank 0's result, or the first failing rank's where rank 0 left none or claims success
+    for a group that failed."""
+    result = read_result(result_path(job_file))
+    if result is not None and (result.error is not None or code == 0):
+        return result
+    failed = (read_result(p) for p in sorted(job_file.parent.glob(f"{job_file.stem}.rank*.result.json")))
+    return next((r for r in failed if r is not None), result)
+
+
 def read_result(path: Path) -> WorkerResult | None:
     """The worker's result; None if it left none or half of one (it was killed, or crashed)."""
     try:
@@ -286,7 +304,7 @@ def run_worker(
             code = own.run(command_for(job_file), env, log, events.poll)
     else:
         code = workers.run(command_for(job_file), env, log, events.poll)
-    result = read_result(job_file.with_name("job.result.json"))
+    result = _group_result(job_file, code)
     units = ", ".join(job.unit_ids)
     if result is None and not job_file.is_file():  # the parent wrote it and nothing of ours removes it
         raise BuildError(
@@ -327,7 +345,7 @@ def keep_logs(scratch: Path, dest: Path) -> Path | None:
     if not (scratch / "worker.log").is_file():
         return None
     dest.mkdir(parents=True, exist_ok=True)
-    for name in _KEPT_FILES:
+    for name in (*_KEPT_FILES, *(p.name for p in scratch.glob("job.rank*.result.json"))):
         if (scratch / name).is_file():
             shutil.copyfile(scratch / name, dest / name)
     return dest / "worker.log"

@@ -17,7 +17,7 @@ from typing import Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.jobs import ShapeRun, WorkerJob, WorkerResult, WrittenFile, append_event, die_with_parent, write_json_atomic
+from neffbuild.jobs import ShapeRun, WorkerJob, WorkerResult, WrittenFile, append_event, die_with_parent, result_path, write_json_atomic
 from neffbuild.manifest import ModelEntry, Shape
 
 # Modules to import before the job runs (comma-separated). The seam through which tests register
@@ -105,7 +105,7 @@ def _changes(before: Mapping[str, tuple[int, int, int]], after: Mapping[str, tup
 
 def main(argv: list[str]) -> int:
     job_file = Path(argv[0])
-    result_file = job_file.with_name(job_file.stem + ".result.json")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     die_with_parent(os.environ)
     job = WorkerJob.model_validate_json(job_file.read_text())
     if not writes_result(os.environ):  # rank 0 speaks for a torchrun group
@@ -119,9 +119,11 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(trace)
         first_line = next(iter(str(exc).strip().splitlines()), "")
         error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+        if world > 1:
+            error = f"rank {rank} of {world}: {error}"
         result = WorkerResult(fingerprint={}, load_s=0.0, runs=(), error=error, traceback=trace)
-    if writes_result(os.environ):
-        write_json_atomic(result_file, result)
+    if writes_result(os.environ) or result.error is not None:
+        write_json_atomic(result_path(job_file, rank), result)
     return 0 if result.error is None else 1
 
 
@@ -133,7 +135,7 @@ def import_seams(env: Mapping[str, str]) -> None:
 
 def writes_result(env: Mapping[str, str]) -> bool:
     """Under torchrun (tensor parallel) every rank runs this module; rank 0 speaks for the group
-    (same fingerprint, same graphs) and a failing rank fails the group through its exit code."""
+    (same fingerprint, same graphs); another rank writes only its failure (jobs.result_path)."""
     return env.get("RANK", "0") == "0"
 
 
