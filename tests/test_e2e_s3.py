@@ -49,8 +49,8 @@ def test_offline_build_pushed_to_s3_serves_a_fresh_host_with_zero_misses(
 def test_fresh_build_publishes_straight_to_s3_and_replays_with_zero_misses(
     tiny_model: Path, s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli
 ) -> None:
-    # One shape keeps the compile short: here the S3 publish path of new units is under test.
-    manifest = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,))
+    # One shape, compiled regionally, keeps the compile short: here the S3 publish path of new units is under test.
+    manifest = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,), mode="regional")
     built = cli("build", str(manifest), "--store", s3_url, "--json", env=s3_env)
     assert built.returncode == 0, built.stderr
     (outcome,) = json.loads(built.stdout)["outcomes"]

@@ -114,7 +114,7 @@ def test_a_replay_that_misses_twice_leaves_the_checked_dir_byte_identical(
 ) -> None:
     cache = tmp_path / "cache"
     assert cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(cache)).returncode == 0
-    other_width = write_manifest(tmp_path / "other-width.toml", tiny_model, widths=(64,))  # in no bundle
+    other_width = write_manifest(tmp_path / "other-width.toml", tiny_model, widths=(64,), mode="regional")  # in no bundle
     work = tmp_path / "work"
     before = tree_hash(cache)
 
