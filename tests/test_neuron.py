@@ -25,7 +25,7 @@ from neffbuild.backends.neuron import (
     compile_target,
     instance_family,
 )
-from neffbuild.backends.worker import import_seams, writes_result
+from neffbuild.backends.worker import group_rank, import_seams, writes_result
 from neffbuild.errors import ManifestError
 from tests.conftest import write_model_index
 from neffbuild.manifest import ModelEntry, ShapeSet, load_manifest
@@ -373,6 +373,7 @@ def test_tensor_parallel_launches_one_process_per_core(tmp_path):
 
 def test_only_rank_zero_writes_the_result_and_seams_import():
     assert writes_result({}) and writes_result({"RANK": "0"}) and not writes_result({"RANK": "3"})
+    assert group_rank({"RANK": "1", "WORLD_SIZE": "2"}) == (1, 2) and group_rank({"RANK": "x"}) == (0, 1)
     import_seams({"NEFFBUILD_WORKER_IMPORTS": "json, colorsys"})
     assert "colorsys" in sys.modules
     with pytest.raises(ModuleNotFoundError):

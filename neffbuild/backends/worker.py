@@ -105,7 +105,7 @@ def _changes(before: Mapping[str, tuple[int, int, int]], after: Mapping[str, tup
 
 def main(argv: list[str]) -> int:
     job_file = Path(argv[0])
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = group_rank(os.environ)
     die_with_parent(os.environ)
     job = WorkerJob.model_validate_json(job_file.read_text())
     if not writes_result(os.environ):  # rank 0 speaks for a torchrun group
@@ -133,10 +133,19 @@ def import_seams(env: Mapping[str, str]) -> None:
             importlib.import_module(name)
 
 
+def group_rank(env: Mapping[str, str]) -> tuple[int, int]:
+    """(this process's rank, the group's size) as torchrun sets them; (0, 1) outside a group, and
+    for values torchrun would not set (the worker must still get to report its result)."""
+    try:
+        return int(env.get("RANK", "0")), max(1, int(env.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 0, 1
+
+
 def writes_result(env: Mapping[str, str]) -> bool:
     """Under torchrun (tensor parallel) every rank runs this module; rank 0 speaks for the group
     (same fingerprint, same graphs); another rank writes only its failure (jobs.result_path)."""
-    return env.get("RANK", "0") == "0"
+    return group_rank(env)[0] == 0
 
 
 if __name__ == "__main__":
