@@ -8,7 +8,7 @@ neffbuild.errors (StoreError, IntegrityError, EnvironmentMismatch, NotFoundError
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from pathlib import Path
 
 from neffbuild.pull import PullReport
@@ -25,6 +25,7 @@ def ensure_cache(
     host_check: bool = True,
     env: Mapping[str, str] | None = None,
     verify: str = "fast",
+    allow_env: Collection[str] = (),
 ) -> PullReport:
     """Make cache_dir hold REF's release (a tag or release id) from store (a URL or an open Store);
     a complete cache fetches nothing. The report's `exports` are what the server must export.
@@ -37,7 +38,11 @@ def ensure_cache(
     host_check: compare this host (env, default os.environ, read only) with the release first.
     env also holds the S3 settings when store is a URL (AWS_ENDPOINT_URL, credentials).
     verify: "fast" trusts files whose (size, mtime) pull recorded; "full" rehashes every file.
+    allow_env: variables this host accepts in the release's environment beyond those its backend
+    declares (pull --allow-env), with those env's NEFFBUILD_ALLOW_ENV lists; a stale fallback
+    makes its exports again under the same allow, never from what the cache dir's state says.
     """
+    from neffbuild.exports import host_allow
     from neffbuild.fallback import pull_or_stale
     from neffbuild.store import open_store
 
@@ -47,11 +52,16 @@ def ensure_cache(
         return open_store(store, env=environ) if isinstance(store, str) else store
 
     return pull_or_stale(
-        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout, verify=verify
-    )
+        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout, verify=verify,
+        allow_env=host_allow(allow_env, environ),
+    )  # fmt: skip
 
 
 def apply_exports(report: PullReport, environ: MutableMapping[str, str] | None = None) -> None:
     """Set the report's exports in environ (default os.environ). Call it before the compiler
-    (torch, torch_neuronx) is imported: they read their cache variables when they load."""
-    (os.environ if environ is None else environ).update(report.exports)
+    (torch, torch_neuronx) is imported: they read their cache variables when they load.
+    The exports are checked again first (IntegrityError): variable names, no NUL, and nothing
+    that decides what code runs (LD_*, PYTHON*, PATH, ...) unless the pull's host allowed it."""
+    from neffbuild.exports import check_exports
+
+    (os.environ if environ is None else environ).update(check_exports(report.exports, report.allowed))

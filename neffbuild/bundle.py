@@ -44,7 +44,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _safe_path(path: str) -> str | None:
+def path_problem(path: str) -> str | None:
     # A bundle is input from the network: it must not write outside the cache dir.
     parts = path.split("/")
     if not path or path[0] == "/" or "\\" in path or _CONTROL.search(path) or "" in parts or "." in parts or ".." in parts:
@@ -85,12 +85,16 @@ def _distinct_paths(files: tuple[Any, ...]) -> str | None:
     return None
 
 
-def _env_names(env: dict[str, str]) -> str | None:
+def env_problem(env: dict[str, str]) -> str | None:
+    """Why env cannot be a process environment: a name that is no variable name, a NUL in a value."""
     bad = [name for name in env if not _ENV_NAME.fullmatch(name)]
-    return f"{bad[0]!r} is not an environment variable name" if bad else None
+    if bad:
+        return f"{bad[0]!r} is not an environment variable name"
+    nul = [name for name, value in env.items() if "\x00" in value]
+    return f"{nul[0]}: the value holds a NUL character" if nul else None
 
 
-def _env_name(name: str) -> str | None:
+def env_name_problem(name: str) -> str | None:
     return None if _ENV_NAME.fullmatch(name) else f"{name!r} is not an environment variable name"
 
 
@@ -101,7 +105,7 @@ def _tag_name(name: str) -> str | None:
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
-def _digest(value: str) -> str | None:
+def digest_problem(value: str) -> str | None:
     return None if _HEX32.fullmatch(value) else f"{value!r} is not a 32-digit lowercase hex digest"
 
 
@@ -113,7 +117,7 @@ def _file_size(value: int) -> str | None:
     return _not_negative(value) or (None if value < 1 << 63 else f"{value} is larger than any file can be")
 
 
-def _checked(check: typing.Callable[[Any], str | None]) -> Any:
+def checked_field(check: typing.Callable[[Any], str | None]) -> Any:
     """A field whose value must also pass check (which returns a problem or None)."""
     return field(metadata={"check": check})
 
@@ -122,9 +126,9 @@ def _checked(check: typing.Callable[[Any], str | None]) -> Any:
 class FileEntry:
     """One cache file: where it goes under the cache dir and what its bytes are."""
 
-    path: str = _checked(_safe_path)
-    size: int = _checked(_file_size)
-    digest: str = _checked(_digest)
+    path: str = checked_field(path_problem)
+    size: int = checked_field(_file_size)
+    digest: str = checked_field(digest_problem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,12 +142,12 @@ class Timings:
 class BundleRecord:
     """The cache files one build unit produced, and everything that keyed them."""
 
-    key: str = _checked(_digest)
+    key: str = checked_field(digest_problem)
     unit_id: str
     unit: dict[str, Any]
     backend: str
     fingerprint: dict[str, str]
-    files: tuple[FileEntry, ...] = _checked(_distinct_paths)
+    files: tuple[FileEntry, ...] = checked_field(_distinct_paths)
     counters: dict[str, int]
     timings: Timings
     created_at: str
@@ -155,15 +159,15 @@ class BundleRecord:
 class SharedPath:
     """A path two units both produced with different bytes; the backend said either serves."""
 
-    path: str = _checked(_safe_path)
-    kept: str = _checked(_digest)
+    path: str = checked_field(path_problem)
+    kept: str = checked_field(digest_problem)
     dropped: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseUnit:
     unit_id: str
-    key: str = _checked(_digest)
+    key: str = checked_field(digest_problem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +177,11 @@ class Release:
     name: str
     manifest_digest: str
     backend: str
-    cache_env: str = _checked(_env_name)
-    env: dict[str, str] = _checked(_env_names)
+    cache_env: str = checked_field(env_name_problem)
+    env: dict[str, str] = checked_field(env_problem)
     fingerprint: dict[str, str]
     units: tuple[ReleaseUnit, ...]
-    files: tuple[FileEntry, ...] = _checked(_distinct_paths)
+    files: tuple[FileEntry, ...] = checked_field(_distinct_paths)
     shared: tuple[SharedPath, ...] = ()
     format: str = RELEASE_FORMAT
 
@@ -193,7 +197,7 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class TagEvent:
-    release: str = _checked(_digest)
+    release: str = checked_field(digest_problem)
     at: str
     by: str
 
@@ -202,8 +206,8 @@ class TagEvent:
 class TagRecord:
     """A movable name for a release, with its history (newest last) for audit and rollback."""
 
-    name: str = _checked(_tag_name)
-    release: str = _checked(_digest)
+    name: str = checked_field(_tag_name)
+    release: str = checked_field(digest_problem)
     history: tuple[TagEvent, ...]
     format: str = TAG_FORMAT
 
@@ -271,12 +275,15 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
         ) from None
 
 
-def decode_doc(kind: type[Doc], raw: Any, where: str) -> Doc:
+def decode_doc(kind: type[Doc], raw: Any, where: str, *, field_path: tuple[str, ...] | None = None) -> Doc:
     """Already-parsed JSON as a document of kind, as strictly as parse (no format check: the
-    caller's container carries the format)."""
+    caller's container carries the format). With field_path (where raw sits in its file), the
+    error names only the field: `installed.units.0.key: ...`."""
     try:
-        return _decode(kind, raw, ())
+        return _decode(kind, raw, field_path or ())
     except _Invalid as exc:
+        if field_path is not None:
+            raise IntegrityError(f"{_shown(exc.loc)}: {exc.msg}") from None
         raise IntegrityError(f"{where}: invalid {kind.__name__} at {_shown(exc.loc)}: {exc.msg}") from None
 
 
@@ -337,6 +344,8 @@ def _decode(tp: Any, value: Any, loc: Loc) -> Any:
     if shape == "tuple":
         if not isinstance(value, list):
             raise _Invalid(loc, f"expected a list, got {type(value).__name__}")
+        if item is FileEntry:
+            return tuple(_file_entry(v, (*loc, i)) for i, v in enumerate(value))
         return tuple(_decode(item, v, (*loc, i)) for i, v in enumerate(value))
     if shape == "dict":
         if not isinstance(value, dict):
@@ -349,6 +358,22 @@ def _decode(tp: Any, value: Any, loc: Loc) -> Any:
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise _Invalid(loc, f"expected {tp.__name__}, got {type(value).__name__}")
     return _text(value, loc) if tp is str else value
+
+
+_FILE_ENTRY_KEYS = {"path", "size", "digest"}
+
+
+def _file_entry(value: Any, loc: Loc) -> FileEntry:
+    """A FileEntry, as strictly as _decode_doc but about 5x faster for the common entry (releases
+    and the cache state list thousands); anything unusual takes the general path, which says why."""
+    if type(value) is dict and value.keys() == _FILE_ENTRY_KEYS:
+        path, size, digest = value["path"], value["size"], value["digest"]
+        if (
+            type(path) is str and path.isascii() and type(size) is int and type(digest) is str
+            and 0 <= size < 1 << 63 and _HEX32.fullmatch(digest) and path_problem(path) is None
+        ):  # fmt: skip
+            return FileEntry(path, size, digest)
+    return _decode_doc(FileEntry, value, loc)
 
 
 def _free_form(value: Any, loc: Loc, depth: int) -> Any:

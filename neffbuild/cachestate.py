@@ -24,19 +24,23 @@ writes version 2; a pull into a complete v1 cache writes version 2 once (then ne
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.bundle import FileEntry, Release, ReleaseUnit, SharedPath, decode_doc, to_json
-from neffbuild.errors import InputError, IntegrityError, NotFoundError
+from neffbuild.bundle import Release, checked_field, decode_doc, digest_problem, env_problem, path_problem, to_json
+from neffbuild.errors import InputError, IntegrityError, NotFoundError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.materialize import disk_error, open_dir_beneath
-from neffbuild.names import STATE_DIR
+from neffbuild.names import STATE_DIR, tag_problem
+from neffbuild.printable import printable
 
 if TYPE_CHECKING:
     from neffbuild.refs import ResolvedRelease
@@ -54,11 +58,11 @@ class InstalledUnit:
     """One unit of the installed release, as its bundle recorded it (what its key is made of)."""
 
     unit_id: str
-    key: str
+    key: str = checked_field(digest_problem)
     backend: str
     unit: dict[str, Any]
     fingerprint: dict[str, str]
-    paths: tuple[str, ...]
+    paths: tuple[str, ...] = checked_field(lambda paths: next(filter(None, map(path_problem, paths)), None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,94 +74,139 @@ class Installed:
     store: str
     installed_at: str
     release: Release
-    exports: dict[str, str]
+    exports: dict[str, str]  # what that pull printed: a record, never a permission (exports.py)
     units: tuple[InstalledUnit, ...]
 
 
 @dataclass(frozen=True)
 class CacheState:
     files: Files = field(default_factory=dict)
-    installed: Installed | None = None  # None: unknown (no state, version 1, or damaged)
+    installed: Installed | None = None  # None: unknown (no state, version 1, corrupt or a newer format)
     release_id: str | None = None  # the installed release's id, known from version 1 too
     tag: str | None = None
-    version: int = 0  # 0: no state or unreadable
+    version: int = 0  # 0: no state, corrupt or a newer format
+    problem: str | None = None  # why the state file is corrupt (then all else is unknown)
+
+    def trusted(self, path: Path) -> CacheState:
+        """self, unless the file is corrupt: then StateCorrupt naming it. Commands that only read
+        a cache dir stop here; pull reads a corrupt state as nothing known, and rewrites it."""
+        if self.problem is not None:
+            raise StateCorrupt(
+                f"{path}: {self.problem}",
+                hint=f"edited or damaged: `neffbuild pull REF --cache-dir {path.parent.parent}` re-verifies every file and rewrites it",
+            )
+        return self
 
 
 def parse_state(data: bytes) -> CacheState:
-    """The state file's content; never raises (anything malformed reads as unknown)."""
+    """The state file's content, decoded strictly; never raises. Every field is checked with its
+    type and as pull checked it when it wrote the file (names, paths, digests, sizes, the release
+    document by its id, the units against it); anything else is a corrupt state: nothing known,
+    with `problem` naming the field."""
     try:
         raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return CacheState()
+    except (ValueError, UnicodeDecodeError):
+        return _corrupt("not valid JSON")
+    except RecursionError:
+        return _corrupt("nested too deeply")
     if not isinstance(raw, dict):
-        return CacheState()
-    files = _files(raw.get("files"))
-    if raw.get("format") == STATE_FORMAT:
-        installed = _installed(raw.get("installed"))
-        if installed is None:
-            return CacheState(files, version=2)
-        return CacheState(files, installed, installed.release_id, installed.tag or None, version=2)
-    if "format" in raw:  # a newer neffbuild's: its file hashes may mean something else
-        return CacheState()
-    release, tag = raw.get("release"), raw.get("tag")
-    return CacheState(
-        files,
-        release_id=release if isinstance(release, str) and is_digest(release) else None,
-        tag=tag if isinstance(tag, str) and tag else None,
-        version=1,
-    )
+        return _corrupt(f"expected a JSON object, got {type(raw).__name__}")
+    try:
+        if "format" not in raw:
+            return _version_1(raw)
+        if raw["format"] == STATE_FORMAT:
+            return _version_2(raw)
+    except IntegrityError as exc:
+        return _corrupt(exc.message)
+    found = raw["format"]
+    if isinstance(found, str) and _NEWER.fullmatch(found):
+        return CacheState()  # a newer neffbuild's: its hashes may mean something else; it is not ours to judge
+    return _corrupt(f"format {printable(str(found)[:80])!r} is not one neffbuild writes")
 
 
-def _files(value: Any) -> Files:
-    if not isinstance(value, dict):
-        return {}
-    files = {}
-    for path, entry in value.items():
-        if (
-            isinstance(entry, list)
-            and len(entry) == 3
-            and type(entry[0]) is int  # exactly: a bool is no size
-            and type(entry[1]) is int
-            and isinstance(entry[2], str)
-        ):
-            files[path] = (entry[0], entry[1], entry[2])
-    return files
+_NEWER = re.compile(r"neffbuild\.cache-state/[1-9][0-9]*")
+
+
+def _corrupt(problem: str) -> CacheState:
+    return CacheState(problem=problem)
+
+
+@dataclass(frozen=True, slots=True)
+class _Version1:
+    release: str = checked_field(digest_problem)
+    tag: str | None = None
+    files: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Version2:
+    format: str
+    installed: dict[str, Any]
+    files: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class _Head:
-    """Installed without its release: decoded strictly."""
+    """Installed without its release (which is checked against its id first)."""
 
-    release_id: str
-    tag: str
-    store: str
-    installed_at: str
-    exports: dict[str, str]
+    release_id: str = checked_field(digest_problem)
+    tag: str = checked_field(lambda tag: tag_problem(tag) if tag else None)
+    store: str = checked_field(lambda url: None if url else "empty")
+    installed_at: str = checked_field(lambda at: _time_problem(at))
+    exports: dict[str, str] = checked_field(lambda env: env_problem(env))
     units: tuple[InstalledUnit, ...]
 
 
-def _installed(value: Any) -> Installed | None:
-    """The installed record, if whole. Its release document is checked by its digest, which is
-    its id: the bytes pull parsed strictly from the store, so they are rebuilt without a second
-    strict parse (status reads this on every call; a 2,000-file release took 80 ms that way)."""
-    if not isinstance(value, dict) or not isinstance(release := value.get("release"), dict):
-        return None
+def _version_1(raw: dict[str, Any]) -> CacheState:
+    v1 = decode_doc(_Version1, raw, STATE_FILE, field_path=())
+    if v1.tag is not None and (problem := tag_problem(v1.tag)):
+        raise IntegrityError(f"tag: {problem}")
+    return CacheState(_files(v1.files), release_id=v1.release, tag=v1.tag or None, version=1)
+
+
+def _version_2(raw: dict[str, Any]) -> CacheState:
+    v2 = decode_doc(_Version2, raw, STATE_FILE, field_path=())
+    installed = _installed(v2.installed)
+    return CacheState(_files(v2.files), installed, installed.release_id, installed.tag or None, version=2)
+
+
+def _files(value: dict[str, Any]) -> Files:
+    """path -> [size, mtime_ns, digest], each checked (a bool is no size)."""
+    files = {}
+    for path, entry in value.items():
+        if not (
+            type(entry) is list and len(entry) == 3 and type(entry[0]) is int and type(entry[1]) is int
+            and type(entry[2]) is str and 0 <= entry[0] < 1 << 63 and is_digest(entry[2])
+        ):  # fmt: skip
+            raise IntegrityError(f"files.{printable(path[:80])!r}: expected [size, mtime_ns, digest]")
+        if (problem := path_problem(path)) is not None:
+            raise IntegrityError(f"files: {problem}")
+        files[path] = (entry[0], entry[1], entry[2])
+    return files
+
+
+def _installed(value: dict[str, Any]) -> Installed:
+    """The installed record: its release document must hash to its id (the bytes pull parsed
+    strictly from the store: a mismatch is an edit), then decodes as strictly as from a store;
+    its units must be that release's."""
+    release = value.get("release")
+    if not isinstance(release, dict):
+        raise IntegrityError("installed.release: expected an object")
+    if hash_bytes(canonical_json(release)) != value.get("release_id"):
+        raise IntegrityError("installed.release does not hash to installed.release_id (edited by hand?)")
+    head = decode_doc(_Head, {k: v for k, v in value.items() if k != "release"}, STATE_FILE, field_path=("installed",))
+    decoded = decode_doc(Release, release, STATE_FILE, field_path=("installed", "release"))
+    if [(u.unit_id, u.key) for u in head.units] != [(u.unit_id, u.key) for u in decoded.units]:
+        raise IntegrityError("installed.units: not the units of installed.release")
+    return Installed(**{f: getattr(head, f) for f in _Head.__slots__}, release=decoded)
+
+
+def _time_problem(at: str) -> str | None:
     try:
-        if hash_bytes(canonical_json(release)) != value.get("release_id"):
-            return None  # edited by hand or damaged: its exports cannot be trusted to match
-        head = decode_doc(_Head, {k: v for k, v in value.items() if k != "release"}, STATE_FILE)
-        return Installed(**{f: getattr(head, f) for f in _Head.__slots__}, release=_release(release))
-    except (IntegrityError, TypeError, KeyError, ValueError, RecursionError):
-        return None
-
-
-def _release(raw: dict[str, Any]) -> Release:
-    return Release(**{
-        **raw,
-        "files": tuple(FileEntry(**f) for f in raw["files"]),
-        "units": tuple(ReleaseUnit(**u) for u in raw["units"]),
-        "shared": tuple(SharedPath(**{**p, "dropped": tuple(p["dropped"])}) for p in raw["shared"]),
-    })  # fmt: skip
+        datetime.fromisoformat(at)
+    except ValueError:
+        return f"{printable(at[:40])!r} is not an ISO 8601 time"
+    return None
 
 
 def encode_state(installed: Installed, files: Mapping[str, tuple[int, int, str]]) -> bytes:
@@ -181,13 +230,17 @@ def load_state(state_dir: int) -> tuple[bytes | None, CacheState]:
     """(the state file's bytes, its content); a missing, foreign or broken file reads as empty."""
     try:
         fd = os.open(STATE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
-    except OSError:
-        return None, CacheState()
+    except OSError as exc:
+        return None, _corrupt("a symbolic link") if exc.errno == errno.ELOOP else CacheState()
     try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            return None, _corrupt("not a regular file")
+        if info.st_size > STATE_MAX:
+            os.close(fd)
+            return None, _corrupt(f"{info.st_size} bytes, larger than any state neffbuild writes")
         with os.fdopen(fd, "rb") as src:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size > STATE_MAX:
-                return None, CacheState()
             data = src.read(STATE_MAX + 1)
     except OSError:
         return None, CacheState()
@@ -270,12 +323,6 @@ def find_target(
         return Target(installed.release_id, installed.release, resolved.tag, installed.units, str(state_path(cache_dir)))
     units = release_units(store, resolved, 16) if with_units else ()
     return Target(resolved.release_id, resolved.release, resolved.tag, units, store.url)
-
-
-def accepted_env(state: CacheState, target: Target) -> tuple[str, ...]:
-    """Variables the pull accepted with --allow-env (they are in its exports) stay accepted."""
-    installed = state.installed
-    return tuple(installed.exports) if installed is not None and installed.release_id == target.release_id else ()
 
 
 def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[InstalledUnit, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import logging
 import os
 import sys
 import traceback
@@ -17,6 +18,7 @@ import click
 from neffbuild import __version__
 from neffbuild.errors import InputError, NeffbuildError
 from neffbuild.output import Console, printed_document
+from neffbuild.printable import printable
 
 if TYPE_CHECKING:
     from neffbuild.store import StoreChoice
@@ -57,6 +59,7 @@ def cli(debug: bool) -> None:
     manifest -> units -> bundles -> release -> tag -> cache dir
     """
     _DEBUG["on"] = debug
+    _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
 
 
 @cli.command()
@@ -105,7 +108,7 @@ def build(manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None,
 
 _allow_env_option = click.option(
     "--allow-env", "allow_env", metavar="NAME", multiple=True,
-    help="Accept this variable in the release's environment although its backend does not declare it (repeatable).",
+    help="Accept this variable in the release's environment although its backend does not declare it (repeatable) [also env NEFFBUILD_ALLOW_ENV: names separated by commas].",
 )  # fmt: skip
 _env_file_option = click.option(
     "--env-file", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
@@ -154,15 +157,16 @@ def pull(
 ) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move), after
     checking that this host would hit them (exit 7 naming each field that differs)."""
+    from neffbuild.exports import host_allow
     from neffbuild.fallback import pull_or_stale
 
     host_env = None if no_host_check else os.environ
     report = pull_or_stale(
         lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
-        jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
+        jobs=jobs or 16, allow_env=host_allow(allow_env, os.environ), env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
         timeout=timeout,
     )  # fmt: skip
-    Console(as_json).pull(report)
+    _report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
 
 
 @cli.command()
@@ -236,10 +240,12 @@ def verify(
 def env_command(ref: str | None, cache_dir: Path, store: StoreChoice, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
     """Print the environment a serving process needs for the release installed in --cache-dir
     (shell `export` lines), read from the cache dir: no store needed. REF, if given, must be it."""
+    from neffbuild.exports import host_allow
     from neffbuild.pull import serving_env
 
     # The store is opened only for a cache dir that recorded no release (older pulls).
-    Console(as_json).exports(serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allow_env, env_file=env_file))
+    allowed = host_allow(allow_env, os.environ)
+    Console(as_json).exports(serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file))
 
 
 @cli.command()
@@ -272,7 +278,7 @@ def push(ref: str, from_url: str, to_url: str, endpoint_url: str | None, jobs: i
     from neffbuild.transfer import push_between
 
     result = push_between(ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16)
-    Console(as_json).push(result)
+    _report_after_change(lambda: Console(as_json).push(result), f"pushed release {result.release_id}")
 
 
 @cli.command()
@@ -284,7 +290,8 @@ def tag(name: str, release_id: str, store: StoreChoice, as_json: bool) -> None:
     """Point tag NAME at RELEASE (a release id, e.g. from the tag's history): rollback."""
     from neffbuild.publish import move_tag
 
-    Console(as_json).tag(move_tag(store.open(os.environ), name, release_id))
+    record = move_tag(store.open(os.environ), name, release_id)
+    _report_after_change(lambda: Console(as_json).tag(record), f"tag {record.name} -> {record.release}")
 
 
 @cli.command()
@@ -303,15 +310,17 @@ def schema() -> None:
 @click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir the server will use.")
 @store_option
 @click.option("--verify", "verify_digests", is_flag=True, help="Also hash every file (default: sizes only).")
+@_allow_env_option
 @json_option
-def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests: bool, as_json: bool) -> None:
+def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests: bool, allow_env: tuple[str, ...], as_json: bool) -> None:
     """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
     hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
     Reads the cache dir; the store only for a release other than the installed one."""
+    from neffbuild.exports import host_allow
     from neffbuild.output import print_status
     from neffbuild.status import status_error, status_of
 
-    report = status_of(ref, cache_dir, store, env=os.environ, verify=verify_digests)
+    report = status_of(ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ))
     print_status(Console(as_json), report)
     if error := status_error(report):
         raise error
@@ -419,7 +428,7 @@ def gc_command(
         planned = prune_cache_dir(cache_dir, store=opened, dry_run=True)
         if not dry_run and planned.remove and _confirmed(yes, f"delete {len(planned.remove)} files from {planned.cache_dir}?"):
             planned = prune_cache_dir(cache_dir, store=opened)
-        print_cache_prune(console, planned)
+        _report_after_change(lambda: print_cache_prune(console, planned), f"pruned {planned.cache_dir}")
         return
     from neffbuild.gc import Policy, parse_duration, plan_gc, sweep
 
@@ -432,7 +441,8 @@ def gc_command(
     if not as_json:
         print_gc_plan(console, plan)
     if _confirmed(yes, f"delete {plan.delete_objects} objects from {plan.store}?"):
-        print_gc_result(console, sweep(opened, plan, policy, jobs=jobs or 32))
+        result = sweep(opened, plan, policy, jobs=jobs or 32)
+        _report_after_change(lambda: print_gc_result(console, result), f"deleted {len(result.deleted)} objects from {plan.store}")
 
 
 def _confirmed(yes: bool, question: str) -> bool:
@@ -441,7 +451,62 @@ def _confirmed(yes: bool, question: str) -> bool:
         return True
     if not sys.stdin.isatty():
         raise InputError("refusing to delete without confirmation: no terminal to ask on", hint="pass --yes, or --dry-run to see the plan")
-    return click.confirm(question, default=False, err=True)
+    return click.confirm(printable(question), default=False, err=True)
+
+
+def _stdout_to_devnull() -> None:
+    """What is left in stdout's buffer goes nowhere: flushing it into a closed pipe at exit
+    would make Python itself exit 120."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _lines(text: str) -> str:
+    """Multi-line text (a traceback, a log record) with each line sanitised."""
+    return "\n".join(printable(line) for line in text.splitlines())
+
+
+class _PrintableFormatter(logging.Formatter):
+    """Log records name stores, paths and units: each line passes the sanitiser."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return _lines(text)
+
+
+def _log_to_stderr(level: int) -> None:
+    """The library logs through `logging` (never prints): the CLI shows its records on stderr."""
+    logger = logging.getLogger("neffbuild")
+    if not any(getattr(h, "neffbuild_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_PrintableFormatter())
+        handler.neffbuild_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def _report_after_change(show: Callable[[], None], done: str) -> None:
+    """Print a command's report after it changed a store or a cache dir: a failure to print
+    (a closed pipe, an encoding) is said on stderr and the command still exits 0, since the
+    exit code says what happened to the data, and that happened."""
+    try:
+        show()
+        sys.stdout.flush()  # here, not at exit: a closed pipe is this command's to report
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a printing failure (rich exits 1 on a closed pipe)
+        if _DEBUG["on"]:
+            traceback.print_exc()
+        _stdout_to_devnull()
+        try:
+            why = "BrokenPipeError: stdout was closed" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+            sys.stderr.write(printable(f"warning: {done}, but its report could not be printed: {why}") + "\n")
+        except Exception:  # noqa: BLE001, S110 - stderr is gone too: the exit code is all that is left
+            pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -482,9 +547,10 @@ def _print_error(message: str, hint: str | None, details: tuple[str, ...] = (), 
     if _DEBUG["on"]:
         traceback.print_exc()
         if debug_detail:
-            click.echo(f"the worker's traceback:\n{debug_detail.rstrip()}", err=True)
-    click.secho(f"error: {message}", fg="red", err=True)
+            click.echo(f"the worker's traceback:\n{_lines(debug_detail.rstrip())}", err=True)
+    # Messages carry names from stores, state files and paths: each line passes the sanitiser.
+    click.secho(f"error: {printable(message)}", fg="red", err=True)
     for line in details:
-        click.echo(line, err=True)
+        click.echo(printable(line), err=True)
     if hint:
-        click.echo(f"hint: {hint}", err=True)
+        click.echo(f"hint: {printable(hint)}", err=True)

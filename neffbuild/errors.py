@@ -102,6 +102,13 @@ class StatusMiss(NeffbuildError):
     exit_code = 12
 
 
+class StateCorrupt(NeffbuildError):
+    """A cache dir's own state file (.neffbuild/state.json) is malformed or was edited. pull
+    repairs it (every file re-verified, the state rewritten); commands that only read stop."""
+
+    exit_code = 13
+
+
 class Interrupted(NeffbuildError):
     """SIGINT or SIGTERM stopped a build or replay; its exit code is the shell's 128 + signal."""
 

@@ -4,9 +4,13 @@ A release comes from a store; what `pull` prints is `eval`ed by a shell and what
 by systemd, so a release may export only (see backends/serving.py):
 - its backend's cache variable, always set to the pulled dir (a release cannot point it elsewhere),
 - the compiler settings its backend declares, and
-- what the host accepts by name with `--allow-env NAME`.
+- what the host accepts by name with `--allow-env NAME` or `NEFFBUILD_ALLOW_ENV` (host_allow).
+Variables that choose which code runs (the loader's LD_*, interpreters' PYTHON*, PATH, BASH_ENV,
+...) are exported only when the host names each one, whatever a backend declares.
+The allow is the host's, read on every command: the state a pull leaves in a cache dir records
+what it exported, and is never read as a permission (anyone who can write the dir can edit it).
 Names must be shell variable names and every value is quoted, so no name or value can become a
-command. The env file (`pull --env-file`) is written so that systemd's EnvironmentFile= and bash's
+command; characters a terminal would act on are given to the shell as printf escapes. The env file (`pull --env-file`) is written so that systemd's EnvironmentFile= and bash's
 `set -a; source FILE` read the same variables and values (systemd's parser: src/basic/env-file.c).
 """
 
@@ -21,11 +25,18 @@ from typing import TYPE_CHECKING
 from neffbuild.backends.serving import BY_BACKEND
 from neffbuild.errors import InputError, IntegrityError
 from neffbuild.atomic import write_atomic
+from neffbuild.printable import UNSAFE, printable
 
 if TYPE_CHECKING:
     from neffbuild.bundle import Release
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ALLOW_ENV_VARIABLE = "NEFFBUILD_ALLOW_ENV"  # names the host accepts, separated by commas or blanks
+# What the dynamic loader, the C library, interpreters and shells read to decide what code runs.
+_RUNS_CODE = re.compile(
+    r"(LD_|DYLD_|PYTHON|PERL|RUBY|NODE_|JAVA_TOOL_|_JAVA_|GCONV_).*"
+    r"|PATH|BASH_ENV|ENV|IFS|CDPATH|PS4|SHELLOPTS|BASHOPTS|GLOBIGNORE|HOME|GLIBC_TUNABLES|LOCPATH|NLSPATH|CC|CXX"
+)
 
 
 def _unfit_for_env_file(value: str) -> str | None:
@@ -48,12 +59,24 @@ def is_env_name(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
 
 
-def check_allowed_names(names: Collection[str]) -> tuple[str, ...]:
+def runs_code(name: str) -> bool:
+    """Whether name is read by a loader, interpreter or shell (only a host's allow exports it)."""
+    return _RUNS_CODE.fullmatch(name) is not None
+
+
+def check_allowed_names(names: Collection[str], source: str = "--allow-env") -> tuple[str, ...]:
     """--allow-env values: each must be a variable name."""
     for name in names:
         if not is_env_name(name):
-            raise InputError(f"--allow-env {name!r}: not an environment variable name", hint="give a name like NEURON_RT_VISIBLE_CORES")
+            raise InputError(f"{source} {name!r}: not an environment variable name", hint="give a name like NEURON_RT_VISIBLE_CORES")
     return tuple(names)
+
+
+def host_allow(flags: Collection[str], env: Mapping[str, str]) -> tuple[str, ...]:
+    """The names this host accepts beyond its backend's: --allow-env, then NEFFBUILD_ALLOW_ENV
+    (set by the deploy env file, or the unit); each checked."""
+    configured = tuple(re.split(r"[\s,]+", env.get(ALLOW_ENV_VARIABLE, "").strip())) if env.get(ALLOW_ENV_VARIABLE, "").strip() else ()
+    return (*check_allowed_names(flags), *check_allowed_names(configured, ALLOW_ENV_VARIABLE))
 
 
 def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection[str] = ()) -> dict[str, str]:
@@ -74,14 +97,28 @@ def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection
             raise IntegrityError(f"{where}: env name {name!r} is not a variable name", hint="the release is corrupt or forged; rebuild it")
         if name == serving.cache_env:
             raise IntegrityError(f"{where}: env sets {name}, which pull sets to the pulled dir", hint="the release is corrupt or forged; rebuild it")
-        if not serving.declares(name) and name not in allow:
+        if name not in allow and (runs_code(name) or not serving.declares(name)):
+            what = f"which the {backend} backend does not declare as a compiler setting" if not serving.declares(name) else "which decides what code runs"
             raise IntegrityError(
-                f"{where}: env sets {name}, which the {backend} backend does not declare as a compiler setting",
-                hint=f"if this host accepts it, pass --allow-env {name}",
+                f"{where}: env sets {name}, {what}",
+                hint=f"if this host accepts it, pass --allow-env {name} (or list it in {ALLOW_ENV_VARIABLE})",
             )
         if "\x00" in value:
             raise IntegrityError(f"{where}: env.{name} holds a NUL character", hint="the release is corrupt or forged; rebuild it")
     return {serving.cache_env: str(cache_dir), **env}
+
+
+def check_exports(exports: Mapping[str, str], allowed: Collection[str]) -> dict[str, str]:
+    """exports, checked again where they are applied (apply_exports): variable names, no NUL,
+    and nothing that decides what code runs unless the host allowed it by name."""
+    for name, value in exports.items():
+        if not is_env_name(name):
+            raise IntegrityError(f"env name {printable(name)!r} is not a variable name")
+        if "\x00" in value:
+            raise IntegrityError(f"{name}: the value holds a NUL character")
+        if runs_code(name) and name not in allowed:
+            raise IntegrityError(f"{name} decides what code runs, and this host did not allow it", hint=f"pass allow_env=[{name!r}] to ensure_cache")
+    return dict(exports)
 
 
 def serving_dirs(backend: str) -> tuple[str, ...]:
@@ -91,8 +128,31 @@ def serving_dirs(backend: str) -> tuple[str, ...]:
 
 
 def shell_lines(exports: Mapping[str, str]) -> str:
-    """`export NAME=value` lines for `eval` (names were checked; values are quoted)."""
-    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in exports.items())
+    """`export NAME=value` lines for `eval` (names are checked; values are quoted)."""
+    for name in exports:
+        if not is_env_name(name):
+            raise IntegrityError(f"env name {printable(name)!r} is not a variable name")
+    return "".join(f"export {name}={shell_word(value)}\n" for name, value in exports.items())
+
+
+def shell_word(value: str) -> str:
+    """value as one shell word that bash and dash read back exactly, holding no character a
+    terminal acts on: those are given as `"$(printf '\\033')"` (octal, POSIX printf), the rest
+    single-quoted. A newline stays literal inside quotes: $(...) would drop a trailing one."""
+    pieces, last = [], 0
+    for match in UNSAFE.finditer(value):
+        if match.group() == "\n":
+            continue
+        if match.start() > last:
+            pieces.append(shlex.quote(value[last : match.start()]))
+        octal = "".join(f"\\{byte:03o}" for byte in match.group().encode("utf-8", "surrogatepass"))
+        pieces.append(f"\"$(printf '{octal}')\"")
+        last = match.end()
+    if not pieces:
+        return shlex.quote(value)
+    if last < len(value):
+        pieces.append(shlex.quote(value[last:]))
+    return "".join(pieces)
 
 
 def env_file_text(exports: Mapping[str, str]) -> str:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from neffbuild.bundle import FileEntry
-from neffbuild.cachestate import CacheState, Installed, open_existing, read_state
-from neffbuild.errors import NeffbuildError, StoreError
-from neffbuild.exports import env_file_text, write_env_file
+from neffbuild.cachestate import CacheState, Installed, open_existing, read_state, state_path
+from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError
+from neffbuild.exports import env_file_text, exports_for, write_env_file
 from neffbuild.materialize import Beneath
 from neffbuild.pull import PullReport, preflight, pull
 from neffbuild.retry import bounded
@@ -35,6 +35,7 @@ def pull_or_stale(
     env_file: Path | None = None,
     host_env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    allow_env: Collection[str] = (),
     **pull_options: object,
 ) -> PullReport:
     """pull (the store opened inside, so that failing to open it counts as unreachable); with
@@ -45,22 +46,26 @@ def pull_or_stale(
     started = time.perf_counter()
     try:
         with bounded(timeout, f"pulling {ref}"):
-            return pull(open_store(), ref, cache_dir, env_file=env_file, host_env=host_env, **pull_options)  # type: ignore[arg-type]
+            return pull(open_store(), ref, cache_dir, env_file=env_file, host_env=host_env, allow_env=allow_env, **pull_options)  # type: ignore[arg-type]
     except StoreError as exc:
         installed = fully_installed(cache_dir.expanduser().resolve(), ref) if allow_stale else None
         if installed is None:
             raise
         reason = exc.message
+    # What the state says pull exported is no permission: the exports are made again from the
+    # installed release under this host's allow, as a pull would make them.
+    cache_dir = cache_dir.expanduser().resolve()
+    exports = exports_for(installed.release, cache_dir, str(state_path(cache_dir)), allow_env)
     # The host check needs no store: a mismatch is never booted, stale or not.
-    warnings = preflight(installed, {**host_env, **installed.exports}) if host_env is not None else ()
+    warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
     if env_file is not None:
-        write_env_file(env_file, env_file_text(installed.exports))
+        write_env_file(env_file, env_file_text(exports))
     release = installed.release
     return PullReport(
-        release_id=installed.release_id, tag=installed.tag or None, cache_dir=cache_dir.expanduser().resolve(),
+        release_id=installed.release_id, tag=installed.tag or None, cache_dir=cache_dir,
         files_total=len(release.files), files_fetched=0, bytes_fetched=0, bytes_total=release.total_size,
-        seconds=time.perf_counter() - started, exports=dict(installed.exports), host_checked=host_env is not None,
-        host_warnings=warnings, stale=True, stale_reason=reason, installed_at=installed.installed_at,
+        seconds=time.perf_counter() - started, exports=exports, host_checked=host_env is not None,
+        host_warnings=warnings, stale=True, stale_reason=reason, installed_at=installed.installed_at, allowed=tuple(allow_env),
     )  # fmt: skip
 
 
@@ -71,12 +76,14 @@ def fully_installed(cache_dir: Path, ref: str | None = None) -> Installed | None
     if root is None:
         return None
     try:
-        _, state = read_state(root, cache_dir)
+        state = read_state(root, cache_dir)[1].trusted(state_path(cache_dir))
         installed = state.installed
         if installed is None or ref not in (None, installed.release_id, installed.tag):
             return None
         with Beneath(root, cache_dir) as tree:
             return installed if all(_as_recorded(tree, f, state) for f in installed.release.files) else None
+    except StateCorrupt:  # said as such, not hidden behind the store's error
+        raise
     except (NeffbuildError, OSError):  # a link or an unreadable dir: not fully installed; the store error stands
         return None
     finally:

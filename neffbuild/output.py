@@ -15,6 +15,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neffbuild.printable import printable
+
 if TYPE_CHECKING:
     from rich.console import Console as RichConsole
     from rich.table import Table
@@ -69,6 +71,37 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _is_tty(stream: Any) -> bool:
+    """Colour and live lines only on a terminal. FORCE_COLOR is not honoured: a log or a pipe
+    gets plain text, never an escape sequence (data cannot hide in one either)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+@functools.cache
+def _data_console() -> type[RichConsole]:
+    """A rich Console that prints data: a str is never read as markup (`[/]` in a release name
+    would end the command, `[link=...]` make a hyperlink) and passes the sanitiser first. Styled
+    output is built as rich Text from sanitised parts."""
+    from rich.console import Console as RichConsole
+    from rich.text import Text
+
+    class DataConsole(RichConsole):
+        def print(self, *objects: Any, **kwargs: Any) -> None:
+            kwargs["markup"] = False
+            super().print(*(Text(printable(o)) if isinstance(o, str) else o for o in objects), **kwargs)
+
+    return DataConsole
+
+
+def say_err(text: str) -> None:
+    """One line on stderr (warnings, notes): sanitised, flushed, never styled."""
+    sys.stderr.write(printable(text) + "\n")
+    sys.stderr.flush()
+
+
 class Console:
     """What commands print. rich is imported only by output that needs it (tables, bars, colour):
     `neffbuild pull` on instance boot prints plain lines and should not pay for it."""
@@ -79,15 +112,11 @@ class Console:
 
     @functools.cached_property
     def out(self) -> RichConsole:
-        from rich.console import Console as RichConsole
-
-        return RichConsole(highlight=False, soft_wrap=True)
+        return _data_console()(highlight=False, soft_wrap=True, force_terminal=_is_tty(sys.stdout))
 
     @functools.cached_property
     def err(self) -> RichConsole:
-        from rich.console import Console as RichConsole
-
-        return RichConsole(stderr=True, highlight=False)
+        return _data_console()(stderr=True, highlight=False, force_terminal=_is_tty(sys.stderr))
 
     def _json(self, value: Any) -> None:
         sys.stdout.write(json.dumps(jsonable(value), indent=2) + "\n")
@@ -132,9 +161,9 @@ class Console:
                         progress.update(overall, phase=f"{done}/{total} done")
                         progress.console.print(f"{unit_id}: {status} in {elapsed:.1f} s", markup=False)
                     elif unit_id in running:
-                        progress.update(running[unit_id], phase=status)
+                        progress.update(running[unit_id], phase=printable(status))
                     else:
-                        running[unit_id] = progress.add_task(unit_id, phase=status)
+                        running[unit_id] = progress.add_task(printable(unit_id), phase=printable(status))
 
             yield notify
 
@@ -145,7 +174,7 @@ class Console:
             self._json(plan_document(plan))
             return
         for note in plan.notes:
-            print(f"note: {note}", file=sys.stderr)  # whole lines: CI logs are grepped
+            say_err(f"note: {note}")  # whole lines: CI logs are grepped
         self._table(
             f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})",
             [("unit", True), ("key", True), ("mode", False), ("dtype", False), ("device", False)],
@@ -178,10 +207,9 @@ class Console:
 
     def pull(self, report: PullReport) -> None:
         if report.stale:  # loud on stderr, --json or not: a journal must show the host booted stale
-            print(
+            say_err(
                 f"warning: store unreachable ({report.stale_reason}); serving the release already installed, "
-                f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale",
-                file=sys.stderr,
+                f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale"
             )
         if self.as_json:
             mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
@@ -192,13 +220,14 @@ class Console:
                 "mb_per_s": round(mb_per_s, 3),
             })  # fmt: skip
             return
+        if report.state_replaced:
+            say_err(f"warning: the cache dir's state file was corrupt ({report.state_replaced}): every file was verified, and it was rewritten")
         for warning in report.host_warnings:
-            print(f"warning: {warning} (informational: kernels are unaffected)", file=sys.stderr)
-        print(
+            say_err(f"warning: {warning} (informational: kernels are unaffected)")
+        say_err(
             f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
             f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s"
-            + (f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired" if report.files_rehashed or report.files_repaired else ""),
-            file=sys.stderr,
+            + (f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired" if report.files_rehashed or report.files_repaired else "")
         )
         self.exports(report.exports)
 
@@ -297,10 +326,12 @@ class Console:
         if self.as_json:
             self._json(report_json(report))
             return
+        from rich.text import Text
+
         colors = {"pass": "green", "fail": "red", "skip": "yellow"}
         self.out.print(f"backend {report.backend}, cache dir {report.cache_dir}")
         for c in report.checks:
-            self.out.print(f"[{colors[c.status]}]{c.status.upper():4}[/{colors[c.status]}]  {c.name:10}  {c.detail}")
+            self.out.print(Text.assemble((f"{c.status.upper():4}", colors[c.status]), printable(f"  {c.name:10}  {c.detail}")))
             if c.status == "fail" and c.fix:
                 self.out.print(f"      {'':10}  fix: {c.fix}")
         failed = sum(c.status == "fail" for c in report.checks)
@@ -318,7 +349,7 @@ def fit_table(title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[Se
     from rich.table import Table
 
     def natural(i: int) -> int:
-        return max(len(str(cell)) for cell in [columns[i][0], *(r[i] for r in rows)])
+        return max(len(printable(cell)) for cell in [columns[i][0], *(r[i] for r in rows)])
 
     chosen = [i for i, (_, keep) in enumerate(columns) if keep]
     used = 1 + sum(natural(i) + 3 for i in chosen)  # each column: its cells, padding and a rule
@@ -330,9 +361,9 @@ def fit_table(title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[Se
             used += natural(i) + 3
     chosen.sort()
     left_out = [name for i, (name, _) in enumerate(columns) if i not in chosen]
-    table = Table(title=title, caption=f"left out at {width} columns: {', '.join(left_out)} (--json has all)" if left_out else None)
+    table = Table(title=_cell(title), caption=f"left out at {width} columns: {', '.join(left_out)} (--json has all)" if left_out else None)
     for i in chosen:
-        table.add_column(columns[i][0], no_wrap=True, min_width=natural(i))
+        table.add_column(_cell(columns[i][0]), no_wrap=True, min_width=natural(i))
     for row in rows:
         table.add_row(*(_cell(row[i]) for i in chosen))
     return table
@@ -344,7 +375,8 @@ _STYLES = {"hit": "green", "built": "green", "MISS": "red", "failed": "red"}
 def _cell(text: str) -> Any:
     from rich.text import Text
 
-    return Text(str(text), style=_STYLES.get(str(text), ""))  # never markup: ids may hold brackets
+    shown = printable(text)
+    return Text(shown, style=_STYLES.get(shown, ""))  # never markup: ids may hold brackets
 
 
 class _UnitClock:
@@ -366,9 +398,7 @@ def _plain_progress(heartbeat_s: float) -> Iterator[Callable[[str, str], None]]:
     clock = _UnitClock()
     phases: dict[str, str] = {}  # units still running, and the phase each is in
 
-    def say(line: str) -> None:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+    say = say_err
 
     def notify(unit_id: str, status: str) -> None:
         elapsed = clock.seen(unit_id)
@@ -412,8 +442,8 @@ def print_status(self: Console, report: StatusReport) -> None:
     if report.installed_release_id == report.release_id:
         installed = f"this release, since {report.installed_at}" if report.installed_at else "this release"
     name = f"{report.tag} ({report.release_id})" if report.tag else report.release_id
-    print(f"release {name}, read from {report.source}", file=sys.stderr)
-    print(f"cache dir {report.cache_dir} holds: {installed}", file=sys.stderr)
+    say_err(f"release {name}, read from {report.source}")
+    say_err(f"cache dir {report.cache_dir} holds: {installed}")
     rows = [(u.unit_id, u.state, _files(u.files, u.bytes), u.key) for u in report.units]
     self._table(f"status of {report.release_name} on this host", [("unit", True), ("status", True), ("files", False), ("key", False)], rows)
     for u in report.units:  # why each miss, whole lines whatever the width
@@ -429,7 +459,7 @@ def print_status(self: Console, report: StatusReport) -> None:
             self.out.print(f"{u.unit_id}: absent: the manifest declares it, the release does not have it", markup=False)
     notes = sorted({c.line() for u in report.units if u.state != "mismatch" for c in u.changes})
     for note in notes:  # informational: the key differs, the compiler's cache still serves
-        print(f"warning: {note} (informational: kernels are unaffected)", file=sys.stderr)
+        say_err(f"warning: {note} (informational: kernels are unaffected)")
     checked = "sizes and digests" if report.verified else "sizes"
     self.out.print(
         f"{report.count('hit')} of {len(report.units)} units will hit ({checked} checked); a prediction: verify --replay proves it",
@@ -648,7 +678,7 @@ def print_gc_plan(console: Console, plan: Any) -> None:
     if plan.partly_live_packs:
         console.out.print(f"kept whole: {plan.partly_live_packs} partly live packs holding {_size(plan.dead_bytes_in_live_packs)} of garbage")
     for pack_id in plan.damaged_packs:
-        print(f"warning: pack {pack_id} has a damaged index: kept (run `neffbuild verify --store`)", file=sys.stderr)
+        say_err(f"warning: pack {pack_id} has a damaged index: kept (run `neffbuild verify --store`)")
 
 
 def print_gc_result(console: Console, result: Any) -> None:
@@ -675,7 +705,7 @@ def print_cache_prune(console: Console, prune: Any) -> None:
 
 def print_store_check(console: Console, check: Any) -> None:
     if check.orphans:  # on stderr, with --json too
-        print(f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period", file=sys.stderr)
+        say_err(f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period")
     if console.as_json:
         console._json({**jsonable(check), "clean": check.clean})
         return

@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.cachestate import load_state, open_state_dir
+from neffbuild.cachestate import load_state, open_state_dir, state_path
 from neffbuild.errors import NotFoundError
 from neffbuild.materialize import disk_error
 from neffbuild.names import STATE_DIR, is_temp_name
@@ -45,7 +45,7 @@ def prune_cache_dir(cache_dir: Path, *, store: Store | None = None, dry_run: boo
             raise not_pulled
         try:
             with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE):
-                _, state = load_state(state_dir)
+                state = load_state(state_dir)[1].trusted(state_path(cache_dir))
                 if state.release_id is None:
                     raise not_pulled
                 keep = set(state.files)

@@ -56,12 +56,12 @@ from neffbuild.cachestate import (
     open_existing,
     open_state_dir,
     read_state,
-    accepted_env,
     find_target,
     read_cache_state,
     release_units,
+    state_path,
 )
-from neffbuild.errors import EnvironmentMismatch, NotFoundError
+from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
 from neffbuild.exports import env_file_text, exports_for, serving_dirs, write_env_file
 from neffbuild.locks import acquire
 from neffbuild.materialize import (
@@ -106,6 +106,8 @@ class PullReport:
     installed_at: str | None = None  # when a stale release was installed
     files_rehashed: int = 0  # installed files read back and hashed (all of them with verify="full")
     files_repaired: int = 0  # files fetched again because the cache held wrong bytes at their path
+    allowed: tuple[str, ...] = ()  # the names this host allowed beyond its backend's (host_allow)
+    state_replaced: str | None = None  # why the state file found was corrupt (it was read as nothing known, and rewritten)
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
@@ -130,15 +132,15 @@ def serving_env(
     the store as before, and even then refuses a release other than the one it recorded.
     """
     cache_dir = cache_dir.expanduser().resolve()
-    _, state = read_cache_state(cache_dir)
+    state = read_cache_state(cache_dir)[1].trusted(state_path(cache_dir))
     target = find_target(state, cache_dir, ref, open_store, with_units=False)
     if state.release_id not in (None, target.release_id):
         raise NotFoundError(
             f"{ref} is release {target.release_id}, but {cache_dir} holds release {state.release_id}",
             hint=f"pull {ref} first, or run `neffbuild env --cache-dir {cache_dir}` for what it holds",
         )
-    # Names the pull accepted (--allow-env then) stay accepted; the cache variable is this dir.
-    exports = exports_for(target.release, cache_dir, target.source, (*allow_env, *accepted_env(state, target)))
+    # The host's allow, now: what the state says was exported is no permission.
+    exports = exports_for(target.release, cache_dir, target.source, allow_env)
     if env_file is not None:
         write_env_file(env_file, env_file_text(exports))
     return exports
@@ -206,7 +208,8 @@ def pull(
             if missing or not _recorded(old, installed, scan.found):
                 retry.check(store.url)
                 retry.doing(f"fetching {len(missing)} of {len(installed.release.files)} files ({sum(f.size for f in missing)} bytes)")
-                missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes)
+                with _repairing(old, cache_dir):
+                    missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes)
         finally:
             if root is not None:
                 os.close(root)
@@ -227,7 +230,24 @@ def pull(
             host_warnings=warnings,
             files_rehashed=scan.hashed,
             files_repaired=sum(f.path in scan.damaged for f in missing),
+            allowed=tuple(allow_env),
+            state_replaced=old.problem,
         )
+
+
+@contextmanager
+def _repairing(old: CacheState, cache_dir: Path) -> Iterator[None]:
+    """A corrupt state is read as nothing known and rewritten; where the cache dir cannot be
+    written (a read-only mount), say that the state is what is wrong, not only the disk."""
+    try:
+        yield
+    except DiskError as exc:
+        if old.problem is None:
+            raise
+        raise StateCorrupt(
+            f"{state_path(cache_dir)}: {old.problem}; it cannot be rewritten: {exc.message}",
+            hint="pull into this dir where it is writable (every file is re-verified), or remove the state file there",
+        ) from None
 
 
 def _trusted(state: State, verify: str) -> State:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from neffbuild.cachestate import CacheState, Files, InstalledUnit, Target, accepted_env, find_target, read_cache_state
+from neffbuild.cachestate import CacheState, Files, InstalledUnit, Target, find_target, read_cache_state, state_path
 from neffbuild.errors import StatusMiss
 from neffbuild.exports import exports_for
 from neffbuild.hostcheck import FieldDiff, HostReport, check_host
@@ -83,18 +83,19 @@ def status(
     verify: bool = False,
     host_check: HostCheck = check_host,
     plan: Plan | None = None,
+    allow_env: Collection[str] = (),
 ) -> StatusReport:
     """Judge cache_dir for REF's release (default: the installed one) on this host. A tag is
     judged where it points now if a store is named (store_named), else as it was installed.
     With a manifest's plan, REF is its tag, and units the manifest declares that the release
     lacks (by id, or with another normalised unit) are reported too."""
     cache_dir = cache_dir.expanduser().resolve()
-    _, state = read_cache_state(cache_dir)
+    state = read_cache_state(cache_dir)[1].trusted(state_path(cache_dir))
     if plan is not None:
         ref = plan.loaded.manifest.name
     target = find_target(state, cache_dir, ref, open_store, store_named=store_named)
     # The host as the server will run: this environment with the release's exports applied.
-    exports = exports_for(target.release, cache_dir, target.source, accepted_env(state, target))
+    exports = exports_for(target.release, cache_dir, target.source, allow_env)
     checked = host_check(target.units, {**env, **exports}).units if target.units else ()
     changes: dict[str, Sequence[FieldDiff]] = {u.unit_id: u.diffs for u in checked}
     if plan is not None:
@@ -107,7 +108,9 @@ def status(
     return replace(report, units=report.units + lacking)
 
 
-def status_of(ref: str | None, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str], verify: bool = False) -> StatusReport:
+def status_of(
+    ref: str | None, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str], verify: bool = False, allow_env: Collection[str] = ()
+) -> StatusReport:
     """`status` as the CLI names it: REF is a manifest (a .toml file or a path: its tag and its
     units), a tag, a release, or nothing (the installed release); the store opens only if needed."""
     plan, manifest_store = None, None
@@ -121,8 +124,9 @@ def status_of(ref: str | None, cache_dir: Path, store: StoreChoice, *, env: Mapp
         manifest_store = plan.loaded.manifest.store
     named = bool(store.url or env.get("NEFFBUILD_STORE"))  # then a tag is judged where it points now
     return status(
-        cache_dir, ref, env=env, open_store=lambda: store.open(env, manifest_default=manifest_store), store_named=named, verify=verify, plan=plan
-    )
+        cache_dir, ref, env=env, open_store=lambda: store.open(env, manifest_default=manifest_store), store_named=named, verify=verify, plan=plan,
+        allow_env=allow_env,
+    )  # fmt: skip
 
 
 def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[FieldDiff]]) -> dict[str, Sequence[FieldDiff]]:

@@ -664,7 +664,7 @@ def test_a_version_1_state_is_read_and_replaced_once(store: LocalStore, tmp_path
     assert snapshot(cache) == before
 
 
-def test_a_state_whose_release_was_edited_reads_as_unknown(store: LocalStore, tmp_path: Path, cli) -> None:
+def test_a_state_whose_release_was_edited_is_corrupt_until_a_pull_rewrites_it(store: LocalStore, tmp_path: Path, cli) -> None:
     publish_files(store, FILES, tmp_path)
     cache = tmp_path / "cache"
     pull(store, "t", cache)
@@ -672,8 +672,13 @@ def test_a_state_whose_release_was_edited_reads_as_unknown(store: LocalStore, tm
     doc["installed"]["release"]["env"] = {"OMP_NUM_THREADS": "1"}  # no longer its release id's document
     (cache / STATE_DIR / "state.json").write_text(json.dumps(doc))
     result = cli("env", "--cache-dir", str(cache))
-    assert result.returncode == 8 and "no installed release recorded" in result.stderr
-    assert parse_state((cache / STATE_DIR / "state.json").read_bytes()).files.keys() == FILES.keys()
+    assert result.returncode == 13 and result.stdout == ""
+    assert f"{cache.resolve()}/.neffbuild/state.json: installed.release does not hash to installed.release_id" in result.stderr
+    state = parse_state((cache / STATE_DIR / "state.json").read_bytes())
+    assert state.problem and state.installed is None and state.files == {}  # nothing of it is believed
+    repaired = pull(store, "t", cache)
+    assert repaired.files_fetched == 0 and repaired.files_rehashed == len(FILES) and repaired.state_replaced == state.problem
+    assert cli("env", "--cache-dir", str(cache)).returncode == 0
 
 
 # ---- preflight: the host is compared with the release before any byte moves (issue 11) -----------

@@ -1,0 +1,301 @@
+"""The cache dir's state file is input nobody here wrote: decoded strictly, never a permission.
+
+Each test starts from a real state, written by a real pull, then edits it as someone with write
+access to the cache dir could: wrong types in every field, export names that are shell commands,
+loader variables with the release id recomputed so that the edit is self-consistent.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from neffbuild import ensure_cache
+from neffbuild.cachestate import STATE_FORMAT, parse_state
+from neffbuild.errors import IntegrityError, StateCorrupt
+from neffbuild.hashing import canonical_json, hash_bytes
+from neffbuild.pull import pull
+from neffbuild.store.local import LocalStore
+from tests.procs import without_override
+from tests.storekit import publish_release_of, write_files
+
+STATE = Path(".neffbuild") / "state.json"
+
+
+@pytest.fixture
+def installed(tmp_path: Path) -> tuple[LocalStore, Path, dict[str, Any]]:
+    """(store, cache dir, the state document) after a real pull of tag `t`."""
+    store = LocalStore(tmp_path / "store", create=True)
+    sources = write_files(tmp_path / "src", {"ab/one.so": 3000, "cd/two.bin": 5000, "three.json": 700})
+    publish_release_of(store, tmp_path / "src", sources, tag="t")
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    return store, cache, json.loads((cache / STATE).read_bytes())
+
+
+def write_state(cache: Path, doc: Any, *, rehash: bool = True) -> None:
+    """doc as the cache dir's state; rehash: recompute the release id over an edited release, as
+    anyone can (XXH3 is no signature)."""
+    if rehash and isinstance(doc, dict) and isinstance(doc.get("installed"), dict) and isinstance(doc["installed"].get("release"), dict):
+        doc["installed"]["release_id"] = hash_bytes(canonical_json(doc["installed"]["release"]))
+    (cache / STATE).write_text(json.dumps(doc))
+
+
+def neffbuild(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "neffbuild", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, check=False, timeout=120
+    )  # fmt: skip
+
+
+def gone(tmp_path: Path) -> str:
+    return str(tmp_path / "no-such-store")  # unreachable: exit 3, which --allow-stale falls back from
+
+
+# ---- acceptance: what a hand-written state could do before ---------------------------------------
+
+
+@pytest.mark.parametrize("shell", ["bash", "dash"])
+def test_an_export_name_that_is_a_command_never_runs_under_eval(installed, tmp_path: Path, shell: str) -> None:
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} is not installed")
+    _, cache, doc = installed
+    marker = tmp_path / "touched"
+    name = f"X;touch {marker};Y"
+    doc["installed"]["exports"][name] = "1"
+    doc["installed"]["release"]["env"][name] = "1"
+    write_state(cache, doc)
+    result = neffbuild("pull", "t", "--store", gone(tmp_path), "--cache-dir", str(cache), "--allow-stale")
+    evaluated = subprocess.run([shell, "-c", f'eval "$1"; echo "rc=$?"', shell, result.stdout], capture_output=True, text=True, check=False)
+    assert not marker.exists(), evaluated
+    assert result.returncode == StateCorrupt.exit_code and result.stdout == ""
+    assert f"error: {cache.resolve() / STATE}: installed.exports: " in result.stderr, result.stderr
+    assert "is not an environment variable name" in result.stderr
+    assert "hint: " in result.stderr and "Traceback" not in result.stderr
+
+
+def loader_state(cache: Path, doc: dict[str, Any]) -> None:
+    """LD_PRELOAD in the installed release's env and in what the state says pull exported, the
+    release id recomputed: a state that decodes, and claims the host accepted LD_PRELOAD."""
+    doc["installed"]["release"]["env"]["LD_PRELOAD"] = "/tmp/evil.so"
+    doc["installed"]["exports"]["LD_PRELOAD"] = "/tmp/evil.so"
+    write_state(cache, doc)
+    assert parse_state((cache / STATE).read_bytes()).problem is None
+
+
+def test_a_state_cannot_grant_loader_variables_to_env_or_env_file(installed, tmp_path: Path) -> None:
+    _, cache, doc = installed
+    loader_state(cache, doc)
+    env_file = tmp_path / "serving.env"
+    for extra in ((), ("--env-file", str(env_file))):
+        refused = neffbuild("env", "--cache-dir", str(cache), *extra)
+        assert refused.returncode == IntegrityError.exit_code and "LD_PRELOAD" not in refused.stdout
+        assert "env sets LD_PRELOAD" in refused.stderr and "--allow-env LD_PRELOAD" in refused.stderr
+    assert not env_file.exists()
+    for allow in (["--allow-env", "LD_PRELOAD"], []):
+        allowed = neffbuild("env", "--cache-dir", str(cache), "--env-file", str(env_file), *allow, env={} if allow else {"NEFFBUILD_ALLOW_ENV": "OTHER, LD_PRELOAD"})
+        assert allowed.returncode == 0, allowed.stderr
+        assert "export LD_PRELOAD=/tmp/evil.so\n" in allowed.stdout and "LD_PRELOAD=/tmp/evil.so\n" in env_file.read_text()
+
+
+def test_a_state_cannot_grant_loader_variables_to_a_stale_pull(installed, tmp_path: Path) -> None:
+    _, cache, doc = installed
+    loader_state(cache, doc)
+    env_file = tmp_path / "serving.env"
+    args = ("pull", "t", "--store", gone(tmp_path), "--cache-dir", str(cache), "--allow-stale", "--env-file", str(env_file))
+    refused = neffbuild(*args)
+    assert refused.returncode == IntegrityError.exit_code and refused.stdout == "" and not env_file.exists()
+    assert "env sets LD_PRELOAD" in refused.stderr
+    allowed = neffbuild(*args, "--allow-env", "LD_PRELOAD")
+    assert allowed.returncode == 0 and "export LD_PRELOAD=/tmp/evil.so\n" in allowed.stdout
+
+
+def test_a_state_cannot_grant_loader_variables_to_ensure_cache(installed, tmp_path: Path) -> None:
+    _, cache, doc = installed
+    loader_state(cache, doc)
+    with pytest.raises(IntegrityError, match="env sets LD_PRELOAD"):
+        ensure_cache("t", store=gone(tmp_path), cache_dir=cache, allow_stale=True, host_check=False, env={})
+    report = ensure_cache("t", store=gone(tmp_path), cache_dir=cache, allow_stale=True, host_check=False, env={}, allow_env=["LD_PRELOAD"])
+    assert report.stale and report.exports["LD_PRELOAD"] == "/tmp/evil.so"
+
+
+def test_apply_exports_checks_again_what_it_applies(installed, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from neffbuild import apply_exports
+
+    store, cache, _ = installed
+    report = ensure_cache("t", store=store, cache_dir=cache, host_check=False, env={})
+    environ: dict[str, str] = {}
+    apply_exports(report, environ)
+    assert environ == dict(report.exports)
+    for exports in ({"LD_PRELOAD": "/x.so"}, {"A;B": "1"}, {"A": "\x00"}):
+        with pytest.raises(IntegrityError):
+            apply_exports(replace(report, exports=exports), {})
+    apply_exports(replace(report, exports={"LD_PRELOAD": "/x.so"}, allowed=("LD_PRELOAD",)), environ)
+    assert environ["LD_PRELOAD"] == "/x.so"
+
+
+# ---- wrong types in every field: a corrupt state, never exit 1 -----------------------------------
+
+_WRONG = [None, True, 7, -1, 2.5, "text", [], ["x"], {}, {"k": "v"}]
+
+
+def mutations(doc: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+    """(path, a value of another type) for every field and element of doc."""
+    for key, value in (doc.items() if isinstance(doc, dict) else enumerate(doc)):
+        here = (*path, key)
+        for wrong in _WRONG:
+            if type(wrong) is not type(value):
+                yield here, wrong
+        if isinstance(value, (dict, list)) and value:
+            yield from mutations(value, here)
+
+
+def mutated(doc: Any, path: tuple[str | int, ...], value: Any) -> Any:
+    out = copy.deepcopy(doc)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+def test_every_wrong_type_in_every_field_is_a_corrupt_state_naming_the_field(installed) -> None:
+    _, cache, doc = installed
+    free_form = ("unit",)  # a unit's own fields are free-form JSON: any value is one
+    seen = 0
+    for path, value in mutations(doc):
+        edited = mutated(doc, path, value)
+        if isinstance(edited.get("installed"), dict) and isinstance(edited["installed"].get("release"), dict) and path[1:2] != ("release_id",):
+            edited["installed"]["release_id"] = hash_bytes(canonical_json(edited["installed"]["release"]))
+        state = parse_state(json.dumps(edited).encode())
+        if any(part in free_form for part in path[:-1]) and path[-1] != "unit":
+            continue
+        seen += 1
+        assert state.problem is not None, (path, value)
+        assert state.installed is None and state.files == {}
+        named = ".".join(str(p) for p in path[1:3] if isinstance(p, str))
+        assert path[0] in state.problem or named.split(".")[0] in state.problem, (path, state.problem)
+    assert seen > 200
+
+
+def test_commands_on_a_corrupt_state_exit_with_its_code_and_pull_repairs_it(installed, tmp_path: Path) -> None:
+    """A sample of the mutations through each command, as processes: exit 13 naming the state
+    file (or, for pull with its store, a repair), never exit 1."""
+    store, cache, doc = installed
+    samples = list(mutations(doc))[::37]
+    assert len(samples) > 8
+    for path, value in samples:
+        edited = mutated(doc, path, value)
+        for command in (
+            ("env", "--cache-dir", str(cache)),
+            ("status", "--cache-dir", str(cache)),
+            ("pull", "t", "--store", gone(tmp_path), "--cache-dir", str(cache), "--allow-stale"),
+            ("gc", "--cache-dir", str(cache), "--dry-run"),
+        ):
+            write_state(cache, copy.deepcopy(edited), rehash=False)
+            if parse_state((cache / STATE).read_bytes()).problem is None:
+                continue  # e.g. a value in a free-form field
+            result = neffbuild(*command)
+            assert result.returncode == StateCorrupt.exit_code, (path, value, command, result.stderr)
+            assert str(cache.resolve() / STATE) in result.stderr and "Traceback" not in result.stderr
+        write_state(cache, edited, rehash=False)
+        repaired = neffbuild("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--json")
+        assert repaired.returncode == 0, repaired.stderr
+        report = json.loads(repaired.stdout)
+        assert report["files_fetched"] == 0 and report["files_rehashed"] == 3
+        assert parse_state((cache / STATE).read_bytes()).installed is not None
+
+
+def test_a_corrupt_state_on_a_read_only_cache_dir_is_said_as_such(installed, tmp_path: Path) -> None:
+    store, cache, doc = installed
+    doc["files"] = []
+    write_state(cache, doc)
+    for top, dirs, files in os.walk(cache):
+        for name in [*dirs, *files]:
+            Path(top, name).chmod(Path(top, name).stat().st_mode & ~0o222)
+    cache.chmod(0o555)
+    result = without_override([sys.executable, "-m", "neffbuild", "pull", "t", "--store", str(store.root), "--cache-dir", str(cache)])
+    assert result.returncode == StateCorrupt.exit_code, result.stderr
+    assert f"{cache.resolve() / STATE}: files: expected an object" in result.stderr and "cannot be rewritten" in result.stderr
+
+
+def test_symlinked_foreign_and_newer_state_files(installed, tmp_path: Path) -> None:
+    _, cache, doc = installed
+    (cache / STATE).unlink()
+    (cache / STATE).symlink_to(tmp_path / "elsewhere.json")
+    result = neffbuild("env", "--cache-dir", str(cache))
+    assert result.returncode == StateCorrupt.exit_code and "a symbolic link" in result.stderr
+    (cache / STATE).unlink()
+    (cache / STATE).mkdir()
+    assert neffbuild("env", "--cache-dir", str(cache)).returncode == StateCorrupt.exit_code
+    (cache / STATE).rmdir()
+    write_state(cache, {**doc, "format": "neffbuild.cache-state/9"})
+    newer = neffbuild("env", "--cache-dir", str(cache))
+    assert newer.returncode == 8 and "no installed release recorded" in newer.stderr  # not ours to judge, not corrupt
+    write_state(cache, {**doc, "format": 2})
+    assert neffbuild("env", "--cache-dir", str(cache)).returncode == StateCorrupt.exit_code
+
+
+# ---- property tests: the decoder on arbitrary JSON and on mutations of a real state ---------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_fields = st.sampled_from(["format", "installed", "files", "release_id", "tag", "store", "installed_at", "exports", "units", "release"])
+
+
+@settings(max_examples=1_500, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    raw=_json
+    | st.dictionaries(_fields, _json, max_size=4)
+    | st.fixed_dictionaries({"format": st.just(STATE_FORMAT), "installed": st.dictionaries(_fields, _json), "files": _json})
+)
+def test_the_decoder_on_arbitrary_json_says_corrupt_or_decodes(raw: Any) -> None:
+    state = parse_state(json.dumps(raw).encode())
+    assert state.problem is None or (state.installed is None and state.files == {} and "\n" not in state.problem)
+
+
+@pytest.fixture(scope="module")
+def real_state(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("real-state")
+    store = LocalStore(root / "store", create=True)
+    sources = write_files(root / "src", {"ab/one.so": 300, "cd/two.bin": 500})
+    publish_release_of(store, root / "src", sources, tag="t")
+    pull(store, "t", root / "cache")
+    return json.loads((root / "cache" / STATE).read_bytes())
+
+
+@settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_decoder_on_mutations_of_a_real_state_says_corrupt_or_decodes(real_state: dict[str, Any], data: st.DataObject) -> None:
+    paths = [path for path, _ in mutations(real_state)]
+    doc = real_state
+    for _ in range(data.draw(st.integers(1, 3))):
+        path, value = data.draw(st.sampled_from(paths)), data.draw(_json)
+        try:
+            doc = mutated(doc, path, value)
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier mutation took that path away
+    if data.draw(st.booleans()) and isinstance(doc.get("installed"), dict) and isinstance(doc["installed"].get("release"), dict):
+        doc["installed"]["release_id"] = hash_bytes(canonical_json(doc["installed"]["release"]))
+    state = parse_state(json.dumps(doc).encode())
+    if state.problem is None:
+        assert state.version == 2 and state.installed is not None
+        assert all(type(v[0]) is int and type(v[1]) is int and isinstance(v[2], str) for v in state.files.values())
+    else:
+        with pytest.raises(StateCorrupt):
+            state.trusted(Path("state.json"))
