@@ -675,3 +675,74 @@ def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tin
 
     again = build(plan, store, env=env)
     assert [o.status for o in again.outcomes] == ["present", "present"] and again.release_id == report.release_id
+
+
+# The Python compiler path: eager ops in synchronous mode (a release wheel's default), second layout.
+SYNC_MANIFEST = """
+name = "tiny-neuron-sync"
+
+[[model]]
+id = "eager"
+model = "./tiny"
+pipeline = "Flux2KleinPipeline"
+dtype = "float32"
+backend = "neuron"
+device = "neuron"
+mode = "eager"
+shapes = { height = 32, width = 32 }
+call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_layers = [1] }
+env = { NEURON_LAUNCH_BLOCKING = "1" }
+
+[[model]]
+id = "regional"
+model = "./tiny"
+pipeline = "Flux2KleinPipeline"
+dtype = "float32"
+backend = "neuron"
+device = "neuron"
+mode = "regional"
+shapes = { height = 32, width = 32 }
+call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_layers = [1] }
+env = { NEURON_LAUNCH_BLOCKING = "1" }
+"""
+
+
+@pytest.mark.slow
+def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_both_layouts(tmp_path, tiny_model):
+    from neffbuild.build import build
+    from neffbuild.pull import pull
+    from neffbuild.store import open_store
+    from neffbuild.verify import replay
+
+    (tmp_path / "tiny").symlink_to(tiny_model)
+    path = tmp_path / "neffbuild.toml"
+    path.write_text(SYNC_MANIFEST)
+    env = {**os.environ, **DOUBLE_ENV, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    plan = make_plan(load_manifest(path), env)
+    assert {u.fingerprint["neuron.sync"] for u in plan.units} == {"1"}
+    store = open_store(str(tmp_path / "store"), create=True)
+    report = build(plan, store, env=env)
+    assert [o.status for o in report.outcomes] == ["built", "built"], [o.error for o in report.outcomes]
+    eager, regional = report.outcomes
+    files = {u.unit_id: [f.path for f in load_bundle(store, u.key).files] for u in plan.units}
+    # Eager: every op through the Python path, counted by its new files (no upstream counter does).
+    assert files[eager.unit_id] and all(EAGER_NEFF.match(f) for f in files[eager.unit_id])
+    assert eager.compiles == len(files[eager.unit_id])
+    # Regional: the blocks' graphs in the first layout, what runs around them in the second.
+    assert any(NEFF.match(f) for f in files[regional.unit_id]) and any(EAGER_NEFF.match(f) for f in files[regional.unit_id])
+    assert regional.compiles >= 1
+
+    cache = tmp_path / "serving-cache"
+    pulled = pull(store, "tiny-neuron-sync", cache)
+    assert pulled.exports["NEURON_LAUNCH_BLOCKING"] == "1"  # the server runs in the mode the build did
+    on_disk = NeuronBackend().select_files(cache)
+    assert any(NEFF.match(f) for f in on_disk) and any(EAGER_NEFF.match(f) for f in on_disk)
+    assert not [p for p in cache.rglob("*.lock") if ".neffbuild" not in p.parts]
+    replayed = replay(plan, cache, env=env)
+    assert not replayed.misses and [u.compiles for u in replayed.units] == [0, 0]
+
+
+def load_bundle(store, key: str):
+    from neffbuild.bundle import BundleRecord, parse
+
+    return parse(BundleRecord, store.get_doc("bundles", key), key)
