@@ -746,3 +746,26 @@ def load_bundle(store, key: str):
     from neffbuild.bundle import BundleRecord, parse
 
     return parse(BundleRecord, store.get_doc("bundles", key), key)
+
+
+def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(tmp_path, tiny_model):
+    from neffbuild.build import build
+    from neffbuild.errors import DiskError
+    from neffbuild.room import require_scratch
+    from neffbuild.store import open_store
+
+    dirs = NeuronBackend().scratch_dirs(tmp_path, {"TMPDIR": "/sys/kernel/neffbuild"})  # sysfs: no new files, even for root
+    assert dirs["the compile lock dir"] == tmp_path / "neuron-local" and Path("/tmp") in dirs.values()
+    with pytest.raises(DiskError, match=r"^/sys/kernel/neffbuild \(neuronx-cc's scratch dir \(\$TMPDIR\)\): cannot create files in /sys/kernel"):
+        require_scratch(dirs, 0)
+    with pytest.raises(DiskError, match=r"the compile lock dir\): only .* free on .*, a build needs"):
+        require_scratch(NeuronBackend().scratch_dirs(tmp_path, {}), 1 << 60)
+    require_scratch(NeuronBackend().scratch_dirs(tmp_path, {}), 1)
+
+    (tmp_path / "tiny").symlink_to(tiny_model)
+    path = tmp_path / "neffbuild.toml"
+    path.write_text(E2E_MANIFEST)
+    env = {**os.environ, **DOUBLE_ENV, "TMPDIR": "/sys/kernel/neffbuild"}
+    report = build(make_plan(load_manifest(path), env), open_store(str(tmp_path / "store"), create=True), env=env, logs_dir=tmp_path / "logs")
+    assert [o.status for o in report.outcomes] == ["failed", "failed"]
+    assert all("cannot create files in /sys/kernel" in o.error and o.log is None for o in report.outcomes)  # no worker ran
