@@ -53,14 +53,16 @@ RELEASE_IMPORT_DEFAULTS = {
 }  # fmt: skip
 
 
-def fake_torch_neuronx(root: Path, build_type: str = "RELEASE") -> Path:
+def fake_torch_neuronx(root: Path, build_type: str = "RELEASE", **changed_defaults: str) -> Path:
     """A package named torch_neuronx that does at import what 0.1.0's does to the environment
-    (and nothing else): for the planner's file reading and the worker's import."""
+    (and nothing else; metrics.set_enabled does nothing): for the planner's file reading and the
+    worker's import. changed_defaults: a wheel that writes other defaults."""
     package = root / "torch_neuronx"
     package.mkdir(parents=True)
     (package / "_build_config.py").write_text(f'BUILD_TYPE = "{build_type}"\n')
-    defaults = {**RELEASE_IMPORT_DEFAULTS, "NEURON_LAUNCH_BLOCKING": "1" if build_type == "RELEASE" else "0"}
+    defaults = {**RELEASE_IMPORT_DEFAULTS, "NEURON_LAUNCH_BLOCKING": "1" if build_type == "RELEASE" else "0", **changed_defaults}
     (package / "__init__.py").write_text("import os\n" + "".join(f"os.environ.setdefault({k!r}, {v!r})\n" for k, v in defaults.items()))
+    (package / "metrics.py").write_text("def set_enabled(flag):\n    pass\n")
     return package
 
 

@@ -94,7 +94,7 @@ _ENV_NOT_KEYED_PREFIXES = NEURON.host_only_prefixes
 # Defaults `import torch_neuronx` writes when unset (__init__.py:44-65) that change what is cached;
 # the others it writes are run-time only (serving.NEURON_RUNTIME, NEURON_RT_*). Equal to the
 # default keys as unset. NEURON_LAUNCH_BLOCKING's default depends on the wheel: `neuron.sync`.
-_IMPORT_DEFAULTS = {"TORCH_NEURONX_MLIR_ATEN_OPS": "1"}
+IMPORT_DEFAULTS = {"TORCH_NEURONX_MLIR_ATEN_OPS": "1"}
 # _build_config.py: BUILD_TYPE "RELEASE" defaults to synchronous mode, anything else (and a
 # missing file: __init__.py:33-38) to asynchronous.
 BUILD_FACT = "torch-neuronx.build"
@@ -220,6 +220,10 @@ class NeuronBackend(Backend):
         self._package_dir = package_dir
         self._prefix = prefix
         self._run_version = run_version
+
+    def package_dir_of(self, name: str) -> Path | None:
+        """Where this backend finds a package (torch_neuronx) without importing it."""
+        return self._package_dir(name)
 
     # -- planning side -------------------------------------------------------------------------
 
@@ -484,7 +488,7 @@ def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         if k not in _ENV_NOT_KEYED
         and not k.startswith(_ENV_NOT_KEYED_PREFIXES)
         and (k.startswith(_ENV_PREFIXES) or k in unit.env)
-        and _IMPORT_DEFAULTS.get(k) != v
+        and IMPORT_DEFAULTS.get(k) != v
     }
 
 
