@@ -47,6 +47,7 @@ from neffbuild.manifest import load_manifest
 from neffbuild.plan import BuildUnit, Plan, check_buildable, make_plan
 from neffbuild.publish import move_tag, publish_bundle, publish_release
 from neffbuild.refs import load_doc
+from neffbuild.room import require_scratch
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 
@@ -221,6 +222,7 @@ def build_unit(
     cache_dir = scratch / "cache"
     cache_dir.mkdir(parents=True)
     worker_env = {**env, **unit.env, **backend.worker_env(cache_dir, scratch)}
+    require_scratch(backend.scratch_dirs(scratch, worker_env), backend.scratch_min_free)
     job = WorkerJob(purpose="build", entry=unit.entry, model_ref=unit.model_ref, unit_ids=(unit.unit_id,), shapes=(unit.shape,))
     launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
     result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)

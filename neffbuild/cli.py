@@ -252,14 +252,25 @@ def env_command(ref: str | None, cache_dir: Path, store: StoreChoice, allow_env:
 @click.option("--cache-dir", type=click.Path(path_type=Path), help="Cache dir the server will use [default: the backend's variable, else the compiler's default].")
 @click.option("--backend", type=click.Choice(["neuron", "inductor"]), help="Backend to check for [default: the release's, else neuron where torch_neuronx is installed, else inductor].")
 @click.option("--release", "release_ref", metavar="FILE|TAG", help="Compare with a release: its JSON file, or a tag or release id in --store.")
+@click.option(
+    "--neuron-selfcheck",
+    is_flag=True,
+    help="Instead: settle on a Trainium host what the neuron backend infers from torch_neuronx's source "
+    "(import defaults, source paths in keys, TP keys, read-only serving); compiles a probe model, skips without torch_neuronx.",
+)
 @store_option
 @json_option
-def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, store: StoreChoice, as_json: bool) -> None:
-    """Check this host before it serves: backend, devices, versions, cache dir; exit 11 if any check fails."""
+def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, neuron_selfcheck: bool, store: StoreChoice, as_json: bool) -> None:
+    """Check this host before it serves: backend, devices, versions, cache dir, lock dir; exit 11 if any check fails."""
     from neffbuild.doctor import doctor as run_doctor
     from neffbuild.doctor import not_ready
 
-    report = run_doctor(env=os.environ, cache_dir=cache_dir, backend=backend, release_ref=release_ref, store=store)
+    if neuron_selfcheck:
+        from neffbuild.selfcheck import neuron_selfcheck as run_selfcheck
+
+        report = run_selfcheck(env=os.environ)
+    else:
+        report = run_doctor(env=os.environ, cache_dir=cache_dir, backend=backend, release_ref=release_ref, store=store)
     Console(as_json).doctor(report)
     if error := not_ready(report):
         raise error

@@ -60,6 +60,10 @@ class BackendHost:
     device_pattern: str | None  # device nodes under /dev that must exist, as a regex
     device_label: str  # the same, for people
     default_cache_dir: str  # where the compiler caches when its variable is unset ({user} filled in)
+    # A dir outside the cache dir that the runtime creates at start-up, hit or miss, and fails
+    # without: its variable and default. None: the backend has none.
+    lock_dir_env: str | None = None
+    default_lock_dir: str = ""
 
 
 BACKEND_HOSTS = {
@@ -69,6 +73,9 @@ BACKEND_HOSTS = {
         device_pattern=r"neuron\d+",
         device_label="Neuron device nodes (neuron0, neuron1, ...)",
         default_cache_dir="/tmp/neff_cache",
+        # torch_neuronx 0.1.0 creates it when its compilation cache starts (CompilationCache.cpp:40-58).
+        lock_dir_env="TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
+        default_lock_dir="/tmp/local_cache",
     ),
     "inductor": BackendHost(
         module="torch",
@@ -116,6 +123,7 @@ def run_doctor(
         check_persistent(where, host, cache_env),
         check_writable(where),
         check_free_space(where, release, host),
+        check_lock_dir(info, {**env, **(release.env if release else {})}),
     )
     return DoctorReport(backend=name, cache_dir=where, checks=checks)
 
@@ -230,6 +238,25 @@ def check_writable(cache_dir: Path) -> Check:
     os.unlink(probe)
     made = "" if target == cache_dir else f" (does not exist yet; {target} is writable)"
     return Check("writable", "pass", f"{cache_dir} is writable{made}")
+
+
+def check_lock_dir(info: BackendHost, env: Mapping[str, str]) -> Check:
+    """The runtime's lock dir can be made by the serving user: without it the server fails to
+    start even when every lookup would hit, also with a read-only cache dir."""
+    if info.lock_dir_env is None:
+        return Check("lock dir", "skip", "this backend keeps its locks inside the cache dir")
+    raw = env.get(info.lock_dir_env) or info.default_lock_dir  # empty counts as unset upstream
+    where = Path(os.path.abspath(raw))
+    writable = check_writable(where)
+    if writable.status == "pass":
+        return Check("lock dir", "pass", f"{info.lock_dir_env}: {writable.detail}")
+    return Check(
+        "lock dir",
+        "fail",
+        f"{info.lock_dir_env} ({where}): {writable.detail}; the runtime creates it at start-up and fails without it",
+        f"set {info.lock_dir_env} in the server's environment to a dir its user can write (it holds only locks), "
+        "or make that one writable",
+    )
 
 
 def check_free_space(cache_dir: Path, release: Release | None, host: HostView) -> Check:

@@ -10,7 +10,8 @@ ours). Inodes are not checked: a filesystem out of inodes fails the write mid-pu
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,30 @@ def require_room(cache_dir: Path, sizes: Iterable[int], what: str) -> Room:
             hint="free space on that filesystem or choose a larger --cache-dir; nothing was written",
         )
     return room
+
+
+def require_scratch(dirs: Mapping[str, Path], min_free: int) -> None:
+    """Each dir (or, where it does not exist yet, its nearest parent) accepts a new file and has
+    min_free bytes free; DiskError naming the first that does not."""
+    for what, path in dirs.items():
+        where = nearest_existing(path)
+        if not where.is_dir():
+            raise DiskError(f"{path} ({what}): {where} is not a directory", hint="remove it or point the compiler elsewhere")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".neffbuild-probe-", dir=where)
+        except OSError as exc:
+            raise DiskError(
+                f"{path} ({what}): cannot create files in {where}: {exc.strerror or exc}",
+                hint="make it writable by the building user; nothing was compiled",
+            ) from None
+        os.close(fd)
+        os.unlink(probe)
+        room = room_for(where, [])
+        if room.free < min_free:
+            raise DiskError(
+                f"{path} ({what}): only {_mib(room.free)} free on {where}, a build needs {_mib(min_free)} there",
+                hint="free space on that filesystem; nothing was compiled",
+            )
 
 
 def _mib(n: int) -> str:

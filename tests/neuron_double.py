@@ -7,6 +7,14 @@ The key is derived from the graph code and the input shapes/dtypes, so a second 
 same cache dir finds its files and writes nothing. It also leaves a lock file under
 `$TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR/locks/`, which a bundle must never contain.
 
+In synchronous mode (NEURON_LAUNCH_BLOCKING=1, read at each call as TorchNeuron reads it) it
+also stands in for TorchNeuron's Python compiler path, which compiles each eager op: every module
+that runs outside a compiled graph keeps one file in `$TORCH_NEURONX_NEFF_CACHE_DIR/<64 hex>/<64
+hex>.neff` (keyed by sha256 over the module class, its input and output shapes and dtypes and a
+compiler version; written to a `tmp*.tmp` file beside it, then renamed), takes its lock at
+`$TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR/<hash>/locks/compile.lock`, and, like that path, counts
+nothing: a compile there shows only as a new file.
+
 The files hold a marker and the graph code, not a NEFF. Hits and misses are counted in
 `torch._dynamo.utils.counters["neffbuild_neuron_double"]` under the counter names TorchNeuron's
 metrics use, which is where the neuron backend looks when a substitute compile backend is named
@@ -17,6 +25,7 @@ Imported in worker processes through NEFFBUILD_WORKER_IMPORTS=neuron_double (tes
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -29,6 +38,7 @@ from torch._dynamo.utils import counters
 
 NAME = "neffbuild_neuron_double"
 MARKER = b"NEFFBUILD-TEST-DOUBLE (not a NEFF)\n"
+COMPILER_VERSION = "double-1"
 TOTAL, HITS, MISSES = (
     "CompilationCache.TotalCompilations",
     "CompilationCache.PersistentHits",
@@ -61,6 +71,44 @@ def _lock(key: str) -> None:
         lock = Path(local) / "locks" / f"{key}.lock"
         lock.parent.mkdir(parents=True, exist_ok=True)
         lock.touch()
+
+
+def _specs(value: Any) -> list[tuple[tuple[int, ...], str]]:
+    if isinstance(value, torch.Tensor):
+        return [(tuple(value.shape), str(value.dtype))]
+    if isinstance(value, (list, tuple)):
+        return [spec for item in value for spec in _specs(item)]
+    if isinstance(value, dict):
+        return [spec for item in value.values() for spec in _specs(item)]
+    return [spec for item in vars(value).values() for spec in _specs(item)] if hasattr(value, "__dataclass_fields__") else []
+
+
+def eager_op(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """A module run eagerly in synchronous mode: find or 'compile' its entry in the second layout."""
+    if torch.compiler.is_compiling() or os.environ.get("NEURON_LAUNCH_BLOCKING") != "1":
+        return None  # inside a compiled graph (the first layout's), or asynchronous mode
+    cache_dir = os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
+    if not cache_dir:
+        raise RuntimeError("the neuron test double needs TORCH_NEURONX_NEFF_CACHE_DIR")
+    described = repr((type(module).__qualname__, _specs(args), _specs(output), "-O1", COMPILER_VERSION))
+    key = hashlib.sha256(described.encode()).hexdigest()
+    path = Path(cache_dir) / key / f"{key}.neff"
+    if path.is_file():
+        path.read_bytes()  # a hit only reads
+        return None
+    local = os.environ.get("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR")
+    if local:
+        lock = Path(local) / key / "locks" / "compile.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as out:
+        out.write(MARKER + described.encode())
+    os.replace(out.name, path)
+    return None
+
+
+torch.nn.modules.module.register_module_forward_hook(eager_op)
 
 
 @register_backend(name=NAME)

@@ -185,9 +185,12 @@ def test_release_env_is_what_the_server_runs_with(tmp_path):
 
 
 def test_informational_differences_pass_and_are_named(tmp_path):
-    rel = release(host_fingerprint(diffusers="0.41.0"))
+    rel = release(host_fingerprint(**{"neuronx-cc.bin": "/opt/venv/bin/neuronx-cc"}))
     check = by_name(run_doctor(env={}, cache_dir=tmp_path, release=rel, host=persistent_host(facts=fake_facts(HERE_FACTS))), "versions")
-    assert check.status == "pass" and "informational: diffusers: build has '0.41.0', this host '0.42.1'" in check.detail
+    assert check.status == "pass" and "informational: neuronx-cc.bin: build has '/opt/venv/bin/neuronx-cc', this host 'absent'" in check.detail
+    # Another diffusers moves the source locations the NEFF key hashes: breaking for neuron.
+    moved = release(host_fingerprint(diffusers="0.41.0"))
+    assert by_name(run_doctor(env={}, cache_dir=tmp_path, release=moved, host=persistent_host(facts=fake_facts(HERE_FACTS))), "versions").status == "fail"
 
 
 def test_all_pass_on_a_good_host(tmp_path):
@@ -196,7 +199,7 @@ def test_all_pass_on_a_good_host(tmp_path):
     host = persistent_host(dev_dir=tmp_path / "dev", facts=fake_facts(HERE_FACTS))
     report = run_doctor(env={CACHE_ENV: str(tmp_path / "cache")}, release=release(host_fingerprint()), host=host)
     assert report.ok, report_lines(report)
-    assert report.cache_dir == tmp_path / "cache" and [c.status for c in report.checks] == ["pass"] * 6
+    assert report.cache_dir == tmp_path / "cache" and [c.status for c in report.checks] == ["pass"] * 7
 
 
 def test_release_from_a_file_or_a_store(tmp_path):
@@ -228,3 +231,17 @@ def test_cli_doctor_exits_non_zero_and_prints_json(cli):
     assert {c["name"]: c["status"] for c in doc["checks"]}["persistent"] == "fail"
     text = cli("doctor", "--cache-dir", "/dev/shm/neffbuild-doctor-test")
     assert text.returncode == 11 and "FAIL  persistent" in text.stdout and "fix:" in text.stdout
+
+
+def test_the_neuron_lock_dir_must_be_creatable_even_for_a_read_only_cache(tmp_path):
+    host = persistent_host(facts=fake_facts(HERE_FACTS))
+    unwritable = {"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/sys/kernel/neuron-locks"}  # sysfs: no new files, even for root
+    check = by_name(run_doctor(env=unwritable, cache_dir=tmp_path, backend="neuron", host=host), "lock dir")
+    assert check.status == "fail" and "/sys/kernel/neuron-locks" in check.detail and "fails without it" in check.detail
+    assert "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR" in check.fix
+    ok = by_name(run_doctor(env={"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(tmp_path / "locks")}, cache_dir=tmp_path, backend="neuron", host=host), "lock dir")
+    assert ok.status == "pass" and str(tmp_path / "locks") in ok.detail
+    # Unset or empty: upstream's literal default, not $TMPDIR.
+    default = by_name(run_doctor(env={"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "", "TMPDIR": str(tmp_path)}, cache_dir=tmp_path, backend="neuron", host=host), "lock dir")
+    assert "/tmp/local_cache" in default.detail
+    assert by_name(run_doctor(env={}, cache_dir=tmp_path, backend="inductor", host=host), "lock dir").status == "skip"

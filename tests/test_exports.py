@@ -157,9 +157,29 @@ def test_variables_the_backend_does_not_declare_are_refused_unless_allowed(store
 def test_each_backend_declares_its_compiler_settings() -> None:
     inductor, neuron = BY_BACKEND["inductor"], BY_BACKEND["neuron"]
     assert all(inductor.declares(n) for n in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "OMP_NUM_THREADS", "TORCHDYNAMO_X"))
-    assert all(neuron.declares(n) for n in ("NEURON_CC_FLAGS", "NEURON_RT_VISIBLE_CORES", "TORCH_NEURONX_X", "OMP_NUM_THREADS"))
+    assert all(neuron.declares(n) for n in ("NEURON_CC_FLAGS", "NEURON_LOGICAL_NC_CONFIG", "TORCH_NEURONX_X", "OMP_NUM_THREADS"))
+    # Runtime placement is the host's: a release may not pin a host's cores.
+    assert not any(neuron.declares(n) for n in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID"))
     assert not any(b.declares(n) for b in (inductor, neuron) for n in ("LD_PRELOAD", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH"))
     assert not inductor.declares(inductor.cache_env) and not neuron.declares(neuron.cache_env)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "TORCH_NEURONX_DEBUG_DIR",  # removed after every graph: a release could point it at any dir
+        "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", "TORCH_NEURONX_LOG_FILE", "TORCH_NEURONX_METRICS_DIR", "NEURON_ERROR_DUMP_DIR",
+        "TORCH_NEURONX_NEFF_DISABLE_CACHE", "TORCH_NEURONX_DISABLE_NEFF_CACHE",  # every boot would compile
+        "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT", "NEURON_COMPILATION_CACHE_MAX_SIZE_MB",
+    ],
+)  # fmt: skip
+def test_a_neuron_release_needs_the_hosts_allow_for_paths_switches_and_runtime_settings(tmp_path: Path, name: str) -> None:
+    neuron = release(backend="neuron", cache_env="TORCH_NEURONX_NEFF_CACHE_DIR", env={"NEURON_CC_FLAGS": "-O1", name: "/var/lib/x"})
+    with pytest.raises(IntegrityError, match=rf"env sets {name}, which the neuron backend does not declare") as refused:
+        exports_for(neuron, tmp_path, "r.json")
+    assert refused.value.hint == f"if this host accepts it, pass --allow-env {name}"
+    exports = exports_for(neuron, tmp_path, "r.json", allow=(name,))
+    assert exports == {"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path), "NEURON_CC_FLAGS": "-O1", name: "/var/lib/x"}
 
 
 def test_the_backends_use_the_declared_cache_variables() -> None:

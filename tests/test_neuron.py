@@ -33,14 +33,37 @@ from neffbuild.plan import make_plan
 
 TESTS = Path(__file__).resolve().parent
 NEFF = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/\1\2[0-9a-f]{28}\.neff$")
+EAGER_NEFF = re.compile(r"^([0-9a-f]{64})/\1\.neff$")  # the Python compiler path's layout
 VERSIONS = {"torch": "2.13.0", "torch-neuronx": "2.13.0.1", "neuronx-cc": "2.21.33", "diffusers": "0.42.1", "transformers": "5.0.0"}
 
 
-def backend_on(tmp_path: Path, product: str = "trn2.48xlarge", versions: dict | None = None, env=None) -> NeuronBackend:
+def backend_on(tmp_path: Path, product: str = "trn2.48xlarge", versions: dict | None = None, env=None, **kw) -> NeuronBackend:
     dmi = tmp_path / "product_name"
     dmi.write_text(product + "\n")
     table = VERSIONS if versions is None else versions
-    return NeuronBackend(version_of=table.get, product_name_file=dmi, env=env or {})
+    return NeuronBackend(version_of=table.get, product_name_file=dmi, env=env or {}, **kw)
+
+
+# What `import torch_neuronx` 0.1.0 writes into os.environ when unset (__init__.py:41-65), with a
+# release wheel's _build_config.py (BUILD_TYPE = "RELEASE").
+RELEASE_IMPORT_DEFAULTS = {
+    "JAX_LOGGING_LEVEL": "WARNING", "NEURON_LAUNCH_BLOCKING": "1", "TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS": "0",
+    "TORCH_NEURONX_MLIR_ATEN_OPS": "1", "TORCH_NEURONX_RETAIN_DEVICE_MODE": "0", "NEURON_RT_ALLOW_LEGACY_NEFF": "1",
+    "NEURON_RT_DBG_ZEROCOPY": "1", "TORCH_NEURONX_ENABLE_ASYNC_NRT": "1", "TORCH_NEURONX_ENABLE_STACK_TRACE": "0",
+}  # fmt: skip
+
+
+def fake_torch_neuronx(root: Path, build_type: str = "RELEASE", **changed_defaults: str) -> Path:
+    """A package named torch_neuronx that does at import what 0.1.0's does to the environment
+    (and nothing else; metrics.set_enabled does nothing): for the planner's file reading and the
+    worker's import. changed_defaults: a wheel that writes other defaults."""
+    package = root / "torch_neuronx"
+    package.mkdir(parents=True)
+    (package / "_build_config.py").write_text(f'BUILD_TYPE = "{build_type}"\n')
+    defaults = {**RELEASE_IMPORT_DEFAULTS, "NEURON_LAUNCH_BLOCKING": "1" if build_type == "RELEASE" else "0", **changed_defaults}
+    (package / "__init__.py").write_text("import os\n" + "".join(f"os.environ.setdefault({k!r}, {v!r})\n" for k, v in defaults.items()))
+    (package / "metrics.py").write_text("def set_enabled(flag):\n    pass\n")
+    return package
 
 
 def entry(**overrides) -> ModelEntry:
@@ -95,6 +118,80 @@ def test_worker_and_runtime_only_variables_do_not_split_keys(tmp_path):
     worker = {**base, **backend.worker_env(tmp_path / "cache", tmp_path), "NEURON_RT_VISIBLE_CORES": "0-3", "RANK": "1"}
     assert backend.fingerprint(facts, worker, entry()) == plan_fp
     assert plan_fp["env.TORCH_NEURONX_COMPLEX_DECOMPOSE"] == "0"  # changes lowering: keyed
+
+
+def test_venv_path_and_model_library_versions_change_the_key_and_break_a_host(tmp_path):
+    # The persistent key hashes bytecode carrying source locations (fx_importer.py:28-41): paths
+    # and line numbers of the model code, so where it is installed and which version it is split keys.
+    from neffbuild.bundle import unit_key
+
+    here = backend_on(tmp_path, prefix="/opt/neffbuild/venv")
+    fp = here.fingerprint(here.collect_facts({}, "neuron"), {}, entry())
+    elsewhere = backend_on(tmp_path, prefix="/home/ci/venv")
+    moved = elsewhere.fingerprint(elsewhere.collect_facts({}, "neuron"), {}, entry())
+    newer = backend_on(tmp_path, prefix="/opt/neffbuild/venv", versions={**VERSIONS, "diffusers": "0.43.0"})
+    upgraded = newer.fingerprint(newer.collect_facts({}, "neuron"), {}, entry())
+    assert fp["venv"] == "/opt/neffbuild/venv" and moved["venv"] == "/home/ci/venv"
+    assert len({unit_key({"u": 1}, f) for f in (fp, moved, upgraded)}) == 3
+    assert all(here.is_breaking(name) for name in ("venv", "diffusers", "transformers", "python", "neuronx-cc.bin-version"))
+    assert not here.is_breaking("neuronx-cc.bin")  # another path to the same compiler version
+
+
+def test_import_time_defaults_limits_and_the_lock_timeout_do_not_split_keys(tmp_path):
+    backend = backend_on(tmp_path, package_dir=lambda name: fake_torch_neuronx(tmp_path / "site"))
+    facts = backend.collect_facts({}, "neuron")
+    assert facts["torch-neuronx.build"] == "RELEASE"
+    planned = backend.fingerprint(facts, {}, entry())  # before `import torch_neuronx`
+    assert planned["neuron.sync"] == "1"  # a release wheel compiles eager ops synchronously
+    runtime_only = {
+        "NEURON_COMPILATION_CACHE_MAX_SIZE_MB": "512", "NEURON_COMPILATION_CACHE_MAX_ENTRIES": "10",
+        "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT": "30",
+    }  # fmt: skip
+    assert backend.fingerprint(facts, {**RELEASE_IMPORT_DEFAULTS, **runtime_only}, entry()) == planned
+    # What changes the cache does change the key: asynchronous eager ops, another lowering.
+    assert backend.fingerprint(facts, {"NEURON_LAUNCH_BLOCKING": "0"}, entry())["neuron.sync"] == "0"
+    assert backend.fingerprint(facts, {"TORCH_NEURONX_MLIR_ATEN_OPS": "0"}, entry())["env.TORCH_NEURONX_MLIR_ATEN_OPS"] == "0"
+    dev = backend_on(tmp_path, package_dir=lambda name: fake_torch_neuronx(tmp_path / "dev", "DEV"))
+    assert dev.fingerprint(dev.collect_facts({}, "neuron"), {}, entry())["neuron.sync"] == "0"
+
+
+def test_set_but_empty_is_not_unset(tmp_path):
+    backend = backend_on(tmp_path)
+    facts = backend.collect_facts({}, "neuron")
+    unset = backend.fingerprint(facts, {}, entry())
+    for name, field in (("NEURON_CC_FLAGS", "neuron.cc_flags"), ("NEURON_COMPILER_OPT_LEVEL", "neuron.opt_level"), ("NEURON_LOGICAL_NC_CONFIG", "neuron.lnc")):
+        empty = backend.fingerprint(facts, {name: ""}, entry())
+        assert empty[field] == "" and empty[field] != unset[field], name
+
+
+def test_the_neuronx_cc_on_path_is_recorded_and_pinned(tmp_path):
+    bin_dir = tmp_path / "other" / "bin"
+    bin_dir.mkdir(parents=True)
+    compiler = bin_dir / "neuronx-cc"
+    compiler.write_text("#!/bin/sh\necho 'NeuronX Compiler version 2.19.5+abc'\n")
+    compiler.chmod(0o755)
+    backend = backend_on(tmp_path, prefix=str(tmp_path / "venv"))
+    facts = backend.collect_facts({"PATH": f"{bin_dir}:/usr/bin"}, "neuron")
+    assert facts["neuronx-cc.bin"] == str(compiler) and facts["neuronx-cc.bin-version"] == "2.19.5+abc"  # it ran
+    assert backend.collect_facts({"PATH": "/usr/bin"}, "neuron")["neuronx-cc.bin"] == "absent"
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "neuronx-cc").symlink_to(compiler)
+    mine = backend.collect_facts({"PATH": f"{venv_bin}:{bin_dir}"}, "neuron")
+    assert mine["neuronx-cc.bin-version"] == VERSIONS["neuronx-cc"]  # this venv's: its metadata
+    # A worker puts the dir of the compiler it was keyed with first, absolute (it runs in a temp dir).
+    from neffbuild.backends.neuron import pin_compiler
+
+    environ = {"PATH": "relative/bin:/usr/bin"}
+    (tmp_path / "relative" / "bin").mkdir(parents=True)
+    (tmp_path / "relative" / "bin" / "neuronx-cc").symlink_to(compiler)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert pin_compiler(environ) == tmp_path / "relative" / "bin" / "neuronx-cc"
+    finally:
+        os.chdir(cwd)
+    assert environ["PATH"].split(":")[0] == str(tmp_path / "relative" / "bin")
 
 
 def test_seams_are_fingerprint_fields(tmp_path):
@@ -189,10 +286,18 @@ def test_planning_needs_the_compiler_or_a_declared_toolchain(tmp_path):
         (problem,) = backend.check_host(entry(), {}, declared=False)
         assert problem.field == "backend" and "torch-neuronx is not importable" in problem.message and "[toolchain]" in problem.hint
     assert backend.check_host(entry(), {}, declared=True) == []  # planning for the host [toolchain] declares
+    (tmp_path / "other").mkdir()
+    installed = backend_on(tmp_path / "other", package_dir=lambda name: tmp_path / "site" / name)
+    (problem,) = installed.check_host(entry(), {"PATH": str(tmp_path / "other")}, declared=False)
+    assert "no neuronx-cc is on PATH" in problem.message and "bin dir first on PATH" in problem.hint
     assert backend.check_host(entry(), {COMPILE_BACKEND_ENV: "neffbuild_neuron_double"}, declared=False) == []
     facts = backend.collect_facts({}, "neuron")
     assert backend.unusable_facts(facts, {}) == ["torch-neuronx", "neuronx-cc", "diffusers", "transformers", "target"]
     declared = {**facts, **VERSIONS, "target": "trn2"}
+    # Which layout eager ops land in depends on the wheel's build: declared, or set explicitly.
+    assert backend.unusable_facts(declared, {}) == ["torch-neuronx.build"]
+    assert backend.unusable_facts(declared, {"NEURON_LAUNCH_BLOCKING": "1"}) == []
+    declared["torch-neuronx.build"] = "RELEASE"
     assert backend.unusable_facts(declared, {}) == []
     assert backend.fingerprint(declared, {}, entry())["neuron.target"] == "trn2"
     assert backend.unusable_facts(facts, {COMPILE_BACKEND_ENV: "neffbuild_neuron_double"}) == []
@@ -339,6 +444,39 @@ def test_select_files_takes_only_finished_libneuronxla_entries(tmp_path):
     expected = [f"{done}/{n}" for n in ("compile_flags.json", "model.done", "model.hlo_module.pb", "model.neff")]
     expected += [f"{older}/{n}" for n in ("compile_flags.txt", "model.done", "model.hlo.pb", "model.neff")]
     assert NeuronBackend().select_files(tmp_path) == sorted(expected)
+
+
+def test_select_files_takes_the_python_compiler_paths_entries(tmp_path):
+    key, other = "ab" * 32, "0123456789abcdef" * 4
+    good = [f"{key}/{key}.neff", f"{other}/{other}.neff", "ab/cd/abcd" + "0" * 28 + ".neff"]
+    for rel in good:
+        touch(tmp_path, rel)
+    for rel in (
+        f"{key}/tmpk3j_x8a1.tmp",  # cache_utils.atomic_write_bytes before its rename
+        f"{key}/{other}.neff",  # dir disagrees with the key
+        f"{key[:63]}/{key[:63]}.neff",  # not 64 hex
+        f"{key}/locks/compile.lock",  # its lock, were the local dir the cache dir
+    ):
+        touch(tmp_path, rel)
+    (tmp_path / ("cd" * 32)).mkdir()
+    (tmp_path / ("cd" * 32) / f"{'cd' * 32}.neff").symlink_to(tmp_path / good[0])
+    assert NeuronBackend().select_files(tmp_path) == sorted(good)
+    assert NeuronBackend().is_content_keyed(f"{key}/{key}.neff") and not NeuronBackend().is_content_keyed(f"{key}/{other}.neff")
+
+
+def test_a_new_python_path_entry_counts_as_a_compile(tmp_path):
+    from neffbuild.backends.neuron import SUBPROCESS_FILES
+
+    backend = NeuronBackend(env={COMPILE_BACKEND_ENV: "neffbuild_counter_probe2", "TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path)})
+    key = "ef" * 32
+    touch(tmp_path, f"{key}/{key}.neff")
+    before = backend.counters()
+    for n in ("01", "02"):
+        touch(tmp_path, f"{n * 32}/{n * 32}.neff")
+    touch(tmp_path, f"{'03' * 32}/tmpabc.tmp")  # not (yet) an entry
+    after = backend.counters()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta[SUBPROCESS_FILES] == 2 and backend.compiles_in(delta) == 2
 
 
 def test_both_layouts_are_content_keyed():
@@ -539,3 +677,97 @@ def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tin
 
     again = build(plan, store, env=env)
     assert [o.status for o in again.outcomes] == ["present", "present"] and again.release_id == report.release_id
+
+
+# The Python compiler path: eager ops in synchronous mode (a release wheel's default), second layout.
+SYNC_MANIFEST = """
+name = "tiny-neuron-sync"
+
+[[model]]
+id = "eager"
+model = "./tiny"
+pipeline = "Flux2KleinPipeline"
+dtype = "float32"
+backend = "neuron"
+device = "neuron"
+mode = "eager"
+shapes = { height = 32, width = 32 }
+call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_layers = [1] }
+env = { NEURON_LAUNCH_BLOCKING = "1" }
+
+[[model]]
+id = "regional"
+model = "./tiny"
+pipeline = "Flux2KleinPipeline"
+dtype = "float32"
+backend = "neuron"
+device = "neuron"
+mode = "regional"
+shapes = { height = 32, width = 32 }
+call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_layers = [1] }
+env = { NEURON_LAUNCH_BLOCKING = "1" }
+"""
+
+
+@pytest.mark.slow
+def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_both_layouts(tmp_path, tiny_model):
+    from neffbuild.build import build
+    from neffbuild.pull import pull
+    from neffbuild.store import open_store
+    from neffbuild.verify import replay
+
+    (tmp_path / "tiny").symlink_to(tiny_model)
+    path = tmp_path / "neffbuild.toml"
+    path.write_text(SYNC_MANIFEST)
+    env = {**os.environ, **DOUBLE_ENV, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    plan = make_plan(load_manifest(path), env)
+    assert {u.fingerprint["neuron.sync"] for u in plan.units} == {"1"}
+    store = open_store(str(tmp_path / "store"), create=True)
+    report = build(plan, store, env=env)
+    assert [o.status for o in report.outcomes] == ["built", "built"], [o.error for o in report.outcomes]
+    eager, regional = report.outcomes
+    files = {u.unit_id: [f.path for f in load_bundle(store, u.key).files] for u in plan.units}
+    # Eager: every op through the Python path, counted by its new files (no upstream counter does).
+    assert files[eager.unit_id] and all(EAGER_NEFF.match(f) for f in files[eager.unit_id])
+    assert eager.compiles == len(files[eager.unit_id])
+    # Regional: the blocks' graphs in the first layout, what runs around them in the second.
+    assert any(NEFF.match(f) for f in files[regional.unit_id]) and any(EAGER_NEFF.match(f) for f in files[regional.unit_id])
+    assert regional.compiles >= 1
+
+    cache = tmp_path / "serving-cache"
+    pulled = pull(store, "tiny-neuron-sync", cache)
+    assert pulled.exports["NEURON_LAUNCH_BLOCKING"] == "1"  # the server runs in the mode the build did
+    on_disk = NeuronBackend().select_files(cache)
+    assert any(NEFF.match(f) for f in on_disk) and any(EAGER_NEFF.match(f) for f in on_disk)
+    assert not [p for p in cache.rglob("*.lock") if ".neffbuild" not in p.parts]
+    replayed = replay(plan, cache, env=env)
+    assert not replayed.misses and [u.compiles for u in replayed.units] == [0, 0]
+
+
+def load_bundle(store, key: str):
+    from neffbuild.bundle import BundleRecord, parse
+
+    return parse(BundleRecord, store.get_doc("bundles", key), key)
+
+
+def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(tmp_path, tiny_model):
+    from neffbuild.build import build
+    from neffbuild.errors import DiskError
+    from neffbuild.room import require_scratch
+    from neffbuild.store import open_store
+
+    dirs = NeuronBackend().scratch_dirs(tmp_path, {"TMPDIR": "/sys/kernel/neffbuild"})  # sysfs: no new files, even for root
+    assert dirs["the compile lock dir"] == tmp_path / "neuron-local" and Path("/tmp") in dirs.values()
+    with pytest.raises(DiskError, match=r"^/sys/kernel/neffbuild \(neuronx-cc's scratch dir \(\$TMPDIR\)\): cannot create files in /sys/kernel"):
+        require_scratch(dirs, 0)
+    with pytest.raises(DiskError, match=r"the compile lock dir\): only .* free on .*, a build needs"):
+        require_scratch(NeuronBackend().scratch_dirs(tmp_path, {}), 1 << 60)
+    require_scratch(NeuronBackend().scratch_dirs(tmp_path, {}), 1)
+
+    (tmp_path / "tiny").symlink_to(tiny_model)
+    path = tmp_path / "neffbuild.toml"
+    path.write_text(E2E_MANIFEST)
+    env = {**os.environ, **DOUBLE_ENV, "TMPDIR": "/sys/kernel/neffbuild"}
+    report = build(make_plan(load_manifest(path), env), open_store(str(tmp_path / "store"), create=True), env=env, logs_dir=tmp_path / "logs")
+    assert [o.status for o in report.outcomes] == ["failed", "failed"]
+    assert all("cannot create files in /sys/kernel" in o.error and o.log is None for o in report.outcomes)  # no worker ran

@@ -327,6 +327,10 @@ diffusers = "0.42.1"
 transformers = "4.57.1"
 python = "3.11"
 target = "trn2"
+"torch-neuronx.build" = "RELEASE"
+venv = "/opt/neffbuild/venv"
+"neuronx-cc.bin" = "/opt/neffbuild/venv/bin/neuronx-cc"
+"neuronx-cc.bin-version" = "2.21.33"
 """
 
 

@@ -131,6 +131,13 @@ class Backend(ABC):
     def worker_env(self, cache_dir: Path, scratch: Path) -> dict[str, str]:
         """Variables for a worker: the cache dir, and lock/debug dirs kept out of it."""
 
+    def scratch_dirs(self, scratch: Path, env: Mapping[str, str]) -> dict[str, Path]:
+        """Dirs the compiler writes outside the cache dir during a build, by what they are: each
+        is checked for room and writability before a worker starts (a worker would fail late)."""
+        return {}
+
+    scratch_min_free: ClassVar[int] = 0  # bytes each of those dirs needs free
+
     def runtime_env(self) -> dict[str, str]:
         """Variables a serving process needs besides the cache dir for hits to hold."""
         return {}

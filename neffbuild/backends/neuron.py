@@ -5,10 +5,19 @@ sources it cites); torch-neuronx cannot be installed where this was written, so 
 touches the compiler is verified only on Trainium. What is checked where is listed in
 docs/trainium.md.
 
-Why the fingerprint holds what it holds: TorchNeuron keys a NEFF by its StableHLO, shapes, target,
-logical-core config, opt level and compiler flags, but NOT by the neuronx-cc version. A host with
-another compiler would load NEFFs built by this one, so our key adds the compiler, torch-neuronx,
-torch and diffusers versions.
+Read against torch_neuronx 0.1.0's source (docs/trainium.md, "What the source says"), TorchNeuron
+caches in two layouts in one dir: compiled graphs and asynchronous eager ops at `ab/cd/<32 hex>.neff`
+(C++, keyed without the neuronx-cc version), and eager ops in synchronous mode
+(NEURON_LAUNCH_BLOCKING=1, a release wheel's default) at `<64 hex>/<64 hex>.neff`
+(kernels/compiler_subprocess.py, counted by no CompilationCache counter). Both are bundled; a
+compile on either path counts.
+
+Why the fingerprint holds what it holds: the native key omits the compiler version, so ours adds
+it (and the neuronx-cc that PATH finds, which is the one that runs). The persistent key hashes
+StableHLO bytecode that carries source locations (file paths and lines of the model code), so the
+venv, Python and diffusers/transformers versions are breaking here, not informational. Variables
+`import torch_neuronx` sets when unset are keyed by their effect: a value equal to the default
+keys as unset, so a plan (before the import) and a worker (after it) agree.
 
 Seams (read in the worker process; each is also a fingerprint field, so a bundle made through a
 seam can never carry the key of a real Neuron build):
@@ -27,6 +36,8 @@ import json
 import os
 import platform
 import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
@@ -57,6 +68,9 @@ _DEFAULT_LNC = {target: lnc for target, lnc in _FAMILIES.values()}
 
 # TorchNeuron: $DIR/ab/cd/<32 hex>.neff, written to `.tmp.*` then renamed (locks live elsewhere).
 _NEFF_ENTRY = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/(\1\2[0-9a-f]{28})\.neff$")
+# Its Python compiler path (synchronous eager ops): $DIR/<sha256>/<sha256>.neff, written to a
+# `tmp*.tmp` file beside it then renamed (kernels/cache_utils.py:28-38).
+_SUBPROCESS_ENTRY = re.compile(r"^([0-9a-f]{64})/\1\.neff$")
 # libneuronxla (torch-xla based): neuronxcc-<ver>/MODULE_<graph hash>+<flags hash>/<file>.
 _MODULE_FILE = re.compile(r"^neuronxcc-[^/]+/MODULE_[^/]+/[^/]+$")
 _MODULE_KEEP = frozenset(
@@ -70,20 +84,28 @@ TP_TRANSFORMERS = frozenset(
 )
 _TP_PIPELINES = re.compile(r"^(Flux|Flux2|QwenImage)\w*Pipeline$")
 
-# Variables that change what neuronx-cc produces, and those that only place files or switch
-# reporting (set per unit by worker_env, or runtime-only), which must not split keys.
+# Variables that change what neuronx-cc produces are keyed; those that only place files, switch
+# caches off or change run-time behaviour (the host-only names a release may not export,
+# serving.NEURON) and those named as fields below are not.
 _ENV_PREFIXES = ("TORCH_NEURONX_", "NEURON_")
-_ENV_NOT_KEYED = frozenset(
-    {
-        "TORCH_NEURONX_NEFF_CACHE_DIR", "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", "TORCH_NEURONX_DEBUG_DIR",
-        "TORCH_NEURONX_HLO_CACHE_DIR", "TORCH_NEURONX_NEFF_DISABLE_CACHE", "TORCH_NEURONX_METRICS_ENABLED",
-        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "TORCH_NEURONX_LOG_LEVEL",
-        "TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS", "NEURON_COMPILE_CACHE_URL",
-        # Named fields below.
-        "NEURON_CC_FLAGS", "NEURON_COMPILER_OPT_LEVEL", "NEURON_LOGICAL_NC_CONFIG",
-    }
-)  # fmt: skip
-_ENV_NOT_KEYED_PREFIXES = ("NEURON_RT_",)  # runtime placement and behaviour, not compilation
+_NAMED_ENV = ("NEURON_CC_FLAGS", "NEURON_COMPILER_OPT_LEVEL", "NEURON_LOGICAL_NC_CONFIG", "NEURON_LAUNCH_BLOCKING")
+_ENV_NOT_KEYED = NEURON.host_only | {NEURON.cache_env, *_NAMED_ENV}
+_ENV_NOT_KEYED_PREFIXES = NEURON.host_only_prefixes
+# Defaults `import torch_neuronx` writes when unset (__init__.py:44-65) that change what is cached;
+# the others it writes are run-time only (serving.NEURON_RUNTIME, NEURON_RT_*). Equal to the
+# default keys as unset. NEURON_LAUNCH_BLOCKING's default depends on the wheel: `neuron.sync`.
+IMPORT_DEFAULTS = {"TORCH_NEURONX_MLIR_ATEN_OPS": "1"}
+# _build_config.py: BUILD_TYPE "RELEASE" defaults to synchronous mode, anything else (and a
+# missing file: __init__.py:33-38) to asynchronous.
+BUILD_FACT = "torch-neuronx.build"
+_SYNC_DEFAULT = {"RELEASE": "1"}
+_BUILD_TYPE = re.compile(r"""^BUILD_TYPE\s*=\s*["']([A-Za-z_]+)["']""", re.M)
+# Builds wait this long for another rank's compile of the same graph before breaking its lock
+# and compiling too (upstream's default is 1200 s, FileLock.h:16); a large transformer block
+# can take longer than that. Serving never waits: a hit takes no lock.
+BUILD_LOCK_TIMEOUT_S = 6 * 3600
+# What a build needs free in each local dir neuronx-cc writes outside the cache dir.
+SCRATCH_MIN_FREE = 2 << 30
 
 # TorchNeuron's compilation-cache counters (torch_neuronx.metrics; None until first increment).
 TOTAL_COMPILATIONS = "CompilationCache.TotalCompilations"
@@ -95,12 +117,56 @@ _NEFF_COUNTERS = (
     "CompilationCache.InMemoryMisses",
 )
 
+# Our own counter: the Python path's entries in the cache dir. A compile there is a new file.
+SUBPROCESS_FILES = "neuron.SubprocessCache.Files"
+
 # The native key omits the compiler version; these make ours carry it (and the framework's).
 _DISTRIBUTIONS = ("torch", "torch-neuronx", "neuronx-cc", "diffusers", "transformers")
 _VERSION_FIELDS = (*_DISTRIBUTIONS, "python")
+# Where the model code lives (source locations are in the key) and which neuronx-cc runs.
+_PLACE_FIELDS = ("venv", "neuronx-cc.bin", "neuronx-cc.bin-version")
 _REQUIRED_FACTS = (*_VERSION_FIELDS, "target")  # what a [toolchain] table must give
 
 VersionOf = Callable[[str], str | None]
+PackageDir = Callable[[str], Path | None]
+RunVersion = Callable[[str], str | None]
+
+
+def package_dir(name: str) -> Path | None:
+    """The directory a top-level package would be imported from, without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else None
+
+
+def build_type(package: Path | None) -> str:
+    """torch_neuronx's BUILD_TYPE from its _build_config.py file ('absent' without the package)."""
+    if package is None:
+        return ABSENT
+    try:
+        found = _BUILD_TYPE.search((package / "_build_config.py").read_text())
+    except OSError:
+        return "DEV"  # an editable install without the generated file takes the dev defaults
+    return found.group(1) if found else "unknown"
+
+
+def compiler_version(executable: str) -> str | None:
+    """`neuronx-cc --version` of an executable outside this venv (its version, or None)."""
+    try:
+        done = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\b(\d+\.\d+(?:\.[0-9A-Za-z+]+)*)", done.stdout + done.stderr)
+    return found.group(1) if done.returncode == 0 and found else None
+
+
+def find_compiler(env: Mapping[str, str]) -> Path | None:
+    """The neuronx-cc that `execvp` finds on env's PATH (made absolute), or None."""
+    found = shutil.which("neuronx-cc", path=env.get("PATH", os.defpath))
+    return Path(os.path.abspath(found)) if found else None
 
 
 def installed_version(distribution: str) -> str | None:
@@ -125,13 +191,18 @@ class NeuronBackend(Backend):
     name = "neuron"
     cache_env = NEURON.cache_env
     default_device = "neuron"
-    fact_names = (*_VERSION_FIELDS, "target", "instance.type")
-    # What neuronx-cc produces and how TorchNeuron keys it, plus what the native key leaves out
-    # but changes a NEFF: the compiler and torch-neuronx versions.
-    breaking_fields = ("backend", "device", "torch", "torch-neuronx", "neuronx-cc", "neuron.*", "env.*")
-    # Model code (the NEFF key holds the traced StableHLO itself) and the interpreter's version.
-    informational_fields = ("diffusers", "transformers", "python")
+    fact_names = (*_VERSION_FIELDS, "target", "instance.type", BUILD_FACT, *_PLACE_FIELDS)
+    # What neuronx-cc produces and how TorchNeuron keys it, what the native key leaves out but
+    # changes a NEFF (the compiler that runs, torch-neuronx), and what moves the source locations
+    # the persistent key hashes (venv path, Python, the model libraries' files and lines).
+    breaking_fields = (
+        "backend", "device", "torch", "torch-neuronx", "neuronx-cc", "neuronx-cc.bin-version", "neuron.*", "env.*",
+        "diffusers", "transformers", "python", "venv",
+    )  # fmt: skip
+    # Another path to the same compiler version compiles the same NEFFs.
+    informational_fields = ("neuronx-cc.bin",)
     caches_eager = True  # eager mode compiles (and caches) each op on its first run
+    scratch_min_free = SCRATCH_MIN_FREE
 
     def __init__(
         self,
@@ -139,10 +210,20 @@ class NeuronBackend(Backend):
         version_of: VersionOf = installed_version,
         product_name_file: Path = DMI_PRODUCT_NAME,
         env: Mapping[str, str] | None = None,
+        package_dir: PackageDir = package_dir,
+        prefix: str = sys.prefix,
+        run_version: RunVersion = compiler_version,
     ) -> None:
         self._version_of = version_of
         self._product_name_file = product_name_file
         self._env = os.environ if env is None else env  # worker side: the env the parent prepared
+        self._package_dir = package_dir
+        self._prefix = prefix
+        self._run_version = run_version
+
+    def package_dir_of(self, name: str) -> Path | None:
+        """Where this backend finds a package (torch_neuronx) without importing it."""
+        return self._package_dir(name)
 
     # -- planning side -------------------------------------------------------------------------
 
@@ -153,18 +234,36 @@ class NeuronBackend(Backend):
         facts["python"] = ".".join(platform.python_version_tuple()[:2])
         facts["instance.type"] = _read_text(self._product_name_file)
         facts["target"] = compile_target(instance_family(facts["instance.type"])) or "unknown"
+        facts[BUILD_FACT] = build_type(self._package_dir("torch_neuronx"))
+        facts["venv"] = self._prefix
+        facts.update(self._compiler_on_path(env, facts["neuronx-cc"]))
         return facts
+
+    def _compiler_on_path(self, env: Mapping[str, str], installed: str) -> dict[str, str]:
+        """The neuronx-cc that runs (TorchNeuron execs it from PATH) and its version: the installed
+        distribution's when it is this venv's, else what it says."""
+        found = find_compiler(env)
+        if found is None:
+            return {"neuronx-cc.bin": ABSENT, "neuronx-cc.bin-version": ABSENT}
+        if found.parent == Path(self._prefix) / "bin":
+            version = installed
+        else:
+            version = self._run_version(str(found)) or "unknown"
+        return {"neuronx-cc.bin": str(found), "neuronx-cc.bin-version": version}
 
     def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         target = _target(facts, env)
         fields = {
             "backend": self.name,
             "device": unit.device,
-            **{k: facts.get(k, ABSENT) for k in _VERSION_FIELDS},
+            **{k: facts.get(k, ABSENT) for k in (*_VERSION_FIELDS, *_PLACE_FIELDS)},
             "neuron.target": target,
-            "neuron.lnc": env.get("NEURON_LOGICAL_NC_CONFIG") or _DEFAULT_LNC.get(target, "unknown"),
-            "neuron.opt_level": env.get("NEURON_COMPILER_OPT_LEVEL") or UNSET,
-            "neuron.cc_flags": env.get("NEURON_CC_FLAGS") or UNSET,
+            # Set but empty is not unset: upstream passes "" on (PlatformUtils.cpp:86-88,
+            # KernelExecution.cpp:70-82), which changes its key.
+            "neuron.lnc": _DEFAULT_LNC.get(target, "unknown") if (lnc := env.get("NEURON_LOGICAL_NC_CONFIG")) is None else lnc,
+            "neuron.opt_level": env.get("NEURON_COMPILER_OPT_LEVEL", UNSET),
+            "neuron.cc_flags": env.get("NEURON_CC_FLAGS", UNSET),
+            "neuron.sync": sync_mode(facts, env),
             "neuron.tp": str(unit.tensor_parallel),
             "neuron.compile_backend": env.get(COMPILE_BACKEND_ENV) or "neuron",
             "neuron.device": env.get(DEVICE_ENV) or "neuron",
@@ -212,7 +311,7 @@ class NeuronBackend(Backend):
     def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
         if declared or env.get(COMPILE_BACKEND_ENV):
             return []  # planning for the host [toolchain] declares, or a substitute compiles
-        if importlib.util.find_spec("torch_neuronx") is None:
+        if self._package_dir("torch_neuronx") is None:
             return [
                 Problem(
                     "backend",
@@ -220,6 +319,14 @@ class NeuronBackend(Backend):
                     "compile for Neuron, and keys computed here would name neuronx-cc 'absent'",
                     "plan on the Trainium build host, or declare that host's toolchain in a [toolchain] table "
                     f"({', '.join(_REQUIRED_FACTS)}) to plan for it from here",
+                )
+            ]
+        if find_compiler(env) is None:  # TorchNeuron runs it by name: every compile would fail
+            return [
+                Problem(
+                    "backend",
+                    "'neuron', but no neuronx-cc is on PATH: TorchNeuron runs the compiler it finds there",
+                    f"put the venv's bin dir first on PATH (e.g. PATH={Path(self._prefix) / 'bin'}:$PATH)",
                 )
             ]
         return []
@@ -230,6 +337,8 @@ class NeuronBackend(Backend):
         missing = [name for name in _DISTRIBUTIONS if facts.get(name, ABSENT) == ABSENT]
         if _target(facts, env) == "unknown":
             missing.append("target")
+        if sync_mode(facts, env) == "unknown" and facts.get("torch-neuronx", ABSENT) != ABSENT:
+            missing.append(BUILD_FACT)  # which layout eager ops land in (or set NEURON_LAUNCH_BLOCKING)
         return missing
 
     def worker_env(self, cache_dir: Path, scratch: Path) -> dict[str, str]:
@@ -246,20 +355,32 @@ class NeuronBackend(Backend):
             # Counters are off by default; a failed compile must fail the build, not run eagerly.
             "TORCH_NEURONX_METRICS_ENABLED": "1",
             "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1",
+            # TP ranks share keys and this lock dir: a rank must wait out another's long compile
+            # rather than break its lock and compile the same graph again.
+            "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT": str(BUILD_LOCK_TIMEOUT_S),
+        }
+
+    def scratch_dirs(self, scratch: Path, env: Mapping[str, str]) -> dict[str, Path]:
+        # neuronx-cc runs in /tmp/neuron_compile_XXXXXX on the C++ path (TempDirectory.h:23) and
+        # in tempfile's dir on the Python path (compiler_subprocess.py:295); locks go to scratch.
+        return {
+            "the compile lock dir": scratch / "neuron-local",
+            "neuronx-cc's scratch dir (hard-coded)": Path("/tmp"),
+            "neuronx-cc's scratch dir ($TMPDIR)": Path(env.get("TMPDIR") or "/tmp"),
         }
 
     def select_files(self, cache_dir: Path) -> list[str]:
         selected = []
         for path in sorted(cache_dir.rglob("*.neff")):
             rel = path.relative_to(cache_dir).as_posix()
-            if _NEFF_ENTRY.match(rel) and _is_plain_file(path):
+            if (_NEFF_ENTRY.match(rel) or _SUBPROCESS_ENTRY.match(rel)) and _is_plain_file(path):
                 selected.append(rel)
         selected.extend(_complete_module_files(cache_dir))
         return sorted(selected)
 
     def is_content_keyed(self, path: str) -> bool:
-        # Both layouts name entries by a hash of what they compile: any copy of a path serves.
-        return bool(_NEFF_ENTRY.match(path) or _MODULE_FILE.match(path))
+        # Every layout names entries by a hash of what they compile: any copy of a path serves.
+        return bool(_NEFF_ENTRY.match(path) or _SUBPROCESS_ENTRY.match(path) or _MODULE_FILE.match(path))
 
     def launch_command(self, entry: ModelEntry, job_file: Path) -> list[str]:
         if entry.tensor_parallel == 1:
@@ -295,6 +416,7 @@ class NeuronBackend(Backend):
         return self._env.get(COMPILE_BACKEND_ENV) or "neuron"
 
     def prepare_process(self, shape_count: int) -> None:
+        pin_compiler(os.environ)
         if self.device == "neuron":
             _import_torch_neuronx()
         if self.compile_backend == "neuron":
@@ -320,14 +442,23 @@ class NeuronBackend(Backend):
         return pipeline_class(entry).from_pretrained(model_ref, transformer=transformer, **kwargs)
 
     def compiler_counters(self) -> dict[str, int]:
+        files = {SUBPROCESS_FILES: self._subprocess_entries()}
         if self.compile_backend != "neuron":  # a substitute counts in Dynamo's counters, by its name
             values = dynamo_counters(self.compile_backend)
-            return {f"neuron.{k.removeprefix(self.compile_backend + '.')}": v for k, v in values.items()}
-        return {f"neuron.{k}": int(v) for k, v in _neuron_counters().items()}
+            return {**files, **{f"neuron.{k.removeprefix(self.compile_backend + '.')}": v for k, v in values.items()}}
+        return {**files, **{f"neuron.{k}": int(v) for k, v in _neuron_counters().items()}}
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
-        # neuronx-cc runs; a NEFF loaded from the persistent cache is a hit, not a compile.
-        return delta.get(f"neuron.{TOTAL_COMPILATIONS}", 0)
+        # neuronx-cc runs; a NEFF loaded from the persistent cache is a hit, not a compile. The
+        # Python path counts nothing: each compile there leaves one new entry.
+        return delta.get(f"neuron.{TOTAL_COMPILATIONS}", 0) + max(0, delta.get(SUBPROCESS_FILES, 0))
+
+    def _subprocess_entries(self) -> int:
+        raw = self._env.get(self.cache_env)
+        if not raw:
+            return 0
+        root = Path(raw)
+        return sum(1 for p in root.glob("*/*.neff") if _SUBPROCESS_ENTRY.match(p.relative_to(root).as_posix()) and _is_plain_file(p))
 
 
 def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:
@@ -338,6 +469,18 @@ def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:
     return env.get(TARGET_ENV) or (declared if declared and declared != "unknown" else None) or probed or "unknown"
 
 
+def sync_mode(facts: Mapping[str, str], env: Mapping[str, str]) -> str:
+    """'1' when eager ops compile synchronously (the Python path, `<64 hex>/` entries), '0' when
+    not, as the worker runs after `import torch_neuronx` has applied the wheel's default."""
+    value = env.get("NEURON_LAUNCH_BLOCKING")
+    if value is None:
+        build = facts.get(BUILD_FACT, ABSENT)
+        if build in (ABSENT, "unknown"):
+            return "unknown"
+        value = _SYNC_DEFAULT.get(build, "0")
+    return "1" if value == "1" else "0"  # only "1" selects it (utils.py:110-116, PlatformUtils.cpp:94-99)
+
+
 def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
     return {
         f"env.{k}": v
@@ -345,6 +488,7 @@ def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         if k not in _ENV_NOT_KEYED
         and not k.startswith(_ENV_NOT_KEYED_PREFIXES)
         and (k.startswith(_ENV_PREFIXES) or k in unit.env)
+        and IMPORT_DEFAULTS.get(k) != v
     }
 
 
@@ -384,6 +528,16 @@ def _read_text(path: Path) -> str:
         return path.read_text().strip()
     except OSError:
         return ""
+
+
+def pin_compiler(environ: dict[str, str] | Any) -> Path | None:
+    """Put the dir of the neuronx-cc PATH finds now first on PATH, as an absolute path: upstream
+    runs it by name from a temp dir (NeuronCompiler.cpp:237-256), where a relative PATH entry
+    would find another, and the fingerprint names this one."""
+    found = find_compiler(environ)
+    if found is not None:
+        environ["PATH"] = os.pathsep.join([str(found.parent), environ.get("PATH", "")])
+    return found
 
 
 def _import_torch_neuronx() -> None:

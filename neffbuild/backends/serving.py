@@ -3,7 +3,9 @@
 A release comes from a store, and `pull` prints its environment for a shell to `eval` (or writes
 it for systemd): a release may set only its backend's cache variable, which always points at the
 pulled dir, and the variables the backend declares here as compiler settings. Anything else
-(LD_PRELOAD, PATH, ...) needs the host's consent (`--allow-env NAME`). Pull reads this on every
+(LD_PRELOAD, PATH, ...) needs the host's consent (`--allow-env NAME`), and so do the names a
+backend marks `host_only` inside its own prefixes: paths its runtime writes into or deletes,
+switches that turn its cache off, and runtime-only settings that belong to the host. Pull reads this on every
 boot, so the module imports nothing: the backends import it, not the other way round.
 """
 
@@ -21,9 +23,17 @@ class ServingEnv:
     # hits: pull creates them, so that a host serving from a read-only cache dir can mount a
     # writable dir over each (README, "Serving from a read-only cache dir"). All else is only read.
     writable: tuple[str, ...] = ()
+    # Names inside `prefixes` that only the host may set (by --allow-env): see the module docstring.
+    host_only: frozenset[str] = frozenset()
+    host_only_prefixes: tuple[str, ...] = ()
 
     def declares(self, name: str) -> bool:
-        return name != self.cache_env and (name in self.names or name.startswith(self.prefixes))
+        if name == self.cache_env or self.is_host_only(name):
+            return False
+        return name in self.names or name.startswith(self.prefixes)
+
+    def is_host_only(self, name: str) -> bool:
+        return name in self.host_only or name.startswith(self.host_only_prefixes)
 
 
 # Measured (torch 2.13, CPU, strace of a serving process that hits every entry): Inductor writes
@@ -39,12 +49,37 @@ INDUCTOR = ServingEnv(
     writable=("locks",),
 )
 # TorchNeuron reads a hit's NEFF and writes nothing beside it (entries land by rename, on a miss):
-# its locks go to TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR (default: a dir under the system temp dir),
+# its locks go to TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR (default: the literal /tmp/local_cache),
 # outside the cache dir, so the NEFF cache may be read-only as a whole (docs/trainium.md).
-# TorchNeuron's and neuronx-cc's settings (NEURON_CC_FLAGS, NEURON_LOGICAL_NC_CONFIG, NEURON_RT_*).
+# A release may set TorchNeuron's and neuronx-cc's settings (NEURON_CC_FLAGS,
+# NEURON_LOGICAL_NC_CONFIG, ...) but not, without the host's allow (read in torch_neuronx 0.1.0):
+NEURON_PATHS = frozenset(
+    {
+        # Written into or deleted by the runtime: the debug dir is rmtree'd after every graph
+        # (neuron_dynamo_backend/config.py:149-164), the lock dir is created at start-up.
+        "TORCH_NEURONX_DEBUG_DIR", "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", "TORCH_NEURONX_LOG_FILE",
+        "TORCH_NEURONX_METRICS_DIR", "TORCH_NEURONX_DUMP", "NEURON_ERROR_DUMP_DIR",
+        # Not read by 0.1.0; other Neuron stacks write caches there.
+        "TORCH_NEURONX_HLO_CACHE_DIR", "NEURON_COMPILE_CACHE_URL",
+    }
+)  # fmt: skip
+NEURON_SWITCHES = frozenset({"TORCH_NEURONX_NEFF_DISABLE_CACHE", "TORCH_NEURONX_DISABLE_NEFF_CACHE"})
+# Change no artifact: in-memory limits, the lock timeout, logging, metrics, debug dumps, fallback
+# and execution behaviour (the last four are defaults `import torch_neuronx` writes, __init__.py:46-65).
+NEURON_RUNTIME = frozenset(
+    {
+        "NEURON_COMPILATION_CACHE_MAX_SIZE_MB", "NEURON_COMPILATION_CACHE_MAX_ENTRIES",
+        "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT", "TORCH_NEURONX_LOG_LEVEL", "TORCH_NEURONX_METRICS_ENABLED",
+        "TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS", "TORCH_NEURONX_DUMP_HLO_PB", "NEURON_DUMP_EXECUTION_ON_ERROR",
+        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS",
+        "TORCH_NEURONX_RETAIN_DEVICE_MODE", "TORCH_NEURONX_ENABLE_ASYNC_NRT", "TORCH_NEURONX_ENABLE_STACK_TRACE",
+    }
+)  # fmt: skip
 NEURON = ServingEnv(
     cache_env="TORCH_NEURONX_NEFF_CACHE_DIR",
     names=frozenset({"OMP_NUM_THREADS"}),
     prefixes=("NEURON_", "TORCH_NEURONX_"),
+    host_only=NEURON_PATHS | NEURON_SWITCHES | NEURON_RUNTIME,
+    host_only_prefixes=("NEURON_RT_",),  # runtime placement: the host's own business
 )
 BY_BACKEND: dict[str, ServingEnv] = {"inductor": INDUCTOR, "neuron": NEURON}

@@ -40,9 +40,11 @@ def call_kwargs(entry: ModelEntry, shape: Shape) -> dict[str, Any]:
 
 
 def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerResult:
+    # The runtime first: importing it may set defaults in this environment (torch_neuronx does),
+    # and the key must name the environment the compiler runs in.
+    backend.prepare_process(len(job.shapes))
     facts = backend.worker_facts(env, job.entry.device)
     fingerprint = backend.fingerprint(facts, env, backend.scope(job.entry))
-    backend.prepare_process(len(job.shapes))
     started = time.perf_counter()
     pipe = backend.load_pipeline(job.entry, job.model_ref)
     runner = backend.apply_mode(pipe, job.entry)
