@@ -177,7 +177,7 @@ def test_a_neuron_release_needs_the_hosts_allow_for_paths_switches_and_runtime_s
     neuron = release(backend="neuron", cache_env="TORCH_NEURONX_NEFF_CACHE_DIR", env={"NEURON_CC_FLAGS": "-O1", name: "/var/lib/x"})
     with pytest.raises(IntegrityError, match=rf"env sets {name}, which the neuron backend does not declare") as refused:
         exports_for(neuron, tmp_path, "r.json")
-    assert refused.value.hint == f"if this host accepts it, pass --allow-env {name}"
+    assert refused.value.hint == f"if this host accepts it, pass --allow-env {name} (or list it in NEFFBUILD_ALLOW_ENV)"
     exports = exports_for(neuron, tmp_path, "r.json", allow=(name,))
     assert exports == {"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path), "NEURON_CC_FLAGS": "-O1", name: "/var/lib/x"}
 
