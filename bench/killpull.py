@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from neffbuild.pull import pull  # noqa: E402
+from neffbuild.host.pull import pull  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
 from tests.killkit import Traffic, concurrent_pulls, fresh_cache, kill_delays, make_scenario, no_flock_env, phases  # noqa: E402
 from tests.s3server import S3Server, client_for, weed_binary  # noqa: E402

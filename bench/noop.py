@@ -87,7 +87,7 @@ def main() -> None:
 
 def prepare(count: int, mib: int) -> tuple[Path, Path]:
     """The store and the cache dir with the release in place (made once, reused)."""
-    from neffbuild.pull import pull
+    from neffbuild.host.pull import pull
     from neffbuild.store.local import LocalStore
     from tests.storekit import publish_release_of, write_files
 
@@ -110,7 +110,7 @@ def run(command: list[str], env: dict[str, str]) -> None:
 
 
 def verify_in_process(store_dir: Path, cache: Path, jobs: int) -> None:
-    from neffbuild.pull import pull
+    from neffbuild.host.pull import pull
     from neffbuild.store.local import LocalStore
 
     report = pull(LocalStore(store_dir), "t", cache, jobs=jobs, verify="full")

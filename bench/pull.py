@@ -78,7 +78,7 @@ class Tool:
 ENGINE = """
 import os, sys, time
 from pathlib import Path
-from neffbuild.pull import pull
+from neffbuild.host.pull import pull
 from neffbuild.store import open_store
 started = time.perf_counter()
 pull(open_store(sys.argv[1], env=os.environ), sys.argv[2], Path(sys.argv[3]), jobs=int(sys.argv[4]))
@@ -167,9 +167,9 @@ def publish_synthetic(store, files: Path, name: str) -> None:
 
 
 def push_real_bundle(store_dir: Path, tag: str | None, s3_store, files: Path) -> Case:
-    from neffbuild.pull import pull
+    from neffbuild.host.pull import pull
     from neffbuild.store import open_store
-    from neffbuild.transfer import push
+    from neffbuild.build.push import push
 
     local = open_store(str(store_dir))
     tags = list(local.list_docs("tags"))

@@ -115,7 +115,7 @@ def store_for(name: str, src: Path, sources):
 
 
 def measure(open_store, args: argparse.Namespace, dropping: bool) -> dict[str, dict[str, list[float]]]:
-    from neffbuild.pull import pull
+    from neffbuild.host.pull import pull
 
     timings = {mode: {"pull": [], "load": []} for mode in MODES}
     for round_ in range(1 + args.runs):
@@ -139,7 +139,7 @@ def measure(open_store, args: argparse.Namespace, dropping: bool) -> dict[str, d
 
 
 def report_files(dest: Path):
-    from neffbuild.cachestate import read_cache_state
+    from neffbuild.host.state import read_cache_state
 
     return read_cache_state(dest)[1].installed.release.files
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["apply_exports", "ensure_cache"]
+__all__ = ["__version__", "apply_exports", "ensure_cache"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import neffbuild` (and the CLI's start-up) stays as light as it was.
-    if name in __all__:
+    if name in ("apply_exports", "ensure_cache"):
         from neffbuild import api
 
         return getattr(api, name)
+    if name == "__version__":
+        from neffbuild.version import __version__
+
+        return __version__
     raise AttributeError(f"module 'neffbuild' has no attribute {name!r}")

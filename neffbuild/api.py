@@ -11,7 +11,7 @@ import os
 from collections.abc import Collection, Mapping, MutableMapping
 from pathlib import Path
 
-from neffbuild.pull import PullReport
+from neffbuild.host.pull import PullReport
 from neffbuild.store.base import Store
 
 
@@ -42,8 +42,8 @@ def ensure_cache(
     declares (pull --allow-env), with those env's NEFFBUILD_ALLOW_ENV lists; a stale fallback
     makes its exports again under the same allow, never from what the cache dir's state says.
     """
-    from neffbuild.exports import host_allow
-    from neffbuild.fallback import pull_or_stale
+    from neffbuild.host.exports import host_allow
+    from neffbuild.host.fallback import pull_or_stale
     from neffbuild.store import open_store
 
     environ = dict(os.environ if env is None else env)  # a copy: nothing here may change the caller's
@@ -62,6 +62,6 @@ def apply_exports(report: PullReport, environ: MutableMapping[str, str] | None =
     (torch, torch_neuronx) is imported: they read their cache variables when they load.
     The exports are checked again first (IntegrityError): variable names, no NUL, and nothing
     that decides what code runs (LD_*, PYTHON*, PATH, ...) unless the pull's host allowed it."""
-    from neffbuild.exports import check_exports
+    from neffbuild.host.exports import check_exports
 
     (os.environ if environ is None else environ).update(check_exports(report.exports, report.allowed))

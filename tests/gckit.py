@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neffbuild.bundle import BundleRecord, Release, parse
+from neffbuild.documents.records import BundleRecord, Release, parse
 from neffbuild.hashing import hash_file
 from neffbuild.store.base import BlobSource, Store
 from tests.storekit import publish_release_of

@@ -25,11 +25,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.bundle import FileEntry
-from neffbuild.cachestate import STATE_FILE, STATE_FORMAT
+from neffbuild.documents.records import FileEntry
+from neffbuild.host.state import STATE_FILE, STATE_FORMAT
 from neffbuild.hashing import hash_file
 from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
-from neffbuild.pull import pull
+from neffbuild.host.pull import pull
 from neffbuild.store.base import Store
 
 Files = Mapping[str, FileEntry]  # a release's files by path
@@ -209,7 +209,7 @@ def make_scenario(store: Store, env: Mapping[str, str], root: Path, *, small: in
     written with O_DIRECT) and an empty one. Old: three quarters of the small paths and the first
     large one, with other bytes: an upgrade replaces those files and adds the rest.
     """
-    from neffbuild.refs import resolve
+    from neffbuild.documents.refs import resolve
     from tests.storekit import publish_release_of, write_files
 
     def sizes(count_small: int, count_large: int) -> dict[str, int]:

@@ -8,7 +8,7 @@ from typing import BinaryIO
 
 import pytest
 
-from neffbuild.atomic import write_atomic, write_atomic_at
+from neffbuild.fs.atomic import write_atomic, write_atomic_at
 from neffbuild.errors import DiskError, IntegrityError
 
 

@@ -107,8 +107,8 @@ D1, D2, D3 = "1" * 32, "2" * 32, "3" * 32
 @pytest.fixture
 def two_unit_plan(tmp_path: Path):
     from tests.test_plan import MANIFEST, facts_provider
-    from neffbuild.manifest import load_manifest
-    from neffbuild.plan import make_plan
+    from neffbuild.documents.manifest import load_manifest
+    from neffbuild.units.plan import make_plan
     from tests.conftest import write_model_index
 
     (tmp_path / "model" / "transformer").mkdir(parents=True)
@@ -120,7 +120,7 @@ def two_unit_plan(tmp_path: Path):
 
 
 def record_of(unit, files: dict[str, str], **fingerprint: str):
-    from neffbuild.bundle import BundleRecord, FileEntry, Timings
+    from neffbuild.documents.records import BundleRecord, FileEntry, Timings
 
     return BundleRecord(
         key=unit.key, unit_id=unit.unit_id, unit=dict(unit.normalized), backend="inductor",
@@ -131,7 +131,7 @@ def record_of(unit, files: dict[str, str], **fingerprint: str):
 
 def test_make_release_refuses_two_files_at_one_path_that_is_no_content_key(two_unit_plan) -> None:
     from neffbuild.backends.inductor import InductorBackend
-    from neffbuild.build import make_release
+    from neffbuild.build.compile import make_release
     from neffbuild.errors import ConflictError
 
     a, b = two_unit_plan.units
@@ -142,8 +142,8 @@ def test_make_release_refuses_two_files_at_one_path_that_is_no_content_key(two_u
 
 def test_make_release_keeps_one_copy_of_a_shared_content_keyed_path(two_unit_plan) -> None:
     from neffbuild.backends.inductor import InductorBackend
-    from neffbuild.build import make_release
-    from neffbuild.bundle import SharedPath
+    from neffbuild.build.compile import make_release
+    from neffbuild.documents.records import SharedPath
 
     a, b = two_unit_plan.units
     kernel, entry = "ab/cabc123.so", "fxgraph/x/key/entry"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neffbuild.bundle import (
+from neffbuild.documents.records import (
     BundleRecord,
     FileEntry,
     Release,

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild import ensure_cache
-from neffbuild.cachestate import STATE_FORMAT, parse_state
+from neffbuild.host.state import STATE_FORMAT, parse_state
 from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes
-from neffbuild.pull import pull
+from neffbuild.host.pull import pull
 from neffbuild.store.local import LocalStore
 from tests.procs import without_override
 from tests.storekit import publish_release_of, write_files

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.bundle import unit_key
-from neffbuild.hostcheck import FieldDiff
+from neffbuild.documents.records import unit_key
+from neffbuild.host.hostcheck import FieldDiff
 from neffbuild.inspect.diff import FieldChange, diff, diff_host
 from neffbuild.store import open_store
 from neffbuild.store.base import Store

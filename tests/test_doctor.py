@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.bundle import FileEntry, Release
-from neffbuild.doctor import (
+from neffbuild.documents.records import FileEntry, Release
+from neffbuild.host.doctor import (
     HostView,
     check_free_space,
     check_persistent,
@@ -43,7 +43,7 @@ def release(fingerprint: dict[str, str], files=(), env=None) -> Release:
 def host_fingerprint(**overrides: str) -> dict[str, str]:
     """What the neuron backend reports for HERE_FACTS with no Neuron variables set."""
     from neffbuild.backends.neuron import NeuronBackend
-    from neffbuild.manifest import ModelEntry, ShapeSet
+    from neffbuild.documents.manifest import ModelEntry, ShapeSet
 
     entry = ModelEntry(id="x", model="a/b", revision="r", pipeline="P", backend="neuron", device="neuron", shapes=[ShapeSet(height=16, width=16)])
     return {**NeuronBackend().fingerprint(HERE_FACTS, {}, entry), **overrides}
@@ -203,7 +203,7 @@ def test_all_pass_on_a_good_host(tmp_path):
 
 
 def test_release_from_a_file_or_a_store(tmp_path):
-    from neffbuild.bundle import dump
+    from neffbuild.documents.records import dump
 
     rel = release(host_fingerprint())
     path = tmp_path / "release.json"
@@ -219,7 +219,7 @@ def test_backend_must_match_the_release(tmp_path):
 
 
 def _mounts() -> list[tuple[str, str]]:
-    from neffbuild.doctor import _read_mounts
+    from neffbuild.host.doctor import _read_mounts
 
     return _read_mounts(Path("/proc/mounts"))
 

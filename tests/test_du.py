@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.gc import Policy, plan_gc, reclaimable
+from neffbuild.maint.gc import Policy, plan_gc, reclaimable
 from neffbuild.hashing import hash_bytes
 from neffbuild.inspect.du import Reclaimable, disk_usage
 from neffbuild.inspect.read import Snapshot, snapshot

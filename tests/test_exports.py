@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild.backends.serving import BY_BACKEND
-from neffbuild.bundle import FileEntry, Release, ReleaseUnit
+from neffbuild.documents.records import FileEntry, Release, ReleaseUnit
 from neffbuild.errors import InputError, IntegrityError
-from neffbuild.exports import env_file_text, exports_for, shell_lines
+from neffbuild.host.exports import env_file_text, exports_for, shell_lines
 from neffbuild.hashing import hash_bytes
 from neffbuild.store import open_store
 from neffbuild.store.local import LocalStore

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild import fence
+from neffbuild.store import lease as fence
 from neffbuild.errors import ConflictError
-from neffbuild.gc import Policy, parse_duration, plan_gc, sweep
-from neffbuild.prune import prune_cache_dir
-from neffbuild.publish import move_tag
-from neffbuild.pull import pull
+from neffbuild.maint.gc import Policy, parse_duration, plan_gc, sweep
+from neffbuild.host.prune import prune_cache_dir
+from neffbuild.build.publish import move_tag
+from neffbuild.host.pull import pull
 from neffbuild.store import open_store
 from neffbuild.store.base import Store, blob_key
-from neffbuild.storecheck import check_store
+from neffbuild.maint.storecheck import check_store
 from tests.conftest import run_cli
 from tests.gckit import age, publish, referenced, release
 from tests.procs import wait_for
@@ -179,7 +179,7 @@ print(publish(store, work, "new", {"x.bin": "x", "z.bin": "z"}, tag="next"))
 GC = """
 import os, sys
 from pathlib import Path
-from neffbuild.gc import Policy, plan_gc, sweep
+from neffbuild.maint.gc import Policy, plan_gc, sweep
 from neffbuild.store import open_store
 from tests.gckit import Paused
 

@@ -14,10 +14,10 @@ import pytest
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Scope
-from neffbuild.bundle import BundleRecord, Release, ReleaseUnit, Timings, unit_key
-from neffbuild.hostcheck import FieldDiff, check_host, host_fingerprint
-from neffbuild.manifest import load_manifest
-from neffbuild.plan import make_plan
+from neffbuild.documents.records import BundleRecord, Release, ReleaseUnit, Timings, unit_key
+from neffbuild.host.hostcheck import FieldDiff, check_host, host_fingerprint
+from neffbuild.documents.manifest import load_manifest
+from neffbuild.units.plan import make_plan
 from tests.test_plan import manifest  # noqa: F401 - the fixture
 
 # The environment the build and the checks run in: what the thread count and ISA read from.
@@ -146,7 +146,7 @@ def test_facts_are_read_without_torch_and_agree_with_torch():
     code = (
         "import json, sys, time; t = time.perf_counter()\n"
         "from neffbuild.backends import get_backend\n"
-        "from neffbuild.hostcheck import host_fingerprint\n"
+        "from neffbuild.host.hostcheck import host_fingerprint\n"
         "from neffbuild.backends.base import Scope\n"
         "b = get_backend('inductor'); fp = host_fingerprint(b, Scope('cpu'), dict(__import__('os').environ))\n"
         "print(json.dumps({'s': time.perf_counter() - t, 'torch': 'torch' in sys.modules, 'pydantic': 'pydantic' in sys.modules,"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.manifest import load_manifest
-from neffbuild.plan import make_plan
+from neffbuild.documents.manifest import load_manifest
+from neffbuild.units.plan import make_plan
 from tests.conftest import write_manifest
 
 COMPONENTS = 'components = ["transformer"]'

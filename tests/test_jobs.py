@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import BuildError, InputError
-from neffbuild.jobs import (
+from neffbuild.runner.jobs import (
     PARENT_PID_ENV,
     WorkerJob,
     Workers,
@@ -30,7 +30,7 @@ from neffbuild.jobs import (
     remove_tree,
     run_worker,
 )
-from neffbuild.manifest import ModelEntry, Shape
+from neffbuild.documents.manifest import ModelEntry, Shape
 from tests.procs import gone, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def env() -> dict[str, str]:
 EVENTS_WORKER = """
     import json, sys, time
     from pathlib import Path
-    from neffbuild.jobs import WorkerJob, WorkerResult, ShapeRun, append_event, write_json_atomic
+    from neffbuild.runner.jobs import WorkerJob, WorkerResult, ShapeRun, append_event, write_json_atomic
     job_file = Path(sys.argv[1])
     job = WorkerJob.model_validate_json(job_file.read_text())
     append_event(job.events_file, "loading", job.unit_ids[0])
@@ -91,7 +91,7 @@ def test_phase_events_reach_the_parent_while_the_worker_runs(tmp_path: Path) -> 
 FAILING_WORKER = """
     import sys, traceback
     from pathlib import Path
-    from neffbuild.jobs import WorkerResult, write_json_atomic
+    from neffbuild.runner.jobs import WorkerResult, write_json_atomic
     job_file = Path(sys.argv[1])
     print("loading the model")
     try:
@@ -166,12 +166,12 @@ def test_stop_ends_every_process_of_every_worker_group(tmp_path: Path) -> None:
 PARENT = """
     import os, sys
     from pathlib import Path
-    from neffbuild.jobs import Workers
+    from neffbuild.runner.jobs import Workers
     Workers().run([sys.executable, "-c", sys.argv[1], sys.argv[2]], os.environ, Path(sys.argv[2] + ".log"), lambda: None)
 """
 ORPHANED_WORKER = """
     import os, subprocess, sys, time
-    from neffbuild.jobs import die_with_parent
+    from neffbuild.runner.jobs import die_with_parent
     die_with_parent(os.environ)
     child = subprocess.Popen(["sleep", "300"])
     open(sys.argv[1] + ".tmp", "w").write(f"{os.getpid()} {child.pid}")
@@ -196,7 +196,7 @@ def test_a_worker_whose_parent_is_killed_ends_its_whole_group(tmp_path: Path) ->
 
 def test_a_worker_run_by_hand_keeps_default_signal_handling(tmp_path: Path) -> None:
     # Without PARENT_PID_ENV (not started by neffbuild) die_with_parent changes nothing.
-    script = "import os, signal; from neffbuild.jobs import die_with_parent; die_with_parent({}); print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    script = "import os, signal; from neffbuild.runner.jobs import die_with_parent; die_with_parent({}); print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
     out = subprocess.run([*python(script)], env=env(), capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
 
@@ -222,7 +222,7 @@ def test_remove_tree_removes_read_only_dirs(tmp_path: Path) -> None:
 
 
 def test_stop_signal_handlers_come_back_after_a_supervised_run(tmp_path: Path) -> None:
-    from neffbuild.jobs import supervised
+    from neffbuild.runner.jobs import supervised
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with supervised() as workers:

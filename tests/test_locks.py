@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import ConflictError, DiskError
-from neffbuild.locks import exclusive
+from neffbuild.fs.locks import exclusive
 
 HOLD = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"
 

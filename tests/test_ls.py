@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.bundle import Release, parse
+from neffbuild.documents.records import Release, parse
 from neffbuild.inspect.ls import list_store, tag_history
 from tests.conftest import run_cli
 from tests.inspectkit import Target, klein_unit, publish_units, target  # noqa: F401  (target: a fixture)

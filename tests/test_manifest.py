@@ -12,7 +12,7 @@ import tomllib
 
 from neffbuild.errors import ManifestError
 from tests.conftest import write_model_index
-from neffbuild.manifest import load_manifest, manifest_json_schema
+from neffbuild.documents.manifest import load_manifest, manifest_json_schema
 
 GOOD = """
 name = "tiny"
@@ -235,7 +235,7 @@ def test_a_malformed_model_config_is_one_line_naming_the_file(
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from neffbuild.manifest import LoadedManifest  # noqa: E402
+from neffbuild.documents.manifest import LoadedManifest  # noqa: E402
 
 _TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
 _KEYS = st.sampled_from(

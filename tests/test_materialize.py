@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from neffbuild import materialize
+from neffbuild.fs import confined as materialize
 from neffbuild.errors import DiskError, IntegrityError
-from neffbuild.materialize import DIRECT_MIN, HASH_CHUNK, BlobTarget, aligned_buffer, write_verified
+from neffbuild.fs.confined import DIRECT_MIN, HASH_CHUNK, BlobTarget, aligned_buffer, write_verified
 from tests.pagecache import direct_io_possible, resident_fraction
 
 

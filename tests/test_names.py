@@ -8,8 +8,8 @@ import pytest
 
 from neffbuild.errors import InputError
 from neffbuild.names import key_problem, reserved_problem, tag_problem
-from neffbuild.publish import move_tag
-from neffbuild.refs import parse_ref
+from neffbuild.build.publish import move_tag
+from neffbuild.documents.refs import parse_ref
 from neffbuild.store.base import doc_key
 from neffbuild.store.local import LocalStore
 from tests.test_materialize import snapshot

@@ -28,8 +28,8 @@ from neffbuild.backends.neuron import (
 from neffbuild.backends.worker import group_rank, import_seams, writes_result
 from neffbuild.errors import ManifestError
 from tests.conftest import write_model_index
-from neffbuild.manifest import ModelEntry, ShapeSet, load_manifest
-from neffbuild.plan import make_plan
+from neffbuild.documents.manifest import ModelEntry, ShapeSet, load_manifest
+from neffbuild.units.plan import make_plan
 
 TESTS = Path(__file__).resolve().parent
 NEFF = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/\1\2[0-9a-f]{28}\.neff$")
@@ -123,7 +123,7 @@ def test_worker_and_runtime_only_variables_do_not_split_keys(tmp_path):
 def test_venv_path_and_model_library_versions_change_the_key_and_break_a_host(tmp_path):
     # The persistent key hashes bytecode carrying source locations (fx_importer.py:28-41): paths
     # and line numbers of the model code, so where it is installed and which version it is split keys.
-    from neffbuild.bundle import unit_key
+    from neffbuild.documents.records import unit_key
 
     here = backend_on(tmp_path, prefix="/opt/neffbuild/venv")
     fp = here.fingerprint(here.collect_facts({}, "neuron"), {}, entry())
@@ -524,8 +524,8 @@ def test_tensor_parallel_runs_every_rank_under_torchrun_and_rank_zero_reports(tm
     if _has_torch_neuronx():
         pytest.skip("torch-neuronx is installed: the real TP path is covered on Trainium")
     from neffbuild.errors import BuildError
-    from neffbuild.jobs import WorkerJob, run_worker
-    from neffbuild.manifest import Shape
+    from neffbuild.runner.jobs import WorkerJob, run_worker
+    from neffbuild.documents.manifest import Shape
 
     e = entry(model="/nonexistent", tensor_parallel=2)
     job = WorkerJob(purpose="build", entry=e, model_ref="/nonexistent", unit_ids=("m/32x32x1",), shapes=(Shape(height=32, width=32),))
@@ -541,8 +541,8 @@ def test_tensor_parallel_runs_every_rank_under_torchrun_and_rank_zero_reports(tm
 def test_a_failing_rank_is_heard_when_rank_zero_was_stopped_before_it_could_write(tmp_path):
     # As torchrun does when rank 1 fails first: rank 0 is stopped (here: never started).
     from neffbuild.errors import BuildError
-    from neffbuild.jobs import WorkerJob, run_worker
-    from neffbuild.manifest import Shape
+    from neffbuild.runner.jobs import WorkerJob, run_worker
+    from neffbuild.documents.manifest import Shape
 
     e = entry(model="/nonexistent", tensor_parallel=2)
     job = WorkerJob(purpose="build", entry=e, model_ref="/nonexistent", unit_ids=("m/32x32x1",), shapes=(Shape(height=32, width=32),))
@@ -638,10 +638,10 @@ call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_lay
 
 @pytest.mark.slow
 def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tiny_model, cli):
-    from neffbuild.build import build
-    from neffbuild.pull import pull
+    from neffbuild.build.compile import build
+    from neffbuild.host.pull import pull
     from neffbuild.store import open_store
-    from neffbuild.verify import check_files, replay
+    from neffbuild.host.verify import check_files, replay
 
     (tmp_path / "tiny").symlink_to(tiny_model)
     path = tmp_path / "neffbuild.toml"
@@ -711,10 +711,10 @@ env = { NEURON_LAUNCH_BLOCKING = "1" }
 
 @pytest.mark.slow
 def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_both_layouts(tmp_path, tiny_model):
-    from neffbuild.build import build
-    from neffbuild.pull import pull
+    from neffbuild.build.compile import build
+    from neffbuild.host.pull import pull
     from neffbuild.store import open_store
-    from neffbuild.verify import replay
+    from neffbuild.host.verify import replay
 
     (tmp_path / "tiny").symlink_to(tiny_model)
     path = tmp_path / "neffbuild.toml"
@@ -745,15 +745,15 @@ def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_b
 
 
 def load_bundle(store, key: str):
-    from neffbuild.bundle import BundleRecord, parse
+    from neffbuild.documents.records import BundleRecord, parse
 
     return parse(BundleRecord, store.get_doc("bundles", key), key)
 
 
 def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(tmp_path, tiny_model):
-    from neffbuild.build import build
+    from neffbuild.build.compile import build
     from neffbuild.errors import DiskError
-    from neffbuild.room import require_scratch
+    from neffbuild.fs.room import require_scratch
     from neffbuild.store import open_store
 
     dirs = NeuronBackend().scratch_dirs(tmp_path, {"TMPDIR": "/sys/kernel/neffbuild"})  # sysfs: no new files, even for root

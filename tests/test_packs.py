@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from neffbuild.errors import IntegrityError
 from neffbuild.hashing import hash_bytes, is_digest
-from neffbuild.materialize import BlobTarget
+from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import packs
 from neffbuild.store.base import BlobSource
 

@@ -12,8 +12,8 @@ import pytest
 
 from neffbuild.backends.base import Backend, cpu_isa_flags
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
-from neffbuild.manifest import load_manifest
-from neffbuild.plan import check_buildable, make_plan, plan_document
+from neffbuild.documents.manifest import load_manifest
+from neffbuild.units.plan import check_buildable, make_plan, plan_document
 from tests.conftest import write_model_index
 
 FACTS = {

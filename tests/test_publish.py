@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.bundle import TagRecord, parse
-from neffbuild.publish import move_tag
+from neffbuild.documents.records import TagRecord, parse
+from neffbuild.build.publish import move_tag
 from neffbuild.store import open_store
 from neffbuild.store.base import Store
 from tests.storekit import publish_release_of, write_files
@@ -24,7 +24,7 @@ MOVES = 6  # tag moves per process: enough that the two really interleave
 PUBLISHER = """
 import os, sys, time
 from pathlib import Path
-from neffbuild.publish import move_tag
+from neffbuild.build.publish import move_tag
 from neffbuild.store import open_store
 from tests.storekit import publish_release_of, write_files
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from neffbuild.bundle import (
+from neffbuild.documents.records import (
     BundleRecord,
     FileEntry,
     Release,
@@ -28,8 +28,8 @@ from neffbuild.bundle import (
 from neffbuild.errors import IntegrityError
 from neffbuild.hashing import hash_bytes, hash_file
 from neffbuild.names import INCOMPLETE_SUFFIX
-from neffbuild.publish import move_tag, publish_bundle, publish_release
-from neffbuild.pull import STATE_DIR, pull, remove_stale_temp_files
+from neffbuild.build.publish import move_tag, publish_bundle, publish_release
+from neffbuild.host.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
 from tests.procs import wait_for
@@ -544,7 +544,7 @@ def test_a_complete_cache_on_a_full_disk_still_pulls(store: LocalStore, tmp_path
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from neffbuild.cachestate import parse_state  # noqa: E402
+from neffbuild.host.state import parse_state  # noqa: E402
 
 _state_json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
@@ -577,8 +577,8 @@ def test_a_broken_state_file_costs_only_a_re_hash(store: LocalStore, tmp_path: P
 
 # ---- the cache dir's state, version 2: which release is installed, and how (issue 11) ------------
 
-from neffbuild.bundle import to_json  # noqa: E402
-from neffbuild.cachestate import STATE_FORMAT  # noqa: E402
+from neffbuild.documents.records import to_json  # noqa: E402
+from neffbuild.host.state import STATE_FORMAT  # noqa: E402
 
 
 def read_state_doc(cache: Path) -> dict:
@@ -849,7 +849,7 @@ def test_a_failed_pull_with_json_prints_the_failure_as_a_document(store: LocalSt
 def test_large_files_pulled_from_s3_land_the_same_bytes_with_or_without_o_direct(
     s3_url: str, s3_env: dict[str, str], tmp_path: Path, direct_writes: bool
 ) -> None:
-    from neffbuild.materialize import DIRECT_MIN
+    from neffbuild.fs.confined import DIRECT_MIN
     from neffbuild.store import open_store
     from tests.pagecache import direct_io_possible, resident_fraction
 

@@ -15,9 +15,9 @@ import pytest
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.serving import BY_BACKEND
-from neffbuild.pull import pull
+from neffbuild.host.pull import pull
 from neffbuild.store import open_store
-from neffbuild.verify import tree_state
+from neffbuild.host.verify import tree_state
 from tests.conftest import write_manifest
 from tests.procs import without_override
 from tests.storekit import publish_release_of, write_files

@@ -18,10 +18,10 @@ import pytest
 from neffbuild import retry
 from neffbuild.api import ensure_cache
 from neffbuild.errors import DeadlineExceeded, IntegrityError, NotFoundError, StoreError
-from neffbuild.materialize import BlobTarget
+from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
-from neffbuild.store.dataplane import PART, http_error
+from neffbuild.store.s3.dataplane import PART, http_error
 from tests.s3server import S3Server, client_for
 from tests.storekit import publish_release_of, write_files
 from tests.tcpproxy import TcpProxy
@@ -138,7 +138,7 @@ def test_the_deadline_cuts_a_read_blocked_in_flight() -> None:
 
 
 def test_pool_threads_carry_the_deadline() -> None:
-    from neffbuild.store.dataplane import run_all
+    from neffbuild.store.s3.dataplane import run_all
 
     with retry.bounded(5, "pulling prod") as deadline:
         seen = run_all([retry.current, retry.current], jobs=2)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.backends.neuron import NeuronBackend
-from neffbuild.selfcheck import NAMES, check_import_defaults, check_tp_keys, neuron_selfcheck, run_probe
+from neffbuild.host.selfcheck import NAMES, check_import_defaults, check_tp_keys, neuron_selfcheck, run_probe
 from tests.test_neuron import _has_torch_neuronx, fake_torch_neuronx
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.store.sigv4 import Credentials, Endpoint, Signer, signer_from_env
+from neffbuild.store.s3.sigv4 import Credentials, Endpoint, Signer, signer_from_env
 
 botocore_session = pytest.importorskip("botocore.session")
 CREDS = Credentials("AKIDEXAMPLE", "secret/with+chars", "tok/en+=")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.hashing import hash_bytes
-from neffbuild.materialize import BlobTarget
+from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import open_store
 from neffbuild.store.base import (
     MARKER,
@@ -39,7 +39,7 @@ from tests.storekit import (
 DOC = b'{"format":"x"}'
 
 
-# "s3" signs its reads itself (static credentials in the environment: store/sigv4.py); "s3-profile"
+# "s3" signs its reads itself (static credentials in the environment: store/s3/sigv4.py); "s3-profile"
 # takes credentials from a profile in a credentials file, so botocore resolves and signs them.
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("s3-profile", marks=pytest.mark.s3)])
 def kind(request: pytest.FixtureRequest) -> str:
@@ -164,7 +164,7 @@ def test_get_docs_reads_many_at_once(store: Store) -> None:
 
 
 def test_delete_objects_removes_exactly_the_keys_given(store: Store, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from neffbuild.store import s3
+    from neffbuild.store.s3 import store as s3
 
     monkeypatch.setattr(s3, "DELETE_BATCH", 2)  # several DeleteObjects requests on S3
     sources = write_files(tmp_path / "src", {f"{i}.bin": 100 + i for i in range(3)})
@@ -247,7 +247,7 @@ def test_missing_blobs_and_idempotent_upload(store: Store, tmp_path: Path) -> No
 @pytest.fixture(params=["ranges", "stream"])
 def large_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """S3 fetches a few large blobs as parallel ranges and many as one stream each: test both."""
-    from neffbuild.store import s3transfer
+    from neffbuild.store.s3 import transfer as s3transfer
 
     if request.param == "stream":
         monkeypatch.setattr(s3transfer, "STREAM_MIN", 1)
@@ -360,7 +360,7 @@ def test_s3_packs_small_blobs_with_an_index(s3_url: str, s3_env: dict[str, str],
 
 @pytest.mark.s3
 def test_s3_many_loose_blobs_are_checked_by_listing(s3_url: str, s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from neffbuild.store import s3packs
+    from neffbuild.store.s3 import packs as s3packs
 
     store = open_store(s3_url, create=True, env=s3_env)
     sources = write_files(tmp_path / "src", {f"{i}.bin": 100 + i for i in range(5)})
@@ -429,7 +429,7 @@ def test_s3_reads_with_static_credentials_never_import_botocore(s3_url: str, s3_
     reader = f"""
 import os, sys
 from pathlib import Path
-from neffbuild.materialize import BlobTarget
+from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import open_store
 store = open_store({s3_url!r}, env=os.environ)
 assert store.read_tag("t")[0] == store.get_doc("releases", "r") == {DOC!r}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import IntegrityError, NeffbuildError, StoreError
-from neffbuild.pull import pull
+from neffbuild.host.pull import pull
 from neffbuild.store import open_store, packs
 from neffbuild.store.base import BlobSource, Store, blob_key
 from tests.storekit import corrupt_blob, publish_release_of, s3_client, write_files
@@ -288,7 +288,7 @@ def _endless_loose(store, env, tmp_path, s3_server, **_):  # write_verified: lon
 
 @contextmanager
 def _endless_large_stream(store, env, tmp_path, s3_server, monkeypatch, **_):  # one GET per large blob
-    from neffbuild.store import s3transfer
+    from neffbuild.store.s3 import transfer as s3transfer
 
     monkeypatch.setattr(s3transfer, "STREAM_MIN", 1)
     _, [src] = publish(store, tmp_path, LARGE)

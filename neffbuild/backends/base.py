@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from neffbuild.manifest import LoadedManifest, ModelEntry
+    from neffbuild.documents.manifest import LoadedManifest, ModelEntry
 
 # torch._dynamo.utils.counters group the GraphCounters write; reported as "graphs.<component>".
 GRAPH_GROUP = "neffbuild.graphs"

@@ -24,7 +24,7 @@ from neffbuild.backends.base import Backend, Problem, UnitScope, cpu_isa_flags, 
 from neffbuild.backends.serving import INDUCTOR
 
 if TYPE_CHECKING:
-    from neffbuild.manifest import ModelEntry
+    from neffbuild.documents.manifest import ModelEntry
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
 # two builds may write the same path with different bytes (e.g. .so files embed their build

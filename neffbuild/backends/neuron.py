@@ -48,7 +48,7 @@ from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters
 from neffbuild.backends.serving import NEURON
 
 if TYPE_CHECKING:
-    from neffbuild.manifest import LoadedManifest, ModelEntry
+    from neffbuild.documents.manifest import LoadedManifest, ModelEntry
 
 COMPILE_BACKEND_ENV = "NEFFBUILD_NEURON_COMPILE_BACKEND"
 DEVICE_ENV = "NEFFBUILD_NEURON_DEVICE"
@@ -494,7 +494,7 @@ def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
 
 def _transformer_config(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, Any]:
     """The local model's transformer/config.json, or {} (hub model, or unreadable)."""
-    from neffbuild.manifest import is_local_model
+    from neffbuild.documents.manifest import is_local_model
 
     if not is_local_model(entry.model):
         return {}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends.base import Problem
-from neffbuild.manifest import ModelEntry
+from neffbuild.documents.manifest import ModelEntry
 
 # Pipelines whose prompt encoders pad every prompt to a fixed token length (tokenizer
 # padding="max_length", truncation=True), read in diffusers 0.42's sources and re-checked against
@@ -172,7 +172,7 @@ def _component_class(library: str, class_name: str) -> type | None:
 def model_index(model_ref: str, revision: str | None, local: bool) -> Mapping[str, Any] | None:
     """A model's model_index.json: from its directory, or from the local Hugging Face cache for a
     hub model (never from the network); None when this host does not have it."""
-    from neffbuild.manifest import read_json_object
+    from neffbuild.documents.manifest import read_json_object
 
     if local:
         return read_json_object(Path(model_ref) / "model_index.json")

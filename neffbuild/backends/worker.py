@@ -17,8 +17,8 @@ from typing import Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.jobs import ShapeRun, WorkerJob, WorkerResult, WrittenFile, append_event, die_with_parent, result_path, write_json_atomic
-from neffbuild.manifest import ModelEntry, Shape
+from neffbuild.runner.jobs import ShapeRun, WorkerJob, WorkerResult, WrittenFile, append_event, die_with_parent, result_path, write_json_atomic
+from neffbuild.documents.manifest import ModelEntry, Shape
 
 # Modules to import before the job runs (comma-separated). The seam through which tests register
 # a substitute compile backend (tests/neuron_double.py); future backends may load plugins so.

@@ -13,7 +13,7 @@ served environment) are compared as `release.<field>`; files by path (added, rem
 
 `diff --host REF` compares a release with this host instead: each unit's bundle fingerprint with
 the fingerprint this host gives that unit, run as the server will (this environment with the
-release's exports over it), through the host check `status` and `pull` use (neffbuild.hostcheck):
+release's exports over it), through the host check `status` and `pull` use (neffbuild.host.hostcheck):
 each differing field marked breaking or informational by the backend's own lists.
 """
 
@@ -23,13 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from neffbuild.bundle import BundleRecord, FileEntry, Release
+from neffbuild.documents.records import BundleRecord, FileEntry, Release
 from neffbuild.errors import InputError
 from neffbuild.hashing import canonical_json
-from neffbuild.hostcheck import Facts, HostReport, check_host, read_facts, serving_env
+from neffbuild.host.hostcheck import Facts, HostReport, check_host, read_facts, serving_env
 from neffbuild.inspect.read import DOC_JOBS
 from neffbuild.inspect.show import release_bundles
-from neffbuild.refs import ResolvedBundle, ResolvedRelease, resolve, resolve_any
+from neffbuild.documents.refs import ResolvedBundle, ResolvedRelease, resolve, resolve_any
 from neffbuild.store.base import Store
 
 ABSENT = None  # a field one side lacks

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from neffbuild.bundle import FileEntry
+from neffbuild.documents.records import FileEntry
 from neffbuild.inspect.ls import toolchain
 from neffbuild.inspect.read import DOC_JOBS, Snapshot, snapshot
 from neffbuild.store.base import Store

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from neffbuild.bundle import BundleRecord, Release, TagRecord
+from neffbuild.documents.records import BundleRecord, Release, TagRecord
 from neffbuild.errors import NotFoundError
 from neffbuild.names import check_tag
 from neffbuild.inspect.read import DOC_JOBS, Snapshot, fetch, snapshot

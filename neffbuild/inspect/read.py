@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from neffbuild.bundle import BundleRecord, Release, TagRecord, parse
+from neffbuild.documents.records import BundleRecord, Release, TagRecord, parse
 from neffbuild.hashing import hash_bytes
-from neffbuild.refs import DOC_KINDS, Doc, checked_doc, doc_where
+from neffbuild.documents.refs import DOC_KINDS, Doc, checked_doc, doc_where
 from neffbuild.store.base import DocKind, Store
 
 DOC_JOBS = 32  # documents read at once: S3 round trips overlap; a local store barely cares

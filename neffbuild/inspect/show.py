@@ -1,5 +1,5 @@
 """`neffbuild show REF`: a release's units (what each compiled, for which shape, what it cost) or
-one bundle's files. REF is anything neffbuild.refs resolves: TAG, TAG@N, a release id or a unique
+one bundle's files. REF is anything neffbuild.documents.refs resolves: TAG, TAG@N, a release id or a unique
 prefix of one, a bundle key.
 
 A bundle's `unit` is the normalised unit its key hashed; its parts are read defensively (a
@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from neffbuild.bundle import BundleRecord, FileEntry, Release, SharedPath, Timings
+from neffbuild.documents.records import BundleRecord, FileEntry, Release, SharedPath, Timings
 from neffbuild.errors import NotFoundError
 from neffbuild.inspect.read import DOC_JOBS, fetch
-from neffbuild.refs import ResolvedBundle, resolve_any
+from neffbuild.documents.refs import ResolvedBundle, resolve_any
 from neffbuild.store.base import Store
 
 

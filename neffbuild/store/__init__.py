@@ -22,7 +22,7 @@ def open_store(
 ) -> Store:
     """endpoint_url (--endpoint-url) beats env's AWS_ENDPOINT_URL for s3:// stores."""
     if url.startswith("s3://"):
-        from neffbuild.store.s3 import S3Store  # only this path imports boto3
+        from neffbuild.store.s3.store import S3Store  # only this path imports boto3
 
         return S3Store.from_url(url, env=env or {}, create=create, endpoint_url=endpoint_url)
     if "://" in url:

@@ -15,8 +15,8 @@ The layout below is a contract shared by all stores and asserted by tests:
                                 "release", "packs": {p: [digest, ...]}, "loose": [digest, ...]} (immutable),
                                 written after its blobs and before the release; a pull of the release
                                 reads the indexes of these packs only (see store/packs.py)
-    gc/lease.json               present only while a `neffbuild gc` deletes: {"format": "neffbuild.gc-lease/1",
-                                "by", "started", "expires"}; publishes wait for it to go (see neffbuild/fence.py)
+    gc/lease.json               present only while a `neffbuild gc` deletes: {"format": "neffbuild.maint.gc-lease/1",
+                                "by", "started", "expires"}; publishes wait for it to go (see neffbuild/store/lease.py)
 
 Objects are listed (list_objects) and deleted (delete_objects) by their key relative to the store
 root, for inspection and gc; only the folders above may be deleted, never the marker.
@@ -39,14 +39,12 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, runtime_checkable
+from typing import BinaryIO, Literal, Protocol, runtime_checkable
 
 from neffbuild.errors import InputError, StoreError
-from neffbuild.materialize import BlobTarget
+from neffbuild.fs.confined import BlobTarget
 from neffbuild.names import key_problem
 
-if TYPE_CHECKING:
-    from neffbuild.store.packs import PackIndex
 
 DocKind = Literal["bundles", "releases", "tags", "gc"]
 STORE_FORMAT = "neffbuild.store/1"
@@ -105,6 +103,20 @@ def deletion_failed(url: str, failures: Sequence[tuple[str, str]]) -> StoreError
     more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
     return StoreError(f"{url}/{key}: cannot delete it ({why}){more}", hint="check the store's permissions, then run the deletion again")
 
+
+# A pack's index (store/packs.py encodes and plans them): here, as Store.pack_indexes returns it.
+@dataclass(frozen=True, slots=True)
+class PackEntry:
+    digest: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PackIndex:
+    pack_id: str
+    size: int
+    entries: tuple[PackEntry, ...]
 
 def shown(value: object, limit: int = 60) -> str:
     """A value from a store, quoted for a one-line message: escaped (no newline or lone surrogate

@@ -22,7 +22,7 @@ another release (damaged or not) stands in its way. It is written once, after th
 and before the release; it can only point at complete packs, and whatever it says is checked
 (the indexes against their names, the blobs against their digests).
 
-This module is pure planning and encoding; store/s3packs.py and store/s3transfer.py do the I/O.
+This module is pure planning and encoding; store/s3/packs.py and store/s3/transfer.py do the I/O.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 from neffbuild.errors import IntegrityError
 from neffbuild.hashing import canonical_json, hash_bytes, is_digest
-from neffbuild.materialize import BlobTarget
-from neffbuild.store.base import BlobSource, shown
+from neffbuild.fs.confined import BlobTarget
+from neffbuild.store.base import BlobSource, PackEntry, PackIndex, shown
 
 PACK_FORMAT = "neffbuild.pack/1"
 LOCATOR_FORMAT = "neffbuild.locator/1"
@@ -49,18 +49,6 @@ RANGE_MIN = 1 << 20  # ... and at least this much: a connection (a thread) costs
 RANGE_GAP = 1 << 20  # read through holes up to this size rather than start another request
 
 
-@dataclass(frozen=True, slots=True)
-class PackEntry:
-    digest: str
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class PackIndex:
-    pack_id: str
-    size: int
-    entries: tuple[PackEntry, ...]
 
 
 def pack_key(pack_id: str) -> str:

@@ -1,0 +1,336 @@
+"""Warmup-compile every unit of a plan in fresh processes and publish what each produced.
+
+Per unit: an empty cache dir, a worker process that loads the pipeline and runs the serving call
+at the unit's shape, then the files that call wrote are hashed and published as a bundle. Units
+whose bundle the store already holds are skipped. Only when every unit is present does the build
+publish a release and move the tag.
+
+A failing unit's worker log, job and result are copied out of its scratch dir (deleted at the
+end unless --keep-work) to `<logs dir>/<run>/<unit>/`, and the failure names them. SIGINT or
+SIGTERM stops every worker, removes the scratch and raises Interrupted (jobs.supervised).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from neffbuild.version import __version__
+from neffbuild.backends import get_backend
+from neffbuild.backends.base import Backend, components_without_graphs, no_graph_hint
+from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath, Timings
+from neffbuild.errors import BuildError, ConflictError, Interrupted, NeffbuildError
+from neffbuild.hashing import hash_file
+from neffbuild.runner.jobs import (
+    DEFAULT_LOGS_DIR,
+    OnPhase,
+    Progress,
+    WorkerJob,
+    Workers,
+    keep_logs,
+    log_tail,
+    logs_dir_for,
+    make_scratch_root,
+    no_progress,
+    remove_tree,
+    run_name,
+    run_worker,
+    supervised,
+    unit_dir_name,
+)
+from neffbuild.documents.manifest import load_manifest
+from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
+from neffbuild.build.publish import move_tag, publish_bundle, publish_release
+from neffbuild.documents.refs import load_doc
+from neffbuild.fs.room import require_scratch
+from neffbuild.store import StoreChoice
+from neffbuild.store.base import BlobSource, Store
+
+# (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
+# "publishing", then a final status ("built", "present", "failed").
+Notify = Callable[[str, str], None]
+
+
+@dataclass(frozen=True)
+class UnitOutcome:
+    unit_id: str
+    key: str
+    status: str  # "built", "present" or "failed"
+    files: int = 0
+    size: int = 0
+    uploaded: int = 0
+    first_call_s: float = 0.0
+    compiles: int = 0
+    error: str | None = None
+    seconds: float = 0.0  # the unit's wall time in this build (load, compile, publish)
+    log: str | None = None  # a failed unit's kept worker log
+    log_tail: tuple[str, ...] = ()
+    worker_traceback: str | None = None
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    name: str
+    store: str
+    outcomes: tuple[UnitOutcome, ...]
+    release_id: str | None
+    tag: str | None
+
+    @property
+    def failed(self) -> list[UnitOutcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every unit of one build shares."""
+
+    backend: Backend
+    store: Store
+    env: Mapping[str, str]
+    work_root: Path
+    logs_dir: Path
+    notify: Notify
+    workers: Workers
+
+
+def build_manifest(
+    manifest: Path,
+    store: StoreChoice,
+    *,
+    env: Mapping[str, str],
+    tag: str | None = None,
+    jobs: int = 1,
+    work_dir: Path | None = None,
+    keep_work: bool = False,
+    progress: Progress = no_progress,
+) -> BuildReport:
+    """`neffbuild build`: plan the manifest, open (or create) its store, build every unit.
+
+    A plan that cannot be built is refused before the store is created, so it leaves nothing
+    behind; failed units' logs go to --work-dir's logs/ (jobs.logs_dir_for).
+    """
+    loaded = load_manifest(manifest)
+    plan = make_plan(loaded, env)
+    check_buildable(plan)
+    opened = store.open(env, manifest_default=loaded.manifest.store, create=True)
+    with progress(len(plan.units)) as notify:
+        return build(
+            plan, opened, env=env, tag=tag, jobs=jobs, work_dir=work_dir, keep_work=keep_work, logs_dir=logs_dir_for(work_dir), notify=notify
+        )
+
+
+def build(
+    plan: Plan,
+    store: Store,
+    *,
+    env: Mapping[str, str],
+    tag: str | None = None,
+    jobs: int = 1,
+    work_dir: Path | None = None,
+    keep_work: bool = False,
+    logs_dir: Path = DEFAULT_LOGS_DIR,
+    notify: Notify | None = None,
+) -> BuildReport:
+    check_buildable(plan)
+    backend = get_backend(plan.backend_name)
+    work_root = make_scratch_root(work_dir, "neffbuild-work-")
+    run_logs = logs_dir.expanduser().resolve() / run_name()
+    with supervised(cleanup=(lambda: None) if keep_work else (lambda: remove_tree(work_root))) as workers:
+        run = _Run(backend, store, env, work_root, run_logs, notify or (lambda unit_id, status: None), workers)
+        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), plan.units, jobs, workers)
+    name = tag or plan.loaded.manifest.name
+    report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None)
+    if report.failed:
+        return report
+    records = [load_doc(store, BundleRecord, u.key, hint=f"{u.unit_id}: it vanished during the build; rerun it") for u in plan.units]
+    release = make_release(plan, records, backend)
+    release_id = publish_release(store, release)
+    move_tag(store, name, release_id)
+    return BuildReport(report.name, store.url, report.outcomes, release_id, name)
+
+
+def _in_parallel(do: Callable[[BuildUnit], UnitOutcome], units: Sequence[BuildUnit], jobs: int, workers: Workers) -> list[UnitOutcome]:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        futures = [pool.submit(do, u) for u in units]
+        return [f.result() for f in futures]
+    except BaseException:
+        workers.stop()  # first: the pool's threads are waiting for the workers to end
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
+    if run.store.get_doc("bundles", unit.key) is not None:
+        run.notify(unit.unit_id, "present")
+        return UnitOutcome(unit.unit_id, unit.key, "present")
+    started = time.monotonic()
+    scratch = run.work_root / f"{unit.key[:16]}-{uuid.uuid4().hex[:6]}"
+    try:
+        outcome = build_unit(unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify)
+    except Interrupted:
+        raise
+    except (NeffbuildError, OSError) as exc:  # an OSError here is this unit's (its scratch, its files), not the build's
+        return _failed(unit, run, scratch, exc, started)
+    run.notify(unit.unit_id, "built")
+    return replace(outcome, seconds=time.monotonic() - started)
+
+
+def _failed(unit: BuildUnit, run: _Run, scratch: Path, exc: NeffbuildError | OSError, started: float) -> UnitOutcome:
+    """The failed unit's outcome, with its worker's log kept (if it can be: that is not worth
+    failing the whole build for)."""
+    if isinstance(exc, NeffbuildError):
+        error, debug = (f"{exc.message} ({exc.hint})" if exc.hint else exc.message), exc.debug_detail
+    else:
+        error, debug = f"{exc.filename or scratch}: {exc.strerror or exc}", None
+    try:
+        log = keep_logs(scratch, run.logs_dir / unit_dir_name(unit.unit_id))
+    except OSError as kept:
+        log = None
+        error += f"; its log could not be kept ({kept.filename or run.logs_dir}: {kept.strerror or kept})"
+    run.notify(unit.unit_id, "failed")
+    return UnitOutcome(
+        unit.unit_id,
+        unit.key,
+        "failed",
+        error=error,
+        seconds=time.monotonic() - started,
+        log=str(log) if log else None,
+        log_tail=log_tail(log),
+        worker_traceback=debug,
+    )
+
+
+def build_unit(
+    unit: BuildUnit,
+    backend: Backend,
+    store: Store,
+    env: Mapping[str, str],
+    scratch: Path,
+    *,
+    workers: Workers | None = None,
+    on_phase: OnPhase | None = None,
+) -> UnitOutcome:
+    """Compile one unit in a fresh process with an empty cache dir; publish its bundle."""
+    cache_dir = scratch / "cache"
+    cache_dir.mkdir(parents=True)
+    worker_env = {**env, **unit.env, **backend.worker_env(cache_dir, scratch)}
+    require_scratch(backend.scratch_dirs(scratch, worker_env), backend.scratch_min_free)
+    job = WorkerJob(purpose="build", entry=unit.entry, model_ref=unit.model_ref, unit_ids=(unit.unit_id,), shapes=(unit.shape,))
+    launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
+    result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)
+    if on_phase:
+        on_phase(unit.unit_id, "publishing")
+    _check_fingerprint(unit, result.fingerprint)
+    run = result.runs[0]
+    silent = components_without_graphs(unit.entry, run.counters)
+    if silent:
+        raise BuildError(f"{unit.unit_id}: component {silent[0]!r} produced no graph", hint=no_graph_hint(silent[0]))
+    files = _hash_outputs(backend, cache_dir)
+    if unit.entry.mode != "eager" and not files:
+        raise BuildError(f"{unit.unit_id}: the warmup wrote no cache files", hint=f"is {backend.cache_env} honoured?")
+    record = BundleRecord(
+        key=unit.key,
+        unit_id=unit.unit_id,
+        unit=dict(unit.normalized),
+        backend=backend.name,
+        fingerprint=dict(unit.fingerprint),
+        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest) for p, s in files),
+        counters=run.counters,
+        timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        neffbuild_version=__version__,
+    )
+    uploaded = publish_bundle(store, record, [s for _, s in files], jobs=4)
+    return UnitOutcome(
+        unit.unit_id,
+        unit.key,
+        "built",
+        files=len(files),
+        size=sum(s.size for _, s in files),
+        uploaded=uploaded,
+        first_call_s=run.first_call_s,
+        compiles=run.compiles,
+    )
+
+
+def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSource]]:
+    out = []
+    for rel in backend.select_files(cache_dir):
+        digest = hash_file(cache_dir / rel)
+        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel)))
+    return out
+
+
+def _check_fingerprint(unit: BuildUnit, seen: Mapping[str, str]) -> None:
+    """The worker must have run in the environment the key promises, or the key would lie."""
+    differing = sorted(k for k in set(seen) | set(unit.fingerprint) if seen.get(k) != unit.fingerprint.get(k))
+    if differing:
+        detail = ", ".join(f"{k}: planned {unit.fingerprint.get(k)!r}, worker {seen.get(k)!r}" for k in differing[:4])
+        raise BuildError(f"{unit.unit_id}: worker environment differs from the plan ({detail})", hint="do not change the environment during a build")
+
+
+def make_release(plan: Plan, records: Sequence[BundleRecord], backend: Backend) -> Release:
+    """Merge the bundles' files into one cache-dir listing; clashing paths go to the backend."""
+    chosen: dict[str, tuple[FileEntry, str]] = {}
+    dropped: dict[str, set[str]] = {}
+    for record in sorted(records, key=lambda r: r.key):  # deterministic winner
+        for entry in record.files:
+            kept = chosen.setdefault(entry.path, (entry, record.unit_id))
+            if kept[0].digest == entry.digest:
+                continue
+            if not backend.is_content_keyed(entry.path):
+                raise ConflictError(
+                    f"{entry.path}: units {kept[1]} and {record.unit_id} produced different files at one path",
+                    hint=f"the {backend.name} backend does not treat this path as a content key; report it",
+                )
+            dropped.setdefault(entry.path, set()).add(entry.digest)
+    common = _common_fields([r.fingerprint for r in records])
+    return Release(
+        name=plan.loaded.manifest.name,
+        manifest_digest=plan.loaded.source_digest,
+        backend=backend.name,
+        cache_env=backend.cache_env,
+        env=dict(plan.runtime_env),
+        fingerprint=common,
+        units=tuple(ReleaseUnit(unit_id=u.unit_id, key=u.key) for u in plan.units),
+        files=tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path)),
+        shared=tuple(
+            SharedPath(path=p, kept=chosen[p][0].digest, dropped=tuple(sorted(d))) for p, d in sorted(dropped.items())
+        ),
+    )
+
+
+def _common_fields(fingerprints: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    if not fingerprints:
+        return {}
+    first = fingerprints[0]
+    return {k: v for k, v in sorted(first.items()) if all(f.get(k) == v for f in fingerprints)}
+
+
+def failure(report: BuildReport) -> BuildError:
+    """The one error a build with failed units ends with: each unit's error and kept log, and the
+    last lines of the first one's log (its --debug detail: that worker's traceback)."""
+    failed = report.failed
+    first = failed[0]
+    details = []
+    for o in failed:
+        if o is not first:  # the first one's error is the message
+            details.append(str(o.error))
+        details.append(f"  log: {o.log or '(none kept)'}")
+        if o is first and o.log_tail:
+            details.extend(f"  | {line}" for line in o.log_tail)
+    return BuildError(
+        f"{len(failed)} of {len(report.outcomes)} units failed; first: {first.error}",
+        hint="--debug shows the worker's traceback, --keep-work keeps each unit's scratch dir (cache, job); "
+        "units already built are kept, so a rerun builds only the rest",
+        details=details,
+        debug_detail=first.worker_traceback,
+    )

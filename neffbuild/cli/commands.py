@@ -1,0 +1,567 @@
+"""The command line: parse, call one core function, print. Errors leave through `main` only."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from neffbuild.version import __version__
+from neffbuild.errors import InputError, NeffbuildError
+from neffbuild.cli.views import Console, printed_document
+from neffbuild.printable import printable
+
+if TYPE_CHECKING:
+    from neffbuild.store import StoreChoice
+
+_DEBUG = {"on": False}
+
+_store_flag = click.option(
+    "--store", "store_url", metavar="URL", help="Store directory or s3://bucket/prefix [env NEFFBUILD_STORE]."
+)
+_endpoint_flag = click.option(
+    "--endpoint-url", metavar="URL", help="S3 endpoint for s3:// stores (S3-compatible servers) [env AWS_ENDPOINT_URL]."
+)
+
+
+def store_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--store and --endpoint-url, for every command that opens a store: handed to the core as
+    one StoreChoice (the flag beats NEFFBUILD_STORE; --endpoint-url beats AWS_ENDPOINT_URL)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, store_url: str | None = None, endpoint_url: str | None = None, **kwargs: Any) -> Any:
+        from neffbuild.store import StoreChoice
+
+        return command(*args, store=StoreChoice(store_url, endpoint_url), **kwargs)
+
+    return _endpoint_flag(_store_flag(run))
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON document for machines.")
+jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=None, help="Parallel workers.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="neffbuild")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+def cli(debug: bool) -> None:
+    """Build, publish and pull compiled-model caches for static-shape pipelines.
+
+    manifest -> units -> bundles -> release -> tag -> cache dir
+    """
+    _DEBUG["on"] = debug
+    _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@json_option
+def plan(manifest: Path, as_json: bool) -> None:
+    """Show the build units of MANIFEST and their keys, without compiling."""
+    from neffbuild.documents.manifest import load_manifest
+    from neffbuild.units.plan import make_plan
+
+    the_plan = make_plan(load_manifest(manifest), os.environ)
+    Console(as_json).plan(the_plan)
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@store_option
+@click.option("--tag", help="Tag to move when every unit is built [default: the manifest's name].")
+@jobs_option
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Scratch space for compiles (created if absent); failed units' logs go to its logs/ [default: temp dir; logs in .neffbuild/logs].",
+)
+@click.option("--keep-work", is_flag=True, help="Keep each unit's scratch dir (cache, job, log).")
+@json_option
+def build(manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool, as_json: bool) -> None:
+    """Warmup-compile every unit of MANIFEST, publish bundles, then a release and its tag."""
+    from neffbuild.build.compile import build_manifest, failure
+
+    console = Console(as_json)
+    report = build_manifest(
+        manifest,
+        store,
+        env=os.environ,
+        tag=tag,
+        jobs=jobs or 1,
+        work_dir=work_dir,
+        keep_work=keep_work,
+        progress=lambda total: console.units_progress("building", total),
+    )
+    console.build(report)
+    if report.failed:
+        raise failure(report)
+
+
+_allow_env_option = click.option(
+    "--allow-env", "allow_env", metavar="NAME", multiple=True,
+    help="Accept this variable in the release's environment although its backend does not declare it (repeatable) [also env NEFFBUILD_ALLOW_ENV: names separated by commas].",
+)  # fmt: skip
+_env_file_option = click.option(
+    "--env-file", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
+    help="Also write the environment to PATH (atomically), for systemd's EnvironmentFile= or `set -a; source`.",
+)  # fmt: skip
+
+
+@cli.command()
+@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir to fill.")
+@store_option
+@jobs_option
+@_allow_env_option
+@_env_file_option
+@click.option("--no-host-check", is_flag=True, help="Pull even if this host's environment differs from the build's in a field that changes kernels.")
+@click.option(
+    "--lock-timeout", type=click.FloatRange(min=0), default=300.0, show_default=True, metavar="SECONDS",
+    help="Give up (exit 9) if another pull holds the cache dir's lock this long; 0: at once. A dead holder's lock is dropped by the kernel.",
+)  # fmt: skip
+@click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, metavar="SECONDS",
+    help="Give up (exit 3, saying what it was doing) once the whole pull has taken this long: every request, retry and stalled read counts.",
+)
+@click.option(
+    "--allow-stale", is_flag=True,
+    help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning.",
+)  # fmt: skip
+@click.option(
+    "--verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+    help="fast: trust files whose (size, mtime) match what pull recorded; full: rehash every installed file and fetch again any that differ.",
+)  # fmt: skip
+@json_option
+def pull(
+    ref: str,
+    cache_dir: Path,
+    store: StoreChoice,
+    jobs: int | None,
+    allow_env: tuple[str, ...],
+    env_file: Path | None,
+    no_host_check: bool,
+    lock_timeout: float,
+    timeout: float,
+    allow_stale: bool,
+    verify: str,
+    as_json: bool,
+) -> None:
+    """Materialise a release's cache files into --cache-dir (only missing ones move), after
+    checking that this host would hit them (exit 7 naming each field that differs)."""
+    from neffbuild.host.exports import host_allow
+    from neffbuild.host.fallback import pull_or_stale
+
+    host_env = None if no_host_check else os.environ
+    report = pull_or_stale(
+        lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
+        jobs=jobs or 16, allow_env=host_allow(allow_env, os.environ), env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
+        timeout=timeout,
+    )  # fmt: skip
+    _report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path), required=False)
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Cache dir to check.")
+@click.option("--replay", is_flag=True, help="Run every unit's warmup in a fresh process; fail on any compile.")
+@click.option("--deep", is_flag=True, help="Without MANIFEST: also read back and hash every referenced blob of --store.")
+@store_option
+@click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="Replay against --cache-dir itself, as a server reading it read-only does; refused if this process can write it.",
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
+)
+@json_option
+def verify(
+    manifest: Path | None,
+    cache_dir: Path | None,
+    replay: bool,
+    deep: bool,
+    store: StoreChoice,
+    outputs: Path | None,
+    in_place: bool,
+    work_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
+    (against a private copy: the cache dir is never written). Without MANIFEST: check --store
+    itself (every reference of every record; exit 4 if one dangles or an object is damaged)."""
+    from neffbuild.host.verify import files_error, miss_error, verify_files, verify_replay
+
+    console = Console(as_json)
+    if in_place and not replay:
+        raise InputError("--in-place is a --replay option", hint="add --replay")
+    if manifest is None:
+        from neffbuild.cli.views import print_store_check
+        from neffbuild.maint.storecheck import check_store, store_error
+
+        result = check_store(store.open(os.environ), deep=deep)
+        print_store_check(console, result)
+        error = store_error(result)
+    elif cache_dir is None:
+        raise InputError("verify MANIFEST needs --cache-dir", hint="or give no MANIFEST and a --store to check the store itself")
+    elif replay:
+        progress = lambda total: console.units_progress("replaying", total)  # noqa: E731
+        report = verify_replay(
+            manifest, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, progress=progress, in_place=in_place
+        )
+        console.replay(report)
+        error = miss_error(report)
+    else:
+        check = verify_files(manifest, cache_dir, store, env=os.environ)
+        console.check(check.units)
+        error = files_error(check)
+    if error:
+        raise error
+
+
+@cli.command("env")
+@click.argument("ref", metavar="[TAG_OR_RELEASE]", required=False)
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False))
+@store_option
+@_allow_env_option
+@_env_file_option
+@json_option
+def env_command(ref: str | None, cache_dir: Path, store: StoreChoice, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
+    """Print the environment a serving process needs for the release installed in --cache-dir
+    (shell `export` lines), read from the cache dir: no store needed. REF, if given, must be it."""
+    from neffbuild.host.exports import host_allow
+    from neffbuild.host.pull import serving_env
+
+    # The store is opened only for a cache dir that recorded no release (older pulls).
+    allowed = host_allow(allow_env, os.environ)
+    Console(as_json).exports(serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file))
+
+
+@cli.command()
+@click.option("--cache-dir", type=click.Path(path_type=Path), help="Cache dir the server will use [default: the backend's variable, else the compiler's default].")
+@click.option("--backend", type=click.Choice(["neuron", "inductor"]), help="Backend to check for [default: the release's, else neuron where torch_neuronx is installed, else inductor].")
+@click.option("--release", "release_ref", metavar="FILE|TAG", help="Compare with a release: its JSON file, or a tag or release id in --store.")
+@click.option(
+    "--neuron-selfcheck",
+    is_flag=True,
+    help="Instead: settle on a Trainium host what the neuron backend infers from torch_neuronx's source "
+    "(import defaults, source paths in keys, TP keys, read-only serving); compiles a probe model, skips without torch_neuronx.",
+)
+@store_option
+@json_option
+def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, neuron_selfcheck: bool, store: StoreChoice, as_json: bool) -> None:
+    """Check this host before it serves: backend, devices, versions, cache dir, lock dir; exit 11 if any check fails."""
+    from neffbuild.host.doctor import doctor as run_doctor
+    from neffbuild.host.doctor import not_ready
+
+    if neuron_selfcheck:
+        from neffbuild.host.selfcheck import neuron_selfcheck as run_selfcheck
+
+        report = run_selfcheck(env=os.environ)
+    else:
+        report = run_doctor(env=os.environ, cache_dir=cache_dir, backend=backend, release_ref=release_ref, store=store)
+    Console(as_json).doctor(report)
+    if error := not_ready(report):
+        raise error
+
+
+@cli.command()
+@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.option("--from", "from_url", required=True, metavar="URL", help="Store to copy from (directory or s3://).")
+@click.option("--to", "to_url", required=True, metavar="URL", help="Store to copy to; created if absent.")
+@_endpoint_flag
+@jobs_option
+@json_option
+def push(ref: str, from_url: str, to_url: str, endpoint_url: str | None, jobs: int | None, as_json: bool) -> None:
+    """Copy a release and its tag to another store, uploading only what that store lacks."""
+    from neffbuild.store import StoreChoice
+    from neffbuild.build.push import push_between
+
+    result = push_between(ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16)
+    _report_after_change(lambda: Console(as_json).push(result), f"pushed release {result.release_id}")
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("release_id", metavar="RELEASE")
+@store_option
+@json_option
+def tag(name: str, release_id: str, store: StoreChoice, as_json: bool) -> None:
+    """Point tag NAME at RELEASE (a release id, e.g. from the tag's history): rollback."""
+    from neffbuild.build.publish import move_tag
+
+    record = move_tag(store.open(os.environ), name, release_id)
+    _report_after_change(lambda: Console(as_json).tag(record), f"tag {record.name} -> {record.release}")
+
+
+@cli.command()
+def schema() -> None:
+    """Print the manifest's JSON schema."""
+    from neffbuild.documents.manifest import manifest_json_schema
+
+    click.echo(json.dumps(manifest_json_schema(), indent=2))
+
+
+# ---- status (issue 11) ----------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("ref", metavar="[MANIFEST|TAG|RELEASE]", required=False)
+@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir the server will use.")
+@store_option
+@click.option("--verify", "verify_digests", is_flag=True, help="Also hash every file (default: sizes only).")
+@_allow_env_option
+@json_option
+def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests: bool, allow_env: tuple[str, ...], as_json: bool) -> None:
+    """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
+    hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
+    Reads the cache dir; the store only for a release other than the installed one."""
+    from neffbuild.host.exports import host_allow
+    from neffbuild.cli.views import print_status
+    from neffbuild.host.status import status_error, status_of
+
+    report = status_of(ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ))
+    print_status(Console(as_json), report)
+    if error := status_error(report):
+        raise error
+
+# ---- inspection: ls, show, diff, du (neffbuild/inspect/) -----------------------------------------
+
+
+@cli.command("ls")
+@click.option("--tag", "tag_name", metavar="NAME", help="Show this tag's history (NAME@N names each release) instead.")
+@store_option
+@json_option
+def ls_command(tag_name: str | None, store: StoreChoice, as_json: bool) -> None:
+    """List the store's tags and releases, newest first."""
+    from neffbuild.cli import views as output
+    from neffbuild.inspect.ls import list_store, tag_history
+
+    opened = store.open(os.environ)
+    if tag_name is not None:
+        output.tag_history(Console(as_json), tag_history(opened, tag_name))
+    else:
+        output.listing(Console(as_json), list_store(opened))
+
+
+@cli.command("show")
+@click.argument("ref", metavar="REF")
+@store_option
+@json_option
+def show_command(ref: str, store: StoreChoice, as_json: bool) -> None:
+    """Show a release's units (REF: TAG, TAG@N, release id or prefix) or a bundle's files (its key)."""
+    from neffbuild.cli import views as output
+    from neffbuild.inspect.show import show
+
+    output.shown_ref(Console(as_json), show(store.open(os.environ), ref))
+
+
+@cli.command("diff")
+@click.argument("old_ref", metavar="A", required=False)
+@click.argument("new_ref", metavar="B", required=False)
+@click.option("--host", "host_ref", metavar="REF", help="Compare release REF with this host instead (as `status` judges it), no A and B.")
+@store_option
+@json_option
+def diff_command(old_ref: str | None, new_ref: str | None, host_ref: str | None, store: StoreChoice, as_json: bool) -> None:
+    """What changed from release A to release B (or bundle to bundle): units, the fields behind each
+    changed key (old -> new), files. With --host REF: each unit's fingerprint fields that differ
+    between REF's build and this host (with the release's exports applied), breaking or not."""
+    from neffbuild.cli import views as output
+    from neffbuild.inspect.diff import diff, diff_host
+
+    if host_ref is not None:
+        if old_ref is not None:
+            raise InputError(f"diff --host {host_ref} takes no A or B (got {old_ref!r})", hint="neffbuild diff --host REF, or neffbuild diff A B")
+        output.host_differences(Console(as_json), diff_host(store.open(os.environ), host_ref, os.environ))
+        return
+    if old_ref is None or new_ref is None:
+        raise InputError("diff needs two references A and B, or --host REF", hint="e.g. neffbuild diff klein@1 klein, or neffbuild diff --host klein")
+    output.differences(Console(as_json), diff(store.open(os.environ), old_ref, new_ref))
+
+
+# gc's policy: `du` reports what `gc` would free under the same flags, defaults included.
+_keep_option = click.option(
+    "--keep", type=click.IntRange(0, 10**6), default=3, show_default=True, help="Releases of each tag's history kept besides its current one."
+)
+_grace_option = click.option(
+    "--grace", default="24h", show_default=True, metavar="DURATION", help="Objects younger than this are kept (a publish may be in flight): 24h, 30m, 90s, 0."
+)
+
+
+@cli.command("du")
+@store_option
+@_keep_option
+@_grace_option
+@json_option
+def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None:
+    """Bytes the store holds by tag, release, model entry and toolchain, what dedup saves, and
+    what `gc` would free under --keep and --grace."""
+    from neffbuild.cli import views as output
+    from neffbuild.maint.gc import Policy, parse_duration, reclaimable
+    from neffbuild.inspect.du import disk_usage
+
+    policy = Policy(keep=keep, grace_s=parse_duration(grace))
+    output.usage(Console(as_json), disk_usage(store.open(os.environ), reclaim=reclaimable(policy)))
+
+# ---- gc and verify --store (issue 11) ------------------------------------------------------
+
+
+@cli.command("gc")
+@store_option
+@_keep_option
+@_grace_option
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Prune this host cache dir to its installed release instead of a store.")
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking (required without a terminal).")
+@jobs_option
+@json_option
+def gc_command(
+    store: StoreChoice, keep: int, grace: str, cache_dir: Path | None, dry_run: bool, yes: bool, jobs: int | None, as_json: bool
+) -> None:
+    """Delete what no tag reaches (mark and sweep), or prune a host's --cache-dir."""
+    from neffbuild.cli.views import print_cache_prune, print_gc_plan, print_gc_result
+    console = Console(as_json)
+    if cache_dir is not None:
+        from neffbuild.host.prune import prune_cache_dir
+
+        opened = store.open(os.environ) if store.url else None
+        planned = prune_cache_dir(cache_dir, store=opened, dry_run=True)
+        if not dry_run and planned.remove and _confirmed(yes, f"delete {len(planned.remove)} files from {planned.cache_dir}?"):
+            planned = prune_cache_dir(cache_dir, store=opened)
+        _report_after_change(lambda: print_cache_prune(console, planned), f"pruned {planned.cache_dir}")
+        return
+    from neffbuild.maint.gc import Policy, parse_duration, plan_gc, sweep
+
+    policy = Policy(keep=keep, grace_s=parse_duration(grace))
+    opened = store.open(os.environ)
+    plan = plan_gc(opened, policy, jobs=jobs or 32)
+    if dry_run or not plan.delete:
+        print_gc_plan(console, plan)
+        return
+    if not as_json:
+        print_gc_plan(console, plan)
+    if _confirmed(yes, f"delete {plan.delete_objects} objects from {plan.store}?"):
+        result = sweep(opened, plan, policy, jobs=jobs or 32)
+        _report_after_change(lambda: print_gc_result(console, result), f"deleted {len(result.deleted)} objects from {plan.store}")
+
+
+def _confirmed(yes: bool, question: str) -> bool:
+    """--yes, or a yes typed at a terminal; without a terminal and without --yes: bad input (2)."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise InputError("refusing to delete without confirmation: no terminal to ask on", hint="pass --yes, or --dry-run to see the plan")
+    return click.confirm(printable(question), default=False, err=True)
+
+
+def _stdout_to_devnull() -> None:
+    """What is left in stdout's buffer goes nowhere: flushing it into a closed pipe at exit
+    would make Python itself exit 120."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _lines(text: str) -> str:
+    """Multi-line text (a traceback, a log record) with each line sanitised."""
+    return "\n".join(printable(line) for line in text.splitlines())
+
+
+class _PrintableFormatter(logging.Formatter):
+    """Log records name stores, paths and units: each line passes the sanitiser."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return _lines(text)
+
+
+def _log_to_stderr(level: int) -> None:
+    """The library logs through `logging` (never prints): the CLI shows its records on stderr."""
+    logger = logging.getLogger("neffbuild")
+    if not any(getattr(h, "neffbuild_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_PrintableFormatter())
+        handler.neffbuild_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def _report_after_change(show: Callable[[], None], done: str) -> None:
+    """Print a command's report after it changed a store or a cache dir: a failure to print
+    (a closed pipe, an encoding) is said on stderr and the command still exits 0, since the
+    exit code says what happened to the data, and that happened."""
+    try:
+        show()
+        sys.stdout.flush()  # here, not at exit: a closed pipe is this command's to report
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a printing failure (rich exits 1 on a closed pipe)
+        if _DEBUG["on"]:
+            traceback.print_exc()
+        _stdout_to_devnull()
+        try:
+            why = "BrokenPipeError: stdout was closed" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+            sys.stderr.write(printable(f"warning: {done}, but its report could not be printed: {why}") + "\n")
+        except Exception:  # noqa: BLE001, S110 - stderr is gone too: the exit code is all that is left
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The one exit point: typed errors become one line plus a hint and their exit code."""
+    # What start-up imported lives as long as the process: keep it out of every later garbage
+    # collection (those run often while thousands of small files land, and scanned it all).
+    gc.freeze()
+    args = sys.argv[1:] if argv is None else argv
+    code = _run(lambda: cli.main(args=args, prog_name="neffbuild", standalone_mode=False), as_json="--json" in args)
+    sys.exit(code)
+
+
+def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
+    try:
+        invoke()
+        return 0
+    except NeffbuildError as exc:
+        _print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
+        if as_json and not printed_document():  # machines read stdout: the failure as a document too (the lines above stay for logs)
+            error = {"error": exc.message, "kind": type(exc).__name__, "exit_code": exc.exit_code, "hint": exc.hint}
+            sys.stdout.write(json.dumps(error, indent=2) + "\n")
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last resort keeps output to one line
+        _print_error(f"internal error: {type(exc).__name__}: {exc}", "rerun with --debug for a traceback, and report it")
+        return 1
+
+
+def _print_error(message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None) -> None:
+    if _DEBUG["on"]:
+        traceback.print_exc()
+        if debug_detail:
+            click.echo(f"the worker's traceback:\n{_lines(debug_detail.rstrip())}", err=True)
+    # Messages carry names from stores, state files and paths: each line passes the sanitiser.
+    click.secho(f"error: {printable(message)}", fg="red", err=True)
+    for line in details:
+        click.echo(printable(line), err=True)
+    if hint:
+        click.echo(f"hint: {printable(hint)}", err=True)

@@ -1,0 +1,1 @@
+"""What is stored and exchanged: manifests, records (bundle, release, tag), and resolving them in a store."""

@@ -1,0 +1,409 @@
+"""The documents neffbuild stores: bundle records, releases and tags.
+
+Bundles and releases are immutable and named by content (unit key, release digest); only tags
+move. Each document carries a format string so a newer reader can refuse what it cannot read.
+
+They are plain frozen dataclasses, decoded strictly by `parse`: `neffbuild pull` reads them on
+every instance boot, and a validation library's import and schema build would cost more than the
+whole parse. A document comes from a store that may be corrupt or hostile, so besides unknown
+keys and wrong types, `parse` refuses (IntegrityError naming the document and the field):
+- paths that could leave the cache dir or never settle in it: absolute, `..`, empty or `.`
+  parts, backslashes, control characters, names longer than the filesystem takes, pull's own
+  state dir (`.neffbuild/`) and temp-file shapes;
+- file lists where one path is listed twice (with one digest or two), where a file is also the
+  directory of another (`a` and `a/b`), or where two paths differ only in case (or Unicode
+  normalisation): a host may serve from a case-insensitive filesystem;
+- lone surrogates (`\ud800`) in any string or key, and nesting deeper than MAX_DEPTH.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, TypeVar
+
+from neffbuild.errors import IntegrityError
+from neffbuild.hashing import canonical_json, hash_bytes
+from neffbuild.names import reserved_problem, tag_problem
+
+BUNDLE_FORMAT = "neffbuild.documents.records/1"
+RELEASE_FORMAT = "neffbuild.release/1"
+TAG_FORMAT = "neffbuild.tag/1"
+UNIT_FORMAT = "neffbuild.unit/2"
+
+MAX_DEPTH = 16  # our documents nest 4 deep; a unit's free-form parts a few more
+NAME_MAX = 255  # bytes in one path component (ext4, xfs, ...)
+PATH_MAX = 1024  # bytes in a cache path: compilers' are well under 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def path_problem(path: str) -> str | None:
+    # A bundle is input from the network: it must not write outside the cache dir.
+    parts = path.split("/")
+    if not path or path[0] == "/" or "\\" in path or _CONTROL.search(path) or "" in parts or "." in parts or ".." in parts:
+        return f"unsafe path {path!r}: must be relative, normalised, inside the cache dir, without control characters"
+    size = len(path) if path.isascii() else len(path.encode())
+    if size > PATH_MAX or (size > NAME_MAX and any(len(p.encode()) > NAME_MAX for p in parts)):
+        return f"path {path[:80]!r}... is too long: at most {PATH_MAX} bytes, {NAME_MAX} per component"
+    return reserved_problem(path)
+
+
+def _fold(path: str) -> str:
+    """What a case-insensitive, normalisation-insensitive filesystem sees (Unicode caseless match)."""
+    if path.isascii():
+        return path.lower()
+    import unicodedata  # only documents with non-ASCII paths pay for it
+
+    return unicodedata.normalize("NFD", unicodedata.normalize("NFD", path).casefold())
+
+
+def _distinct_paths(files: tuple[Any, ...]) -> str | None:
+    """Each path once, none also the directory of another, none differing from another only in case."""
+    by_key: dict[str, Any] = {}
+    for entry in files:
+        key = _fold(entry.path)
+        other = by_key.setdefault(key, entry)
+        if other is entry:
+            continue
+        if other.path != entry.path:
+            return f"{other.path!r} and {entry.path!r} differ only in case: one file on a case-insensitive filesystem"
+        if other.digest != entry.digest:
+            return f"{entry.path!r} is listed twice, with two digests"
+        return f"{entry.path!r} is listed twice"
+    for key, entry in by_key.items():
+        parts = key.split("/")
+        for depth in range(1, len(parts)):
+            if (under := by_key.get("/".join(parts[:depth]))) is not None:
+                return f"{under.path!r} is a file and also the directory of {entry.path!r}"
+    return None
+
+
+def env_problem(env: dict[str, str]) -> str | None:
+    """Why env cannot be a process environment: a name that is no variable name, a NUL in a value."""
+    bad = [name for name in env if not _ENV_NAME.fullmatch(name)]
+    if bad:
+        return f"{bad[0]!r} is not an environment variable name"
+    nul = [name for name, value in env.items() if "\x00" in value]
+    return f"{nul[0]}: the value holds a NUL character" if nul else None
+
+
+def env_name_problem(name: str) -> str | None:
+    return None if _ENV_NAME.fullmatch(name) else f"{name!r} is not an environment variable name"
+
+
+def _tag_name(name: str) -> str | None:
+    return tag_problem(name)
+
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+def digest_problem(value: str) -> str | None:
+    return None if _HEX32.fullmatch(value) else f"{value!r} is not a 32-digit lowercase hex digest"
+
+
+def _not_negative(value: int) -> str | None:
+    return None if value >= 0 else f"{value} is negative"
+
+
+def _file_size(value: int) -> str | None:
+    return _not_negative(value) or (None if value < 1 << 63 else f"{value} is larger than any file can be")
+
+
+def checked_field(check: typing.Callable[[Any], str | None]) -> Any:
+    """A field whose value must also pass check (which returns a problem or None)."""
+    return field(metadata={"check": check})
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One cache file: where it goes under the cache dir and what its bytes are."""
+
+    path: str = checked_field(path_problem)
+    size: int = checked_field(_file_size)
+    digest: str = checked_field(digest_problem)
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    load_s: float = 0.0
+    first_call_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BundleRecord:
+    """The cache files one build unit produced, and everything that keyed them."""
+
+    key: str = checked_field(digest_problem)
+    unit_id: str
+    unit: dict[str, Any]
+    backend: str
+    fingerprint: dict[str, str]
+    files: tuple[FileEntry, ...] = checked_field(_distinct_paths)
+    counters: dict[str, int]
+    timings: Timings
+    created_at: str
+    neffbuild_version: str
+    format: str = BUNDLE_FORMAT
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPath:
+    """A path two units both produced with different bytes; the backend said either serves."""
+
+    path: str = checked_field(path_problem)
+    kept: str = checked_field(digest_problem)
+    dropped: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseUnit:
+    unit_id: str
+    key: str = checked_field(digest_problem)
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Everything a host needs to materialise one manifest's cache: the merged file list."""
+
+    name: str
+    manifest_digest: str
+    backend: str
+    cache_env: str = checked_field(env_name_problem)
+    env: dict[str, str] = checked_field(env_problem)
+    fingerprint: dict[str, str]
+    units: tuple[ReleaseUnit, ...]
+    files: tuple[FileEntry, ...] = checked_field(_distinct_paths)
+    shared: tuple[SharedPath, ...] = ()
+    format: str = RELEASE_FORMAT
+
+    @property
+    def release_id(self) -> str:
+        """Content address: an unchanged build yields the same id, so re-publishing is a no-op."""
+        return hash_bytes(dump(self))
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True, slots=True)
+class TagEvent:
+    release: str = checked_field(digest_problem)
+    at: str
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class TagRecord:
+    """A movable name for a release, with its history (newest last) for audit and rollback."""
+
+    name: str = checked_field(_tag_name)
+    release: str = checked_field(digest_problem)
+    history: tuple[TagEvent, ...]
+    format: str = TAG_FORMAT
+
+
+def unit_key(unit: Mapping[str, Any], fingerprint: Mapping[str, str]) -> str:
+    """A bundle's key: its normalised unit (plan.normalize_unit) and the environment fingerprint
+    its backend reports. plan keys units with it; a host check recomputes a bundle's key with
+    this host's fingerprint in place of the build's."""
+    return hash_bytes(canonical_json({"format": UNIT_FORMAT, "unit": unit, "fingerprint": fingerprint}))
+
+
+Doc = TypeVar("Doc")
+
+
+def to_json(doc: Any) -> dict[str, Any]:
+    """A document as JSON-ready data (tuples become lists when serialised): what
+    dataclasses.asdict gives, without its deep copy of every leaf (a 10,000-file release took
+    0.2 s that way; our documents hold only str, int, float, bool, None, dicts and tuples)."""
+    return _plain(doc)
+
+
+def _plain(value: Any) -> Any:
+    kind = type(value)
+    if kind in (str, int, float, bool) or value is None:
+        return value
+    if kind is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if kind in (tuple, list):
+        return kind(_plain(v) for v in value)
+    if dataclasses.is_dataclass(kind):
+        return {name: _plain(getattr(value, name)) for name in _field_names(kind)}
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+
+
+@cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
+def dump(doc: Any) -> bytes:
+    return canonical_json(to_json(doc))
+
+
+def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
+    """Parse a stored document; anything malformed is an IntegrityError naming the object."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{where}: not valid JSON ({exc})", hint="the object is corrupt; rebuild or re-push it") from None
+    except RecursionError:
+        raise IntegrityError(f"{where}: nested too deeply", hint="the object is corrupt or forged; rebuild or re-push it") from None
+    expected = _fields(kind)["format"].default
+    if isinstance(raw, dict) and raw.get("format") != expected:
+        found = raw.get("format")
+        raise IntegrityError(
+            f"{where}: format {found if not isinstance(found, str) else found[:80]!r}, expected {expected!r}",
+            hint="written by another neffbuild version; upgrade neffbuild or rebuild",
+        )
+    try:
+        return _decode(kind, raw, ())
+    except _Invalid as exc:
+        raise IntegrityError(
+            f"{where}: invalid {kind.__name__} at {_shown(exc.loc)}: {exc.msg}",
+            hint="the object is corrupt or hand-edited; rebuild or re-push it",
+        ) from None
+
+
+def decode_doc(kind: type[Doc], raw: Any, where: str, *, field_path: tuple[str, ...] | None = None) -> Doc:
+    """Already-parsed JSON as a document of kind, as strictly as parse (no format check: the
+    caller's container carries the format). With field_path (where raw sits in its file), the
+    error names only the field: `installed.units.0.key: ...`."""
+    try:
+        return _decode(kind, raw, field_path or ())
+    except _Invalid as exc:
+        if field_path is not None:
+            raise IntegrityError(f"{_shown(exc.loc)}: {exc.msg}") from None
+        raise IntegrityError(f"{where}: invalid {kind.__name__} at {_shown(exc.loc)}: {exc.msg}") from None
+
+
+Loc = tuple[str | int, ...]  # where in the document: keys and indices, shown only on error
+
+
+class _Invalid(Exception):
+    def __init__(self, loc: Loc, msg: str) -> None:
+        self.loc, self.msg = loc, msg
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _shown(loc: Loc) -> str:
+    """loc on one printable line, whatever its keys hold."""
+    parts = (str(k) if isinstance(k, int) or _PLAIN_KEY.fullmatch(k) else repr(k[:80]) for k in loc)
+    return ".".join(parts) or "(top)"
+
+
+@cache
+def _fields(kind: type) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(kind)}
+
+
+@cache
+def _hints(kind: type) -> dict[str, Any]:
+    return typing.get_type_hints(kind)
+
+
+@cache
+def _shape(tp: Any) -> tuple[str, Any]:
+    """How to decode type tp: ("doc" | "tuple" | "dict" | "any" | "plain", item type)."""
+    if dataclasses.is_dataclass(tp):
+        return "doc", None
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return "tuple", typing.get_args(tp)[0]
+    if origin is dict:
+        return "dict", typing.get_args(tp)[1]
+    return ("any", None) if tp is Any else ("plain", None)
+
+
+def _text(value: str, loc: Loc) -> str:
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # strict UTF-8 refuses exactly the surrogates
+            raise _Invalid(loc, f"{value[:80]!r} holds a lone surrogate, which no file name or variable can") from None
+    return value
+
+
+def _decode(tp: Any, value: Any, loc: Loc) -> Any:
+    """value (from JSON) as type tp, strictly: no coercion beyond int -> float."""
+    shape, item = _shape(tp)
+    if shape == "doc":
+        return _decode_doc(tp, value, loc)
+    if shape == "tuple":
+        if not isinstance(value, list):
+            raise _Invalid(loc, f"expected a list, got {type(value).__name__}")
+        if item is FileEntry:
+            return tuple(_file_entry(v, (*loc, i)) for i, v in enumerate(value))
+        return tuple(_decode(item, v, (*loc, i)) for i, v in enumerate(value))
+    if shape == "dict":
+        if not isinstance(value, dict):
+            raise _Invalid(loc, f"expected an object, got {type(value).__name__}")
+        return {_text(k, (*loc, k)): _decode(item, v, (*loc, k)) for k, v in value.items()}
+    if shape == "any":
+        return _free_form(value, loc, len(loc))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise _Invalid(loc, f"expected {tp.__name__}, got {type(value).__name__}")
+    return _text(value, loc) if tp is str else value
+
+
+_FILE_ENTRY_KEYS = {"path", "size", "digest"}
+
+
+def _file_entry(value: Any, loc: Loc) -> FileEntry:
+    """A FileEntry, as strictly as _decode_doc but about 5x faster for the common entry (releases
+    and the cache state list thousands); anything unusual takes the general path, which says why."""
+    if type(value) is dict and value.keys() == _FILE_ENTRY_KEYS:
+        path, size, digest = value["path"], value["size"], value["digest"]
+        if (
+            type(path) is str and path.isascii() and type(size) is int and type(digest) is str
+            and 0 <= size < 1 << 63 and _HEX32.fullmatch(digest) and path_problem(path) is None
+        ):  # fmt: skip
+            return FileEntry(path, size, digest)
+    return _decode_doc(FileEntry, value, loc)
+
+
+def _free_form(value: Any, loc: Loc, depth: int) -> Any:
+    """A JSON value of a free-form field, checked for depth and lone surrogates."""
+    if depth > MAX_DEPTH:
+        raise _Invalid(loc, f"nested deeper than {MAX_DEPTH}")
+    if isinstance(value, str):
+        return _text(value, loc)
+    if isinstance(value, list):
+        return [_free_form(v, (*loc, i), depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {_text(k, (*loc, k)): _free_form(v, (*loc, k), depth + 1) for k, v in value.items()}
+    return value
+
+
+def _decode_doc(kind: type, value: Any, loc: Loc) -> Any:
+    if not isinstance(value, dict):
+        raise _Invalid(loc, f"expected an object, got {type(value).__name__}")
+    fields, hints = _fields(kind), _hints(kind)
+    extra = sorted(value.keys() - fields.keys())
+    if extra:
+        raise _Invalid((*loc, extra[0]), "unknown field")
+    args = {}
+    for name, f in fields.items():
+        if name not in value:
+            if f.default is dataclasses.MISSING:
+                raise _Invalid((*loc, name), "field required")
+            continue
+        args[name] = _decode(hints[name], value[name], (*loc, name))
+        check = f.metadata.get("check")
+        if check is not None and (problem := check(args[name])) is not None:
+            raise _Invalid((*loc, name), problem)
+    return kind(**args)

@@ -1,0 +1,1 @@
+"""What runs on a serving host: the cache dir, its state and exports, pull, status, doctor, verify."""

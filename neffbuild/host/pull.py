@@ -1,0 +1,576 @@
+"""Materialise a release into a cache dir: only missing files move, every byte is verified.
+
+Each file lands through materialize.write_verified (a temp file, hashed while written, then named),
+so a crash or a bad object never leaves half a file: each path holds its old bytes, its new bytes
+or (killed as it replaced them) nothing, and where the filesystem has unnamed files (O_TMPFILE)
+no temp name ever appears beside them (tests/test_pull_faults.py kills pulls to check). A small state file
+remembers (size, mtime) of what we wrote, so a complete cache makes pull a no-op without
+re-reading gigabytes of NEFFs; a no-op pull writes nothing at all (a full disk does not fail it).
+
+Nothing below the cache dir is reached through a symlink (materialize's module docstring says
+how): not the files, not their directories, not the state dir and its lock. A file that is a
+link is never "present"; pull replaces it with the verified file.
+
+A power cut, and what the host sees after it, by the step a pull was at (the state file is the
+commit point: it vouches only for bytes already flushed, so "the next pull" below repairs all):
+
+1. Resolving and checking (release, host, room, links): nothing was written; the previous
+   install and its state are as they were.
+2. Files landing (each unnamed or `*.incomplete` until verified, then linked or renamed into
+   place; no flush per file): a landed file may come back whole, empty, absent or, where it
+   replaced an older file, as the older one; an unfinished one leaves nothing (a named temp file
+   at worst, removed by the next pull). The state is still the previous pull's, which vouches
+   for none of these new files (their mtimes differ), so the next pull re-hashes them and
+   fetches again any that is wrong.
+3. The flush (one syncfs for the filesystem): as in 2 until it returns. If it fails, pull exits
+   10 and writes no state.
+4. The state file (temp file, fsync, rename, fsync of its directory): either the previous state
+   or the new one, never a mix; both vouch only for flushed files. Its (size, mtime) check
+   trusts the disk after that: `--verify full` rehashes everything.
+5. The env file (--env-file, written the same way, last): the previous one or the new one; a
+   server started from the previous one is the reason boot runs pull first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from neffbuild import retry
+from neffbuild.fs.atomic import write_atomic_at
+from neffbuild.documents.records import FileEntry
+from neffbuild.host.state import (
+    STATE_FILE,
+    CacheState,
+    Installed,
+    encode_state,
+    load_state,
+    open_existing,
+    open_state_dir,
+    read_state,
+    find_target,
+    read_cache_state,
+    release_units,
+    state_path,
+)
+from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
+from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, write_env_file
+from neffbuild.fs.locks import acquire
+from neffbuild.fs.confined import (
+    BlobTarget,
+    Beneath,
+    disk_error,
+    sync_filesystem,
+)
+from neffbuild.names import STATE_DIR, is_temp_name
+from neffbuild.pids import alive
+from neffbuild.documents.refs import ResolvedRelease, resolve
+from neffbuild.fs.room import require_room, room_for
+from neffbuild.store.base import Store
+
+LOCK_FILE = "pull.lock"
+_LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
+HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
+# Files this large on average are hashed by several threads (their reads and hashes run without
+# the GIL). Measured on 2 cores: 10,000 files of 34 KiB, 0.145 s in one thread, 0.17 s in two.
+HASH_THREADED_MIN = 1 << 20
+LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
+
+State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
+VERIFY_MODES = ("fast", "full")  # fast: trust (size, mtime) the state recorded; full: rehash every file
+
+
+@dataclass(frozen=True)
+class PullReport:
+    release_id: str
+    tag: str | None
+    cache_dir: Path
+    files_total: int
+    files_fetched: int
+    bytes_fetched: int
+    bytes_total: int
+    seconds: float
+    exports: Mapping[str, str]
+    host_checked: bool = False  # the release was compared with this host before anything moved
+    host_warnings: tuple[str, ...] = ()  # informational differences: our key differs, kernels do not
+    stale: bool = False  # the store was unreachable: this is the release installed before (--allow-stale)
+    stale_reason: str | None = None  # the store error that made it stale
+    installed_at: str | None = None  # when a stale release was installed
+    files_rehashed: int = 0  # installed files read back and hashed (all of them with verify="full")
+    files_repaired: int = 0  # files fetched again because the cache held wrong bytes at their path
+    allowed: tuple[str, ...] = ()  # the names this host allowed beyond its backend's (host_allow)
+    state_replaced: str | None = None  # why the state file found was corrupt (it was read as nothing known, and rewritten)
+
+
+def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
+    """What a serving process exports for this release (see neffbuild.host.exports for what may be)."""
+    return exports_for(resolved.release, cache_dir, resolved.where, allow_env)
+
+
+def serving_env(
+    cache_dir: Path,
+    ref: str | None = None,
+    *,
+    open_store: Callable[[], Store] | None = None,
+    allow_env: Collection[str] = (),
+    env_file: Path | None = None,
+) -> dict[str, str]:
+    """The exports for the release installed in cache_dir (`neffbuild env`); written to env_file too.
+
+    They come from the cache dir's state, with no store round trip: a tag that moved since the
+    pull must not hand out another release's settings. REF, if given, must be what is installed
+    (its tag or id; another tag is resolved in the store to compare ids). Only a cache dir with
+    no recorded release (never pulled, or by a neffbuild before state version 2) resolves REF in
+    the store as before, and even then refuses a release other than the one it recorded.
+    """
+    cache_dir = cache_dir.expanduser().resolve()
+    state = read_cache_state(cache_dir)[1].trusted(state_path(cache_dir))
+    target = find_target(state, cache_dir, ref, open_store, with_units=False)
+    if state.release_id not in (None, target.release_id):
+        raise NotFoundError(
+            f"{ref} is release {target.release_id}, but {cache_dir} holds release {state.release_id}",
+            hint=f"pull {ref} first, or run `neffbuild env --cache-dir {cache_dir}` for what it holds",
+        )
+    # The host's allow, now: what the state says was exported is no permission.
+    exports = exports_for(target.release, cache_dir, target.source, allow_env)
+    if env_file is not None:
+        write_env_file(env_file, env_file_text(exports))
+    return exports
+
+
+def pull(
+    store: Store,
+    ref: str,
+    cache_dir: Path,
+    *,
+    jobs: int = 16,
+    allow_env: Collection[str] = (),
+    env_file: Path | None = None,
+    host_env: Mapping[str, str] | None = None,
+    lock_timeout: float | None = LOCK_TIMEOUT_S,
+    timeout: float | None = None,
+    verify: str = "fast",
+    direct_writes: bool = True,
+) -> PullReport:
+    """Bring the release's files into cache_dir; with env_file, write the exports there last.
+
+    Everything that can refuse (the release, its exports, this host, room on the disk, a link in
+    the cache dir) is checked before anything is written; a cache that is complete is only read.
+    With host_env (the environment the server will run in, before the release's exports), the
+    host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
+    Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
+
+    timeout (seconds) is a wall-clock deadline on the whole pull (neffbuild/retry.py):
+    every store request's socket timeouts end at it, a response still streaming is cut when it
+    passes (a stalled or trickling server too), no retry starts after it, and it is checked
+    between phases: past it, DeadlineExceeded (a StoreError, exit 3) naming the store and the
+    step. It also caps the wait for another pull's lock (ConflictError).
+
+    verify="fast" (default) takes a file the state recorded with the same (size, mtime) as
+    intact: bytes changed in place with the mtime put back go unnoticed. verify="full" rehashes
+    every installed file (in parallel) and fetches again, atomically, any that differ.
+
+    direct_writes: land files of materialize.DIRECT_MIN bytes or more with O_DIRECT (bypassing
+    the page cache; see DIRECT_MIN for the trade).
+    """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
+    with retry.bounded(timeout, f"pulling {ref}"):
+        started = time.perf_counter()
+        deadline = retry.current()
+        retry.doing(f"resolving {ref}")
+        cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
+        _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
+        resolved = resolve(store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None)
+        retry.check(store.url)
+        exports = release_exports(resolved, cache_dir, allow_env)
+        env_text = env_file_text(exports) if env_file is not None else ""
+        retry.doing(f"reading the bundles of release {resolved.release_id}")
+        installed = _installed(store, resolved, exports, old, jobs)
+        retry.check(store.url)
+        if deadline is not None:
+            lock_timeout = deadline.left() if lock_timeout is None else min(lock_timeout, deadline.left())
+        retry.doing("checking the cache dir")
+        warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
+        root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
+        try:
+            scan, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout, jobs, verify)
+            if root is None:
+                root = _open_dir(cache_dir)
+            if missing or not _recorded(old, installed, scan.found):
+                retry.check(store.url)
+                retry.doing(f"fetching {len(missing)} of {len(installed.release.files)} files ({sum(f.size for f in missing)} bytes)")
+                with _repairing(old, cache_dir):
+                    missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes)
+        finally:
+            if root is not None:
+                os.close(root)
+        make_serving_dirs(cache_dir, serving_dirs(resolved.release.backend))
+        if env_file is not None:
+            write_env_file(env_file, env_text)
+        return PullReport(
+            release_id=resolved.release_id,
+            tag=resolved.tag,
+            cache_dir=cache_dir,
+            files_total=len(resolved.release.files),
+            files_fetched=len(missing),
+            bytes_fetched=sum(f.size for f in missing),
+            bytes_total=resolved.release.total_size,
+            seconds=time.perf_counter() - started,
+            exports=exports,
+            host_checked=host_env is not None,
+            host_warnings=warnings,
+            files_rehashed=scan.hashed,
+            files_repaired=sum(f.path in scan.damaged for f in missing),
+            allowed=tuple(allow_env),
+            state_replaced=old.problem,
+        )
+
+
+@contextmanager
+def _repairing(old: CacheState, cache_dir: Path) -> Iterator[None]:
+    """A corrupt state is read as nothing known and rewritten; where the cache dir cannot be
+    written (a read-only mount), say that the state is what is wrong, not only the disk."""
+    try:
+        yield
+    except DiskError as exc:
+        if old.problem is None:
+            raise
+        raise StateCorrupt(
+            f"{state_path(cache_dir)}: {old.problem}; it cannot be rewritten: {exc.message}",
+            hint="pull into this dir where it is writable (every file is re-verified), or remove the state file there",
+        ) from None
+
+
+def _trusted(state: State, verify: str) -> State:
+    """What of the state may stand in for reading the files: nothing with verify="full"."""
+    return state if verify == "fast" else {}
+
+
+def _missing_that_fits(
+    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None, jobs: int, verify: str
+) -> tuple[Scan, list[FileEntry]]:
+    """(what the cache holds, the files to fetch), once its filesystem has room for them: else
+    DiskError, with nothing written. Short of room while another pull holds the lock, whatever
+    that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
+    scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(state, verify), jobs)
+    if missing and root is not None and not room_for(cache_dir, sizes).fits and _wait_for_other_pull(root, cache_dir, lock_timeout):
+        fresh = read_state(root, cache_dir)[1].files
+        scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(fresh, verify), jobs)
+    if missing:
+        require_room(cache_dir, sizes, f"pulling {len(missing)} files of {installed.release.name}")
+    return scan, missing
+
+
+def _missing(
+    root: int | None, cache_dir: Path, installed: Installed, state: State, jobs: int
+) -> tuple[Scan, list[FileEntry], list[int]]:
+    """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
+    files = installed.release.files
+    scan = _scan(root, cache_dir, files, state, jobs) if root is not None else Scan(dict.fromkeys(f.path for f in files))
+    missing = [f for f in files if scan.found[f.path] is None]
+    return scan, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
+
+
+def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> bool:
+    """Whether another pull held cache_dir's lock (then it has finished); only opens what exists."""
+    state_dir = open_state_dir(root, cache_dir, create=False)
+    if state_dir is None:
+        return False
+    try:
+        fd = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
+    except OSError:
+        return False  # no lock file: no pull at work (a link there is refused when we take it)
+    finally:
+        os.close(state_dir)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            acquire(fd, cache_dir / STATE_DIR / LOCK_FILE, timeout, "pull lock", _LOCK_HINT)
+            return True
+    finally:
+        os.close(fd)
+
+
+def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ...]:
+    """Compare this host, as the server will run (serving), with each unit's bundle: breaking
+    differences refuse the pull (before any byte moves); informational ones are returned."""
+    if not installed.units:
+        return ()
+    from neffbuild.host.hostcheck import check_host
+
+    report = check_host(installed.units, serving)
+    if report.breaking:
+        units = sum(u.breaking for u in report.units)
+        raise EnvironmentMismatch(
+            f"{units} of {len(report.units)} units of {installed.release.name} would not hit on this host: "
+            + "; ".join(d.line() for d in report.breaking),
+            hint="serve it where the build's environment is (or rebuild it here); `neffbuild status` shows each unit; --no-host-check pulls anyway",
+        )
+    return tuple(d.line() for d in report.informational)
+
+
+def _complete(
+    store: Store,
+    resolved: ResolvedRelease,
+    root: int,
+    cache_dir: Path,
+    scan: Scan,
+    jobs: int,
+    installed: Installed,
+    lock_timeout: float | None,
+    verify: str,
+    direct_writes: bool,
+) -> list[FileEntry]:
+    """Fetch what is missing and record the state, under the lock; the files fetched."""
+    state_dir = open_state_dir(root, cache_dir, create=True)
+    assert state_dir is not None
+    try:
+        # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
+        with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE, lock_timeout):
+            old_state, state = load_state(state_dir)
+            found = scan.found
+            # Another pull may have landed some while we waited for the lock.
+            missing = [f for f in resolved.release.files if found[f.path] is None]
+            found.update(_scan(root, cache_dir, missing, _trusted(state.files, verify), jobs).found)
+            missing = [f for f in missing if found[f.path] is None]
+            # Killed pulls' temp files: in the whole tree when files move, else only where a
+            # state file was being written (all files in: the next pull fetches nothing).
+            remove_stale_temp_files(cache_dir if missing else cache_dir / STATE_DIR)
+            if missing:
+                targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir, direct=direct_writes) for f in missing]
+                store.download_blobs(targets, jobs, release=resolved.release_id)
+                with Beneath(root, cache_dir) as tree:
+                    found.update({f.path: _stat(tree, f.path, cache_dir) for f in missing})
+            _save_state(state_dir, cache_dir, _state_bytes(installed, found), old_state)
+    finally:
+        os.close(state_dir)
+    return missing
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What the cache dir holds of a release's files."""
+
+    found: dict[str, os.stat_result | None]  # path -> status of a file holding its bytes, else None
+    hashed: int = 0  # files read back and hashed (the state did not vouch for them)
+    damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
+
+
+def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
+    """What the cache already holds of files (only reads). One stat per file; a file of the right
+    size the state does not vouch for is read and hashed, in parallel where that pays. With no
+    state to vouch for anything (verify="full", a first pull), each file is opened once instead:
+    its fstat stands in for the stat."""
+    found: dict[str, os.stat_result | None] = {}
+    damaged = set()
+    if state:
+        unsure = []
+        with Beneath(root, cache_dir) as tree:
+            for f in files:
+                st = found[f.path] = _stat(tree, f.path, cache_dir)
+                if st is None:
+                    continue
+                if st.st_size != f.size:
+                    found[f.path] = None
+                    damaged.add(f.path)
+                elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
+                    unsure.append(f)
+    else:
+        unsure = list(files)
+    hashed = 0
+    for f, look in zip(unsure, _look_all(root, cache_dir, unsure, jobs), strict=True):
+        found[f.path] = None
+        if look is None:  # absent, a link, not a regular file
+            continue
+        st, digest = look
+        hashed += st.st_size == f.size  # look reads a file only then
+        if digest == f.digest:
+            found[f.path] = st
+        else:
+            damaged.add(f.path)
+    return Scan(found, hashed, frozenset(damaged))
+
+
+def _look_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, str | None] | None]:
+    """Beneath.look of each file, in runs of neighbouring files (their directories stay open)
+    spread over up to jobs threads, each with its own Beneath."""
+
+    def looks(run: list[FileEntry]) -> list[tuple[os.stat_result, str | None] | None]:
+        done: list[tuple[os.stat_result, str | None] | None] = []
+        with Beneath(root, cache_dir) as tree:
+            try:
+                for f in run:
+                    done.append(tree.look(f.path, f.size))
+            except OSError as exc:
+                raise disk_error(exc, cache_dir / run[len(done)].path) from None
+        return done
+
+    jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
+    if jobs == 1 or sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
+        return looks(files)  # small files cost Python work per file, under the GIL: threads only contend for it
+    runs = _runs(files, jobs)
+    if len(runs) <= 1:
+        return looks(files)
+    with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
+        return [d for run in pool.map(looks, runs) for d in run]
+
+
+def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
+    """files cut into runs of about HASH_RUN bytes (at least one file), at most 4 per thread
+    and never so small that handing one to a thread costs more than reading it."""
+    per_run = max(HASH_RUN, sum(f.size for f in files) // (4 * max(jobs, 1)) + 1)
+    runs: list[list[FileEntry]] = [[]]
+    size = 0
+    for f in files:
+        if size >= per_run:
+            runs.append([])
+            size = 0
+        runs[-1].append(f)
+        size += f.size
+    return [r for r in runs if r]
+
+
+def make_serving_dirs(cache_dir: Path, names: Collection[str]) -> None:
+    """Make the dirs the server writes even on a hit, now, while the cache dir is writable: a
+    host serving it read-only mounts a writable dir over each (README, read-only cache dir)."""
+    for name in names:
+        try:
+            (cache_dir / name).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise disk_error(exc, cache_dir / name) from None
+
+
+@contextmanager
+def open_root(cache_dir: Path) -> Iterator[int]:
+    fd = _open_dir(cache_dir)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_dir(cache_dir: Path) -> int:
+    """cache_dir (made if missing), open."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise disk_error(exc, cache_dir) from None
+
+
+@contextmanager
+def pull_lock(state_dir: int, shown: Path, timeout: float | None = None) -> Iterator[None]:
+    """An advisory lock (flock) held while the block runs; the kernel drops it if we die, so a
+    dead holder never blocks. ConflictError if another process holds it for timeout seconds."""
+    try:
+        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=state_dir)
+    except OSError as exc:
+        raise disk_error(exc, shown) from None
+    try:
+        acquire(fd, shown, timeout, "pull lock", _LOCK_HINT)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temp_files(cache_dir: Path) -> int:
+    """Delete `*.incomplete` files left by pulls that were killed (their pid is gone).
+
+    os.fwalk descends into no symlinked directory and names every file relative to its
+    directory's descriptor, so a link can neither lead the walk outside nor redirect a delete.
+    """
+    removed = 0
+    try:
+        for _, _, names, dir_fd in os.fwalk(cache_dir, follow_symlinks=False):
+            for name in names:
+                if is_temp_name(name) and _is_stale(name) and _is_regular(name, dir_fd):
+                    os.unlink(name, dir_fd=dir_fd)
+                    removed += 1
+    except OSError as exc:
+        raise disk_error(exc, cache_dir) from None
+    return removed
+
+
+def _is_stale(name: str) -> bool:
+    """`.<name>.<pid>.<random>.incomplete` whose pid is not running."""
+    parts = name.rsplit(".", 3)
+    pid = parts[1] if len(parts) == 4 else ""
+    return pid.isascii() and pid.isdigit() and len(pid) <= 10 and not alive(int(pid))
+
+
+def _is_regular(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
+    """rel's status if it is a regular file (a link, a directory, a FIFO... count as absent)."""
+    try:
+        st = tree.lstat(rel)
+    except OSError as exc:
+        raise disk_error(exc, cache_dir / rel) from None
+    return st if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
+def _state_bytes(installed: Installed, found: Mapping[str, os.stat_result | None]) -> bytes:
+    return encode_state(installed, _state_files(installed, found))
+
+
+def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:
+    files = {}
+    for entry in installed.release.files:
+        st = found.get(entry.path)
+        if st is not None:
+            files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
+    return files
+
+
+def _recorded(old: CacheState, installed: Installed, found: Mapping[str, os.stat_result | None]) -> bool:
+    """Whether the state file already says what this pull would write: compared as data, not
+    encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes."""
+    return old.version == 2 and old.installed == installed and old.files == _state_files(installed, found)
+
+
+def _state_size(installed: Installed) -> int:
+    """The state file's size once every file is in (an mtime of 19 digits, as in ns today)."""
+    return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
+
+
+def _installed(store: Store, resolved: ResolvedRelease, exports: Mapping[str, str], old: CacheState, jobs: int) -> Installed:
+    """What the state will record for this pull. The units and the install time carry over from
+    the state when it already holds this release, so a no-op pull reads no bundle and writes nothing."""
+    same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None
+    return Installed(
+        release_id=resolved.release_id,
+        tag=resolved.tag or "",
+        store=store.url,
+        installed_at=same.installed_at if same else datetime.now(UTC).isoformat(timespec="seconds"),
+        release=resolved.release,
+        exports=dict(exports),
+        units=same.units if same else release_units(store, resolved, jobs),
+    )
+
+
+def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None) -> None:
+    """Replace the state file with data, unless it already holds exactly that; first flush the
+    filesystem (one syncfs for all files), as the state is the commit point: it may vouch only
+    for durable bytes. Also for files this pull only re-hashed: a killed pull may have landed
+    them without its flush. A file lost to a power cut before the flush is not in the state, so
+    the next pull re-hashes it and fetches it again."""
+    if data == old:
+        return
+    sync_filesystem(cache_dir)
+    write_atomic_at(state_dir, STATE_FILE, data, shown=cache_dir / STATE_DIR / STATE_FILE)

@@ -1,0 +1,343 @@
+"""What a cache dir records about itself: `.neffbuild/state.json`, written by pull, read by
+pull, `status` and `env` without a store.
+
+Format `neffbuild.cache-state/2`:
+
+    {"format": "neffbuild.cache-state/2",
+     "installed": {"release_id", "tag" ("" if pulled by id), "store" (its URL), "installed_at",
+                   "release" (the release document itself), "exports" (what pull printed),
+                   "units": [{"unit_id", "key", "backend", "unit", "fingerprint", "paths"}]  (from the bundles)},
+     "files": {path: [size, mtime_ns, digest]}}   (what pull wrote: saves re-hashing)
+
+`installed` answers "which release is this, and what did it set" with no store round trip (a tag
+may have moved since); its units carry what a key is made of, so `status` can recompute each
+unit's key for this host. `files` is only a cache of hashes and stays lenient: a malformed entry
+is dropped and costs one re-hash. `installed` is strict: one malformed field, a release document
+that does not match its id, or another format drops all of it, and the cache dir reads as
+"installed release unknown" (status and env then need a store and a REF; the next pull rewrites it).
+
+Version 1 (before this format, no `format` field: {"release", "tag", "files"}) is read, not
+migrated in place: its files serve as before and its release id is kept (enough to tell a stale
+cache from a current one), the release document is unknown. The next pull that changes anything
+writes version 2; a pull into a complete v1 cache writes version 2 once (then never again).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from neffbuild.documents.records import Release, checked_field, decode_doc, digest_problem, env_problem, path_problem, to_json
+from neffbuild.errors import InputError, IntegrityError, NotFoundError, StateCorrupt
+from neffbuild.hashing import canonical_json, hash_bytes, is_digest
+from neffbuild.fs.confined import disk_error, open_dir_beneath
+from neffbuild.names import STATE_DIR, tag_problem
+from neffbuild.printable import printable
+
+if TYPE_CHECKING:
+    from neffbuild.documents.refs import ResolvedRelease
+    from neffbuild.store.base import Store
+
+STATE_FORMAT = "neffbuild.cache-state/2"
+STATE_FILE = "state.json"
+STATE_MAX = 256 << 20  # a larger state file is not ours: ignored (it only saves re-hashing)
+
+Files = dict[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
+
+
+@dataclass(frozen=True, slots=True)
+class InstalledUnit:
+    """One unit of the installed release, as its bundle recorded it (what its key is made of)."""
+
+    unit_id: str
+    key: str = checked_field(digest_problem)
+    backend: str
+    unit: dict[str, Any]
+    fingerprint: dict[str, str]
+    paths: tuple[str, ...] = checked_field(lambda paths: next(filter(None, map(path_problem, paths)), None))
+
+
+@dataclass(frozen=True, slots=True)
+class Installed:
+    """The release a pull installed, and how."""
+
+    release_id: str
+    tag: str  # "" when pulled by release id
+    store: str
+    installed_at: str
+    release: Release
+    exports: dict[str, str]  # what that pull printed: a record, never a permission (exports.py)
+    units: tuple[InstalledUnit, ...]
+
+
+@dataclass(frozen=True)
+class CacheState:
+    files: Files = field(default_factory=dict)
+    installed: Installed | None = None  # None: unknown (no state, version 1, corrupt or a newer format)
+    release_id: str | None = None  # the installed release's id, known from version 1 too
+    tag: str | None = None
+    version: int = 0  # 0: no state, corrupt or a newer format
+    problem: str | None = None  # why the state file is corrupt (then all else is unknown)
+
+    def trusted(self, path: Path) -> CacheState:
+        """self, unless the file is corrupt: then StateCorrupt naming it. Commands that only read
+        a cache dir stop here; pull reads a corrupt state as nothing known, and rewrites it."""
+        if self.problem is not None:
+            raise StateCorrupt(
+                f"{path}: {self.problem}",
+                hint=f"edited or damaged: `neffbuild pull REF --cache-dir {path.parent.parent}` re-verifies every file and rewrites it",
+            )
+        return self
+
+
+def parse_state(data: bytes) -> CacheState:
+    """The state file's content, decoded strictly; never raises. Every field is checked with its
+    type and as pull checked it when it wrote the file (names, paths, digests, sizes, the release
+    document by its id, the units against it); anything else is a corrupt state: nothing known,
+    with `problem` naming the field."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return _corrupt("not valid JSON")
+    except RecursionError:
+        return _corrupt("nested too deeply")
+    if not isinstance(raw, dict):
+        return _corrupt(f"expected a JSON object, got {type(raw).__name__}")
+    try:
+        if "format" not in raw:
+            return _version_1(raw)
+        if raw["format"] == STATE_FORMAT:
+            return _version_2(raw)
+    except IntegrityError as exc:
+        return _corrupt(exc.message)
+    found = raw["format"]
+    if isinstance(found, str) and _NEWER.fullmatch(found):
+        return CacheState()  # a newer neffbuild's: its hashes may mean something else; it is not ours to judge
+    return _corrupt(f"format {printable(str(found)[:80])!r} is not one neffbuild writes")
+
+
+_NEWER = re.compile(r"neffbuild\.cache-state/[1-9][0-9]*")
+
+
+def _corrupt(problem: str) -> CacheState:
+    return CacheState(problem=problem)
+
+
+@dataclass(frozen=True, slots=True)
+class _Version1:
+    release: str = checked_field(digest_problem)
+    tag: str | None = None
+    files: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Version2:
+    format: str
+    installed: dict[str, Any]
+    files: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """Installed without its release (which is checked against its id first)."""
+
+    release_id: str = checked_field(digest_problem)
+    tag: str = checked_field(lambda tag: tag_problem(tag) if tag else None)
+    store: str = checked_field(lambda url: None if url else "empty")
+    installed_at: str = checked_field(lambda at: _time_problem(at))
+    exports: dict[str, str] = checked_field(lambda env: env_problem(env))
+    units: tuple[InstalledUnit, ...]
+
+
+def _version_1(raw: dict[str, Any]) -> CacheState:
+    v1 = decode_doc(_Version1, raw, STATE_FILE, field_path=())
+    if v1.tag is not None and (problem := tag_problem(v1.tag)):
+        raise IntegrityError(f"tag: {problem}")
+    return CacheState(_files(v1.files), release_id=v1.release, tag=v1.tag or None, version=1)
+
+
+def _version_2(raw: dict[str, Any]) -> CacheState:
+    v2 = decode_doc(_Version2, raw, STATE_FILE, field_path=())
+    installed = _installed(v2.installed)
+    return CacheState(_files(v2.files), installed, installed.release_id, installed.tag or None, version=2)
+
+
+def _files(value: dict[str, Any]) -> Files:
+    """path -> [size, mtime_ns, digest], each checked (a bool is no size)."""
+    files = {}
+    for path, entry in value.items():
+        if not (
+            type(entry) is list and len(entry) == 3 and type(entry[0]) is int and type(entry[1]) is int
+            and type(entry[2]) is str and 0 <= entry[0] < 1 << 63 and is_digest(entry[2])
+        ):  # fmt: skip
+            raise IntegrityError(f"files.{printable(path[:80])!r}: expected [size, mtime_ns, digest]")
+        if (problem := path_problem(path)) is not None:
+            raise IntegrityError(f"files: {problem}")
+        files[path] = (entry[0], entry[1], entry[2])
+    return files
+
+
+def _installed(value: dict[str, Any]) -> Installed:
+    """The installed record: its release document must hash to its id (the bytes pull parsed
+    strictly from the store: a mismatch is an edit), then decodes as strictly as from a store;
+    its units must be that release's."""
+    release = value.get("release")
+    if not isinstance(release, dict):
+        raise IntegrityError("installed.release: expected an object")
+    if hash_bytes(canonical_json(release)) != value.get("release_id"):
+        raise IntegrityError("installed.release does not hash to installed.release_id (edited by hand?)")
+    head = decode_doc(_Head, {k: v for k, v in value.items() if k != "release"}, STATE_FILE, field_path=("installed",))
+    decoded = decode_doc(Release, release, STATE_FILE, field_path=("installed", "release"))
+    if [(u.unit_id, u.key) for u in head.units] != [(u.unit_id, u.key) for u in decoded.units]:
+        raise IntegrityError("installed.units: not the units of installed.release")
+    return Installed(**{f: getattr(head, f) for f in _Head.__slots__}, release=decoded)
+
+
+def _time_problem(at: str) -> str | None:
+    try:
+        datetime.fromisoformat(at)
+    except ValueError:
+        return f"{printable(at[:40])!r} is not an ISO 8601 time"
+    return None
+
+
+def encode_state(installed: Installed, files: Mapping[str, tuple[int, int, str]]) -> bytes:
+    """The state file's bytes: equal inputs give equal bytes (pull writes only when they change)."""
+    doc = {"format": STATE_FORMAT, "installed": to_json(installed), "files": {p: list(v) for p, v in files.items()}}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def open_state_dir(root: int, cache_dir: Path, *, create: bool) -> int | None:
+    """cache_dir/.neffbuild, made if create, else None when missing; a symlink there is refused
+    (state and lock are never read or written outside the cache dir)."""
+    try:
+        return open_dir_beneath(root, cache_dir, (STATE_DIR,), create=create)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError) and not create:
+            return None
+        raise disk_error(exc, cache_dir / STATE_DIR) from None
+
+
+def load_state(state_dir: int) -> tuple[bytes | None, CacheState]:
+    """(the state file's bytes, its content); a missing, foreign or broken file reads as empty."""
+    try:
+        fd = os.open(STATE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
+    except OSError as exc:
+        return None, _corrupt("a symbolic link") if exc.errno == errno.ELOOP else CacheState()
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            return None, _corrupt("not a regular file")
+        if info.st_size > STATE_MAX:
+            os.close(fd)
+            return None, _corrupt(f"{info.st_size} bytes, larger than any state neffbuild writes")
+        with os.fdopen(fd, "rb") as src:
+            data = src.read(STATE_MAX + 1)
+    except OSError:
+        return None, CacheState()
+    return data, parse_state(data)
+
+
+def read_state(root: int, cache_dir: Path) -> tuple[bytes | None, CacheState]:
+    """The state of the cache dir open at root, without making anything."""
+    state_dir = open_state_dir(root, cache_dir, create=False)
+    if state_dir is None:
+        return None, CacheState()
+    try:
+        return load_state(state_dir)
+    finally:
+        os.close(state_dir)
+
+
+def open_existing(cache_dir: Path) -> int | None:
+    """cache_dir open, or None if it does not exist (nothing is made)."""
+    try:
+        return os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise disk_error(exc, cache_dir) from None
+
+
+def read_cache_state(cache_dir: Path) -> tuple[bytes | None, CacheState]:
+    """The state of cache_dir (resolved), or an empty state if the dir does not exist; makes nothing."""
+    root = open_existing(cache_dir)
+    if root is None:
+        return None, CacheState()
+    try:
+        return read_state(root, cache_dir)
+    finally:
+        os.close(root)
+
+
+def state_path(cache_dir: Path) -> Path:
+    return cache_dir / STATE_DIR / STATE_FILE
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A release named for a cache dir (the installed one, or REF's), with its units' key parts."""
+
+    release_id: str
+    release: Release
+    tag: str | None
+    units: tuple[InstalledUnit, ...]
+    source: str
+
+
+def find_target(
+    state: CacheState,
+    cache_dir: Path,
+    ref: str | None,
+    open_store: Callable[[], Store] | None,
+    *,
+    store_named: bool = False,
+    with_units: bool = True,
+) -> Target:
+    """REF's release (and its units' key parts): from the cache dir's state when it is the
+    installed one (a tag only while no store is named: it may have moved), else from the store."""
+    installed = state.installed
+    if installed is not None and ref in (None, installed.release_id, *(() if store_named else (installed.tag,))):
+        return Target(installed.release_id, installed.release, installed.tag or None, installed.units, str(state_path(cache_dir)))
+    if ref is None:
+        raise NotFoundError(
+            f"{cache_dir}: no installed release recorded (never pulled, or pulled by an older neffbuild)",
+            hint="pull it (a complete cache fetches nothing and records it), or name the release and its store: TAG --store S",
+        )
+    if open_store is None:
+        raise InputError(f"{ref}: not the release installed in {cache_dir}", hint="pass --store to read it from the store")
+    from neffbuild.documents.refs import resolve
+
+    store = open_store()
+    resolved = resolve(store, ref)
+    if installed is not None and installed.release_id == resolved.release_id:
+        return Target(installed.release_id, installed.release, resolved.tag, installed.units, str(state_path(cache_dir)))
+    units = release_units(store, resolved, 16) if with_units else ()
+    return Target(resolved.release_id, resolved.release, resolved.tag, units, store.url)
+
+
+def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[InstalledUnit, ...]:
+    """Each unit of the release as its bundle records it (read in parallel); a bundle the store
+    lacks or that does not match its key is an error: the store is damaged."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from neffbuild.documents.refs import release_bundle
+    from neffbuild.retry import carried
+
+    def load(unit: ReleaseUnit) -> InstalledUnit:
+        record = release_bundle(store, resolved, unit)
+        return InstalledUnit(unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
+
+    units = resolved.release.units
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles") as pool:
+        loads = [pool.submit(carried(lambda u=u: load(u))) for u in units]  # under the pull's deadline
+        return tuple(f.result() for f in loads)

@@ -1,0 +1,421 @@
+"""Prove a cache dir serves a manifest: check its files, or replay every unit and count compiles.
+
+Compile counters alone can lie (a reported hit can still rebuild every kernel), so a replay also
+counts any cache file the serving call creates, modifies or deletes as a compile.
+
+A replay never runs against the checked dir itself: a miss would write into it and the next
+replay would turn red into green. Each worker gets a private copy of it in the replay's scratch
+(reflinked where the filesystem can, so nearly free on XFS or btrfs; copied otherwise), the
+checked dir is only ever opened read-only, and what a miss wrote into the copy is reported as
+what the replay would have written.
+
+In place (`--in-place`), a replay runs against the checked dir itself, as a server that reads it
+read-only does: refused unless this process cannot write the dir, but for the dirs the backend's
+server writes even on a hit (backends/serving.py), which it must be able to write. A miss then
+fails as the server's would, naming the file the compiler could not write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neffbuild.backends import get_backend
+from neffbuild.backends.base import Backend
+from neffbuild.documents.records import BundleRecord
+from neffbuild.host.exports import serving_dirs
+from neffbuild.errors import (
+    BuildError,
+    DiskError,
+    InputError,
+    IntegrityError,
+    Interrupted,
+    NeffbuildError,
+    NotFoundError,
+    ReplayMissError,
+)
+from neffbuild.hashing import hash_file
+from neffbuild.runner.jobs import (
+    DEFAULT_LOGS_DIR,
+    OnPhase,
+    Progress,
+    WorkerJob,
+    Workers,
+    WrittenFile,
+    keep_logs,
+    log_tail,
+    logs_dir_for,
+    make_scratch_root,
+    no_progress,
+    remove_tree,
+    run_name,
+    run_worker,
+    supervised,
+    unit_dir_name,
+)
+from neffbuild.documents.manifest import LoadedManifest, load_manifest
+from neffbuild.units.plan import BuildUnit, Plan, make_plan
+from neffbuild.fs.readonly import require_read_only
+from neffbuild.documents.refs import find_doc
+from neffbuild.store import StoreChoice
+from neffbuild.store.base import Store
+
+_ELSEWHERE = "a replay never writes into the dir it checks: give --work-dir / --outputs another place"
+FICLONE = 0x40049409  # linux/fs.h: share the source's extents (a reflink), copy-on-write
+
+
+@dataclass(frozen=True)
+class UnitReplay:
+    unit_id: str
+    first_call_s: float
+    compiles: int
+    written: tuple[WrittenFile, ...]  # what the call wrote into the private copy
+    counters: Mapping[str, int]
+    output: str | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.compiles == 0 and not self.written
+
+    @property
+    def written_bytes(self) -> int:
+        return sum(w.size for w in self.written)
+
+
+@dataclass(frozen=True)
+class ViewCopy:
+    """What making the replay's private copies of the checked dir cost."""
+
+    copies: int = 0  # one, plus one per model entry after an entry that wrote into its copy
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    methods: Mapping[str, int] = field(default_factory=dict)  # files per method: reflink, copy_file_range, copy
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    cache_dir: Path
+    units: tuple[UnitReplay, ...]
+    view: ViewCopy = ViewCopy()
+    in_place: bool = False  # against cache_dir itself, read-only to the replay (no copy)
+
+    @property
+    def misses(self) -> list[UnitReplay]:
+        return [u for u in self.units if not u.hit]
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """What every model entry of one replay shares."""
+
+    backend: Backend
+    view: Path
+    root: Path
+    env: Mapping[str, str]  # the caller's environment with the manifest's runtime env
+    outputs_dir: Path | None
+    logs_dir: Path
+    workers: Workers
+    notify: OnPhase
+
+
+def verify_replay(
+    manifest: Path,
+    cache_dir: Path,
+    *,
+    env: Mapping[str, str],
+    work_dir: Path | None = None,
+    outputs_dir: Path | None = None,
+    progress: Progress = no_progress,
+    in_place: bool = False,
+) -> ReplayReport:
+    """`neffbuild verify --replay [--in-place]`: replay the manifest against cache_dir (see replay)."""
+    plan = _plan_for(manifest, cache_dir, env)[1]
+    with progress(len(plan.units)) as notify:
+        return replay(
+            plan, cache_dir, env=env, work_dir=work_dir, outputs_dir=outputs_dir,
+            logs_dir=logs_dir_for(work_dir), notify=notify, in_place=in_place,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FilesCheck:
+    cache_dir: Path
+    store_url: str
+    units: tuple[UnitFiles, ...]
+
+
+def verify_files(manifest: Path, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str]) -> FilesCheck:
+    """`neffbuild verify`: is every file of the manifest's bundles in cache_dir (see check_files)?"""
+    loaded, plan = _plan_for(manifest, cache_dir, env)
+    opened = store.open(env, manifest_default=loaded.manifest.store)
+    return FilesCheck(cache_dir, opened.url, check_files(plan, opened, cache_dir))
+
+
+def _plan_for(manifest: Path, cache_dir: Path, env: Mapping[str, str]) -> tuple[LoadedManifest, Plan]:
+    loaded = load_manifest(manifest)
+    plan = make_plan(loaded, env)
+    if not cache_dir.is_dir():
+        raise InputError(f"--cache-dir {cache_dir}: no such directory", hint="pull into it first")
+    return loaded, plan
+
+
+def replay(
+    plan: Plan,
+    cache_dir: Path,
+    *,
+    env: Mapping[str, str],
+    work_dir: Path | None = None,
+    outputs_dir: Path | None = None,
+    logs_dir: Path = DEFAULT_LOGS_DIR,
+    notify: OnPhase | None = None,
+    in_place: bool = False,
+) -> ReplayReport:
+    """Run every unit's warmup against a private copy of cache_dir (in_place: against cache_dir,
+    which this process must not be able to write), one fresh process per model entry (as
+    serving does); cache_dir itself is only read (in place: but for the backend's lock dir)."""
+    backend = get_backend(plan.backend_name)
+    cache_dir = cache_dir.expanduser().resolve()
+    for flag, path in (("--outputs", outputs_dir), ("--work-dir", work_dir)):
+        if path and path.expanduser().resolve().is_relative_to(cache_dir):
+            raise InputError(f"{flag} {path} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE)
+    if outputs_dir:
+        try:
+            outputs_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--outputs {outputs_dir}: cannot create it ({exc.strerror or exc})") from None
+    if in_place:
+        require_read_only(cache_dir, plan.backend_name, serving_dirs(plan.backend_name))
+    root = make_scratch_root(work_dir, "neffbuild-replay-")
+    if root.resolve().is_relative_to(cache_dir):  # the system's temp dir is
+        root.rmdir()
+        raise InputError(f"replay scratch {root} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE)
+    results: list[UnitReplay] = []
+    copy = ViewCopy()
+    with supervised(cleanup=lambda: remove_tree(root)) as workers:
+        run = _Replay(
+            backend,
+            cache_dir if in_place else root / "view",
+            root,
+            {**env, **plan.runtime_env},
+            outputs_dir,
+            logs_dir.expanduser().resolve() / run_name(),
+            workers,
+            notify or (lambda unit_id, status: None),
+        )
+        dirty = not in_place
+        for units in plan.by_entry().values():
+            if dirty:  # every entry starts from the checked dir's bytes, not another entry's writes
+                remove_tree(run.view)
+                copy = _add(copy, make_view(cache_dir, run.view))
+            before = {} if in_place else tree_state(run.view)
+            results.extend(_replay_entry(units, run))
+            dirty = not in_place and tree_state(run.view) != before
+    return ReplayReport(cache_dir, tuple(results), copy, in_place)
+
+
+def _replay_entry(units: list[BuildUnit], run: _Replay) -> list[UnitReplay]:
+    entry = units[0].entry
+    scratch = run.root / entry.id
+    # Every variable the compiler writes through points into scratch: its cache at the private
+    # copy, locks and debug output beside it.
+    worker_env = {**run.env, **run.backend.worker_env(run.view, scratch)}
+    job = WorkerJob(
+        purpose="replay",
+        entry=entry,
+        model_ref=units[0].model_ref,
+        unit_ids=tuple(u.unit_id for u in units),
+        shapes=tuple(u.shape for u in units),
+        outputs_dir=str(run.outputs_dir) if run.outputs_dir else None,
+        watch_dir=str(run.view),
+    )
+    launch = lambda job_file: run.backend.launch_command(entry, job_file)  # noqa: E731
+    try:
+        result = run_worker(launch, job, worker_env, scratch, workers=run.workers, on_phase=run.notify)
+    except Interrupted:
+        raise
+    except NeffbuildError as exc:
+        for u in units:
+            run.notify(u.unit_id, "failed")
+        raise _with_kept_log(exc, scratch, run.logs_dir / unit_dir_name(units[0].unit_id)) from None
+    replays = [UnitReplay(r.unit_id, r.first_call_s, r.compiles, r.written, r.counters, r.output) for r in result.runs]
+    for r in replays:
+        run.notify(r.unit_id, "hit" if r.hit else "miss")
+    return replays
+
+
+def _with_kept_log(exc: NeffbuildError, scratch: Path, dest: Path) -> BuildError:
+    try:
+        log = keep_logs(scratch, dest)
+    except OSError as kept:  # the replay's error is what matters; say why its log is not there
+        details = [f"  log: not kept ({kept.filename or dest}: {kept.strerror or kept})"]
+    else:
+        details = [f"  log: {log}", *(f"  | {line}" for line in log_tail(log))] if log else []
+    return BuildError(exc.message, hint="--debug shows the worker's traceback", details=details, debug_detail=exc.debug_detail)
+
+
+def miss_error(report: ReplayReport) -> ReplayMissError | None:
+    if not report.misses:
+        return None
+    return ReplayMissError(
+        f"{len(report.misses)} of {len(report.units)} units compiled during replay: "
+        + ", ".join(u.unit_id for u in report.misses),
+        hint="the cache does not cover them (nothing was written to it): rebuild, "
+        "or compare `neffbuild plan --json` with the build host's",
+    )
+
+
+# -- the private copy ---------------------------------------------------------------------------
+
+
+def make_view(source: Path, dest: Path) -> ViewCopy:
+    """Copy source to dest (which must not exist) as cheaply as the filesystem allows. Symlinks
+    are followed: the copy holds what a compiler reading source would read. Source is only read."""
+    started = time.perf_counter()
+    methods: Counter[str] = Counter()
+    try:
+        size = _copy_tree(source, dest, methods, frozenset({os.path.realpath(source)}))
+    except OSError as exc:
+        raise DiskError(
+            f"replay: cannot copy {exc.filename or source} into its private copy at {dest}: {exc.strerror or exc}",
+            hint="give --work-dir room for a copy of the cache dir (on the cache dir's filesystem, "
+            "reflinks make it nearly free where supported)",
+        ) from None
+    return ViewCopy(1, sum(methods.values()), size, time.perf_counter() - started, dict(methods))
+
+
+def _copy_tree(src: Path, dst: Path, methods: Counter[str], seen: frozenset[str]) -> int:
+    dst.mkdir()
+    size = 0
+    with os.scandir(src) as entries:
+        for entry in entries:
+            target = dst / entry.name
+            if entry.is_dir():
+                real = os.path.realpath(entry.path)
+                if real not in seen:  # a symlink loop is copied once
+                    size += _copy_tree(Path(entry.path), target, methods, seen | {real})
+            elif entry.is_file():
+                methods[clone_file(Path(entry.path), target)] += 1
+                size += target.stat().st_size
+    shutil.copystat(src, dst)  # its mode (read-only stays read-only) once its files are in
+    return size
+
+
+def clone_file(src: Path, dst: Path) -> str:
+    """Copy one file, sharing its extents where the filesystem can; the method used."""
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        method = _clone(fin.fileno(), fout.fileno())
+    shutil.copystat(src, dst)
+    return method
+
+
+def _clone(src: int, dst: int) -> str:
+    with contextlib.suppress(OSError):
+        fcntl.ioctl(dst, FICLONE, src)
+        return "reflink"
+    size = os.fstat(src).st_size
+    try:
+        done = 0
+        while done < size:  # in-kernel; may itself share extents (XFS, btrfs, NFS 4.2)
+            n = os.copy_file_range(src, dst, size - done, done, done)
+            if n == 0:
+                break
+            done += n
+        return "copy_file_range"
+    except OSError:
+        os.ftruncate(dst, 0)
+        with open(src, "rb", closefd=False) as fin, open(dst, "wb", closefd=False) as fout:
+            fin.seek(0)
+            shutil.copyfileobj(fin, fout, 1 << 20)
+        return "copy"
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, int, int, int]]:
+    """(size, mtime, inode, mode) of everything under root: equal before and after means untouched."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            state[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode)
+    return state
+
+
+def _add(a: ViewCopy, b: ViewCopy) -> ViewCopy:
+    methods = Counter(a.methods)
+    methods.update(b.methods)
+    return ViewCopy(a.copies + b.copies, a.files + b.files, a.bytes + b.bytes, a.seconds + b.seconds, dict(methods))
+
+
+@dataclass(frozen=True)
+class UnitFiles:
+    unit_id: str
+    key: str
+    built: bool
+    missing: tuple[str, ...] = ()
+    corrupt: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.built and not self.missing and not self.corrupt
+
+
+def check_files(plan: Plan, store: Store, cache_dir: Path) -> tuple[UnitFiles, ...]:
+    """Is every file of every unit's bundle in cache_dir with its recorded bytes?
+
+    A path two units share may hold either unit's copy (the release kept one), so a file counts
+    as corrupt only if it matches no bundle that lists that path.
+    """
+    records: dict[str, BundleRecord | None] = {}
+    allowed: dict[str, set[str]] = {}
+    for unit in plan.units:
+        record = find_doc(store, BundleRecord, unit.key)
+        records[unit.unit_id] = record
+        for entry in record.files if record else ():
+            allowed.setdefault(entry.path, set()).add(entry.digest)
+    digests: dict[str, str | None] = {}
+    results = []
+    for unit in plan.units:
+        record = records[unit.unit_id]
+        if record is None:
+            results.append(UnitFiles(unit.unit_id, unit.key, built=False))
+            continue
+        missing, corrupt = [], []
+        for entry in record.files:
+            if entry.path not in digests:
+                path = cache_dir / entry.path
+                digests[entry.path] = hash_file(path).hex if path.is_file() else None
+            found = digests[entry.path]
+            if found is None:
+                missing.append(entry.path)
+            elif found not in allowed[entry.path]:
+                corrupt.append(entry.path)
+        results.append(UnitFiles(unit.unit_id, unit.key, True, tuple(missing), tuple(corrupt)))
+    return tuple(results)
+
+
+def files_error(check: FilesCheck) -> NeffbuildError | None:
+    """Units the store has no bundle for are not built (8): pulling cannot help. Otherwise missing
+    or changed files are an integrity failure (4): pull again."""
+    results = check.units
+    not_built = [r for r in results if not r.built]
+    if not_built:
+        return NotFoundError(
+            f"{len(not_built)} of {len(results)} units have no bundle in {check.store_url}: "
+            + ", ".join(f"{r.unit_id} (key {r.key})" for r in not_built),
+            hint="build them (`neffbuild build MANIFEST`), then pull",
+        )
+    bad = [r for r in results if not r.ok]
+    if bad:
+        return IntegrityError(
+            f"{len(bad)} of {len(results)} units are not fully in {check.cache_dir}: " + ", ".join(r.unit_id for r in bad),
+            hint="run `neffbuild pull` again",
+        )
+    return None

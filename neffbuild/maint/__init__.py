@@ -1,0 +1,1 @@
+"""Keeping a store healthy: gc and the store check."""

@@ -1,0 +1,1 @@
+"""Worker processes: the job protocol, supervision, scratch dirs and kept logs."""

@@ -1,0 +1,529 @@
+"""The read side of the S3 store: GET, HEAD and listings over a plain urllib3 pool, on presigned URLs.
+
+botocore costs milliseconds of Python per request, and large bodies must not be copied more than
+needed, so reads bypass it: the store presigns each request (store/s3/sigv4.py, or botocore when only
+it can resolve the credentials or endpoint) and this module moves the bytes, receiving them into
+reused buffers and handing them to materialize.write_verified as they arrive. Connection failures,
+throttling and 5xx are retried under neffbuild/retry.py's policy and deadline (a retried body
+continues with a ranged GET from the bytes it has); S3's error codes become typed errors naming the
+object and what needed it.
+No read trusts the server to end a body: each stops at the size it expects (a blob's, a range's)
+or at a limit (documents, indexes, listings, error bodies), whatever Content-Length says.
+"""
+
+from __future__ import annotations
+
+import html
+import http.client
+import mmap
+import re
+import socket
+import threading
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, TypeVar
+
+import urllib3
+
+from neffbuild import retry
+from neffbuild.errors import IntegrityError, NotFoundError, StoreError
+from neffbuild.fs.confined import BlobTarget, aligned_buffer
+from neffbuild.retry import Transient
+from neffbuild.store.base import DOC_MAX, ObjectInfo
+
+PART = 8 << 20  # a large blob is fetched as parallel ranges of this size
+WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART per blob)
+ERROR_BODY_MAX = 64 << 10  # an S3 error body is a few hundred bytes; only its <Code> is read
+LIST_PAGE_MAX = 64 << 20  # a page of 1,000 keys is ~300 KB
+CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
+CREDENTIALS_HINT = "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
+_T = TypeVar("_T")
+# A body that stops short: urllib3's errors, http.client's IncompleteRead, socket errors and timeouts.
+_READ_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
+
+# (HTTP method, key relative to the store, query parameters) -> URL
+Presign = Callable[[str, str, Mapping[str, str]], str]
+Buffer = bytearray | mmap.mmap  # a reusable receive buffer
+_ERROR_CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
+_LIST_ENTRY = re.compile(rb"<Contents>(.*?)</Contents>", re.S)
+_LIST_KEY = re.compile(rb"<Key>([^<]*)</Key>")
+_LIST_SIZE = re.compile(rb"<Size>([0-9]{1,19})</Size>")
+_LIST_MTIME = re.compile(rb"<LastModified>([^<]{1,64})</LastModified>")
+_LIST_NEXT = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
+
+
+def ranges_in_order(
+    data: DataPlane, key: str, target: BlobTarget, fetchers: ThreadPoolExecutor, buffers: Buffers
+) -> Iterator[memoryview]:
+    """The blob's bytes in order, fetched as parallel ranges with WINDOW of them in flight."""
+
+    def fetch(start: int) -> tuple[Buffer, memoryview]:
+        buf = buffers.take()
+        try:
+            return buf, data.get(key, start, min(start + PART, target.size), into=buf, needed=str(target.dest))
+        except BaseException:
+            buffers.give(buf)
+            raise
+
+    pending = deque(fetchers.submit(retry.carried(lambda s=start: fetch(s))) for start in range(0, min(target.size, WINDOW * PART), PART))
+    next_start = WINDOW * PART
+    try:
+        while pending:
+            buf, view = pending.popleft().result()
+            yield view  # write_verified has written it when we resume
+            buffers.give(buf)
+            if next_start < target.size:
+                pending.append(fetchers.submit(retry.carried(lambda s=next_start: fetch(s))))
+                next_start += PART
+    finally:
+        for f in pending:  # on failure: give back what was fetched, cancel the rest
+            if not f.cancel() and f.exception() is None:
+                buffers.give(f.result()[0])
+
+
+def received(response: urllib3.BaseHTTPResponse, buf: Buffer) -> Iterator[memoryview]:
+    """A response body as views of one reused buffer, each valid until the next is requested."""
+    view = memoryview(buf)
+    readinto = direct_readinto(response)
+    length = content_length(response)
+    got = 0
+    while True:
+        try:
+            n = readinto(view)
+        except _READ_ERRORS as exc:
+            raise Transient(f"read failed after {got} bytes ({exc})", received=got) from None
+        if not n:
+            break
+        got += n
+        yield view[:n]
+    if length is not None and length != got:  # http.client reports a connection closed early as a plain end
+        raise Transient(f"connection closed after {got} of {length} bytes", received=got)
+
+
+class Body:
+    """Exact reads from a response body through one reused buffer (a pack range: blob after blob)."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse, buf: Buffer) -> None:
+        self._readinto = direct_readinto(response)
+        self._view = memoryview(buf)
+
+    def take(self, size: int) -> Iterator[memoryview]:
+        """The next size bytes, as views valid until the next is requested."""
+        while size > 0:
+            view = self._view[: min(size, len(self._view))]
+            got = 0
+            while got < len(view):
+                try:
+                    n = self._readinto(view[got:])
+                except _READ_ERRORS as exc:
+                    raise Transient(f"read failed ({exc})") from None
+                if not n:
+                    raise Transient("connection closed before the range ended")
+                got += n
+            size -= got
+            yield view
+
+    def skip(self, size: int) -> None:
+        for _ in self.take(size):
+            pass
+
+
+class Buffers:
+    """Buffers reused across requests: fresh memory costs page faults (and on a VM, host
+    allocations) that cost more than the copy itself; reuse keeps the data plane fast. They are
+    page-aligned, so that materialize can write them to disk with O_DIRECT."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[Buffer] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> Buffer:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return aligned_buffer(self.size)
+
+    def give(self, buf: Buffer) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    @contextmanager
+    def lend(self) -> Iterator[Buffer]:
+        buf = self.take()
+        try:
+            yield buf
+        finally:
+            self.give(buf)
+
+
+class DataPlane:
+    """GET and HEAD of a store's objects (keys relative to its root, `base` its URL for messages)."""
+
+    def __init__(self, presign: Presign, base: str, pool: urllib3.PoolManager) -> None:
+        self._presign = presign
+        self.base = base
+        self.pool = pool
+
+    def where(self, rel: str) -> str:
+        return f"{self.base}/{rel}".rstrip("/")
+
+    def get(
+        self, rel: str, start: int = 0, end: int | None = None, *, into: Buffer | None = None, needed: str | None = None,
+        limit: int = DOC_MAX,
+    ) -> memoryview:  # fmt: skip
+        """Bytes [start, end) of an object (all of it, at most `limit` bytes, if end is None),
+        retried on transient failures.
+
+        They land in `into` when it is large enough (the caller owns it until done with the view).
+        `needed` names what needed the object (a cache file), for the errors.
+        """
+
+        if end is None:
+
+            def attempt() -> memoryview:
+                response = self._get(rel, start, end, needed)
+                try:
+                    return read_body(response, self.where(rel), None, into, needed=needed, limit=limit)
+                finally:
+                    finish(response)
+
+            return self.retried(rel, attempt)
+        view = memoryview(into if into is not None and len(into) >= end - start else bytearray(end - start))[: end - start]
+        got = 0  # a retry asks only for the rest of the range
+
+        def rest() -> memoryview:
+            nonlocal got
+            response = self._get(rel, start + got, end, needed)
+            try:
+                read_body(response, self.where(rel), end - start - got, view[got:], needed=needed, limit=limit)
+            except Transient as failure:
+                got += failure.received
+                raise
+            finally:
+                finish(response)
+            return view
+
+        return self.retried(rel, rest)
+
+    def stream(self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None) -> urllib3.BaseHTTPResponse:
+        """An open response for [start, end) (the whole object if end is None); the caller reads
+        what it expects of it and no more, then finish()es it."""
+
+        def attempt() -> urllib3.BaseHTTPResponse:
+            response = self._get(rel, start, end, needed)
+            length = content_length(response)
+            if end is not None and length is not None and length != end - start:
+                finish(response)
+                raise short_range(self.where(rel), length, end - start, needed)
+            return response
+
+        return self.retried(rel, attempt)
+
+    def resumed(self, rel: str, size: int, buf: Buffer, *, needed: str | None = None) -> Iterator[memoryview]:
+        """An object's `size` bytes in order, as views of buf (see received). A body cut short
+        continues with a ranged GET from the bytes already received, under the retry policy; the
+        caller still checks what it got as a whole (write_verified hashes every byte)."""
+        got = tries = 0
+        while True:
+            response = self.stream(rel, got, size if got else None, needed=needed)
+            before = got
+            try:
+                for view in received(response, buf):
+                    got += len(view)
+                    yield view
+                return
+            except Transient as failure:
+                if got > before:
+                    tries = 0  # it moved on: a drop now and then is not a failing store
+                retry.pause(self.where(rel), tries, failure)
+                tries += 1
+            finally:
+                finish(response)
+
+    def read(self, rel: str, *, limit: int = DOC_MAX) -> tuple[bytes, str] | None:
+        """A small object's bytes and ETag, or None if there is no such key. At most limit + 1
+        bytes are read: one more than limit proves the object too long (the caller decides)."""
+
+        def attempt() -> tuple[bytes, str] | None:
+            response = self._request("GET", rel, preload_content=False)
+            try:
+                if response.status == 200:
+                    return read_at_most(response, limit), response.headers.get("ETag", "")
+                body = read_error_body(response)
+            finally:
+                finish(response)
+            if response.status == 404 and error_code(body) != "NoSuchBucket":
+                return None
+            raise http_error(self.base, rel, response.status, body, None)
+
+        return self.retried(rel, attempt)
+
+    def list(self, rel_prefix: str, store_prefix: str, *, page_size: int | None = None) -> list[str]:
+        """Keys under a prefix (ListObjectsV2, every page), relative to the store root."""
+        return [o.key for o in self.objects(rel_prefix, store_prefix, page_size=page_size)]
+
+    def objects(self, rel_prefix: str, store_prefix: str, *, page_size: int | None = None) -> Iterator[ObjectInfo]:
+        """The objects under a prefix with their size and time, page after page (ListObjectsV2)."""
+        params = {"list-type": "2", "prefix": store_prefix + rel_prefix, "encoding-type": "url"}
+        if page_size is not None:  # the server's default (1,000) otherwise
+            params["max-keys"] = str(page_size)
+        while True:
+            page = self.retried(rel_prefix, lambda p=dict(params): self._list_page(rel_prefix, p))
+            encoded = b"<EncodingType>url</EncodingType>" in page  # a server may ignore encoding-type
+            for entry in _LIST_ENTRY.findall(page):
+                yield self._listed(rel_prefix, entry, encoded, len(store_prefix))
+            token = _LIST_NEXT.search(page)
+            if b"<IsTruncated>true</IsTruncated>" not in page or token is None:
+                return
+            params["continuation-token"] = html.unescape(token.group(1).decode(errors="replace"))
+
+    def _listed(self, rel_prefix: str, entry: bytes, encoded: bool, cut: int) -> ObjectInfo:
+        """One <Contents> entry of a listing page; one without a key, size or time is not S3's."""
+        key, size, mtime = _LIST_KEY.search(entry), _LIST_SIZE.search(entry), _LIST_MTIME.search(entry)
+        try:
+            when = datetime.fromisoformat(mtime.group(1).decode()).timestamp() if mtime else None
+        except ValueError:
+            when = None
+        if key is None or size is None or when is None:
+            raise StoreError(f"{self.where(rel_prefix)}: a listing entry without a key, size or time", hint="the endpoint is not an S3 server")
+        name = html.unescape(key.group(1).decode(errors="replace"))
+        return ObjectInfo((urllib.parse.unquote(name) if encoded else name)[cut:], int(size.group(1)), when)
+
+    def _list_page(self, rel_prefix: str, params: Mapping[str, str]) -> bytes:
+        response = self._request("GET", "", params, named=rel_prefix, preload_content=False)
+        try:
+            if response.status != 200:
+                raise http_error(self.base, rel_prefix, response.status, read_error_body(response), None)
+            page = read_at_most(response, LIST_PAGE_MAX)
+        finally:
+            finish(response)
+        if len(page) > LIST_PAGE_MAX:
+            raise StoreError(f"{self.where(rel_prefix)}: a listing page over {LIST_PAGE_MAX} bytes", hint="the endpoint is not an S3 server")
+        return page
+
+    def exists(self, rel: str) -> bool:
+        def attempt() -> bool:
+            response = self._request("HEAD", rel)
+            if response.status in (200, 404):
+                return response.status == 200
+            raise http_error(self.base, rel, response.status, b"", None)
+
+        return self.retried(rel, attempt)
+
+    def _request(
+        self, method: str, rel: str, params: Mapping[str, str] | None = None, *, named: str | None = None, **kwargs: Any
+    ) -> urllib3.BaseHTTPResponse:
+        """One presigned request; a connection failure is Transient (named: what to call it then).
+
+        Its socket timeouts end at the deadline; a response whose body the caller streams is cut
+        (its socket shut down) when the deadline passes, until finish() releases it."""
+        connect, read = retry.timeouts()
+        timeout = urllib3.Timeout(connect=connect, read=read)
+        try:
+            response = self.pool.request(method, self._presign(method, rel, params or {}), timeout=timeout, **kwargs)
+        except urllib3.exceptions.HTTPError as exc:
+            raise unreachable(self.base, rel if named is None else named, exc) from None
+        deadline = retry.current()
+        if deadline is not None and not kwargs.get("preload_content", True) and (sock := body_socket(response)) is not None:
+            deadline.watch(id(response), lambda: _shut(sock))
+        return response
+
+    def _get(self, rel: str, start: int, end: int | None, needed: str | None) -> urllib3.BaseHTTPResponse:
+        headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
+        response = self._request("GET", rel, headers=headers, preload_content=False)
+        if response.status == (200 if end is None else 206):
+            return response
+        try:
+            body = read_error_body(response)
+        finally:
+            finish(response)
+        raise http_error(self.base, rel, response.status, body, needed)
+
+    def retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
+        """attempt() under the retry policy (neffbuild/retry.py), naming rel's URL when it gives up."""
+        return retry.retried(self.where(rel), attempt)
+
+
+def body_socket(response: urllib3.BaseHTTPResponse) -> socket.socket | None:
+    """The socket a response's body is read from: http.client's file over it (the connection
+    forgets its socket when the server says it will close, but the body still comes through it)."""
+    reader = getattr(getattr(response, "_fp", None), "fp", None)  # http.client's buffered socket file
+    sock = getattr(getattr(reader, "raw", None), "_sock", None)
+    return sock if isinstance(sock, socket.socket) else getattr(getattr(response, "connection", None), "sock", None)
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection's reads now (a blocked recv returns): close() alone would not wake it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
+def unreachable(base: str, rel: str, exc: urllib3.exceptions.HTTPError) -> Transient:
+    if isinstance(exc, urllib3.exceptions.NewConnectionError | urllib3.exceptions.ConnectTimeoutError):
+        return Transient(f"cannot reach S3 ({exc})", hint="check --endpoint-url / AWS_ENDPOINT_URL and the network")
+    return Transient(str(exc))
+
+
+def error_code(body: bytes) -> str:
+    """S3's error code from an XML error body ("" if there is none)."""
+    found = _ERROR_CODE.search(body or b"")
+    return found.group(1).decode(errors="replace") if found else ""
+
+
+def read_body(
+    response: urllib3.BaseHTTPResponse, where: str, wanted: int | None, into: Buffer | None, *, needed: str | None, limit: int
+) -> memoryview:
+    """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop).
+
+    wanted: the length of the range asked for (the server must say it sends exactly that); without
+    a range, the body may be at most `limit` bytes, whatever Content-Length says or omits.
+    """
+    length = content_length(response)
+    if wanted is not None and length != wanted:  # the server clipped the range: the object is short
+        raise short_range(where, length, wanted, needed)
+    if length is None:  # no length given: read to the end, but not past the limit
+        data = read_at_most(response, limit)
+        if len(data) > limit:
+            raise too_long(where, limit, needed)
+        return memoryview(data)
+    if length > limit and wanted is None:
+        raise too_long(where, limit, needed)
+    buf = into if into is not None and len(into) >= length else bytearray(length)
+    view = memoryview(buf)[:length]
+    got = 0
+    readinto = direct_readinto(response)
+    try:
+        while got < length and (n := readinto(view[got:])):
+            got += n
+    except _READ_ERRORS as exc:
+        raise Transient(f"read failed after {got} of {length} bytes ({exc})", received=got) from None
+    if got != length:
+        raise Transient(f"connection closed after {got} of {length} bytes", received=got)
+    return view
+
+
+def read_at_most(response: urllib3.BaseHTTPResponse, limit: int) -> bytes:
+    """At most limit + 1 bytes of a body: one byte more than limit proves it too long."""
+    data = bytearray()
+    try:
+        while len(data) <= limit and (chunk := response.read(min(1 << 20, limit + 1 - len(data)))):
+            data += chunk
+    except _READ_ERRORS as exc:
+        raise Transient(f"read failed after {len(data)} bytes ({exc})") from None
+    return bytes(data)
+
+
+def read_error_body(response: urllib3.BaseHTTPResponse) -> bytes:
+    """The start of an error response's body (its <Code>), or b"" if it cannot be read."""
+    try:
+        return read_at_most(response, ERROR_BODY_MAX)
+    except Transient:
+        return b""
+
+
+def content_length(response: urllib3.BaseHTTPResponse) -> int | None:
+    """The Content-Length the server declared, or None if absent or not a plain number."""
+    value = response.headers.get("Content-Length", "").strip()
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 19 else None
+
+
+def needed_for(needed: str | None) -> str:
+    return f" (needed for {needed})" if needed else ""
+
+
+def short_range(where: str, length: int | None, wanted: int, needed: str | None) -> IntegrityError:
+    sent = "no length" if length is None else f"{length} bytes"
+    return IntegrityError(
+        f"{where}: the server sent {sent} for a {wanted}-byte range: the object is not as long as its index or release says"
+        f"{needed_for(needed)}",
+        hint=CORRUPT_HINT,
+    )
+
+
+def too_long(where: str, limit: int, needed: str | None) -> IntegrityError:
+    return IntegrityError(f"{where}: longer than {limit} bytes, more than such an object holds{needed_for(needed)}", hint=CORRUPT_HINT)
+
+
+def finish(response: urllib3.BaseHTTPResponse) -> None:
+    """Give the connection back for reuse only if its body was read to the end; else close it
+    (a half-read body left on a pooled connection would be parsed as the next response)."""
+    deadline = retry.current()
+    if deadline is not None:
+        deadline.unwatch(id(response))
+    raw = getattr(response, "_fp", None)
+    if raw is not None and not (isinstance(raw, http.client.HTTPResponse) and raw.isclosed()):
+        response.close()
+    response.release_conn()
+
+
+def direct_readinto(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview], int]:
+    """The socket-level readinto under urllib3's response when there is one.
+
+    urllib3's own readinto reads into a new bytes object and copies it: for large bodies that is an
+    extra copy plus fresh pages per call. http.client's receives into our buffer directly. Bodies
+    here are plain (S3 sends no Content-Encoding for our objects), so nothing is skipped.
+    """
+    raw = getattr(response, "_fp", None)
+    if isinstance(raw, http.client.HTTPResponse) and not response.headers.get("Content-Encoding"):
+        return raw.readinto
+    return response.readinto
+
+
+def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None) -> Exception:
+    where = f"{base}/{rel}".rstrip("/")
+    code = error_code(body)
+    if code == "NoSuchBucket":
+        bucket = base.removeprefix("s3://").split("/", 1)[0]
+        return StoreError(f"bucket {bucket!r} does not exist", hint="create it (e.g. aws s3 mb), or publish to it (that creates it)")
+    if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException") or status in (301, 307):
+        return StoreError(f"{where}: the bucket is in another region ({code or status})", hint="set AWS_REGION to the bucket's region")
+    if status == 404:
+        return NotFoundError(f"{where} is missing{needed_for(needed)}", hint="re-push the release to this store")
+    if status == 403:
+        return StoreError(f"access denied to {where} ({code or status})", hint=CREDENTIALS_HINT)
+    if status == 416:
+        return IntegrityError(f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT)
+    if status >= 500 or status == 429:  # throttled (503 SlowDown, 429) or failing: worth another try
+        return Transient(f"HTTP {status} {code}".rstrip(), throttled=status in (429, 503))
+    return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
+
+
+def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:
+    """The data plane's pool; honours AWS_CA_BUNDLE and HTTP(S)_PROXY/NO_PROXY as botocore does."""
+    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=retry.CONNECT_S, read=retry.READ_S)}
+    if env.get("AWS_CA_BUNDLE"):
+        kwargs["ca_certs"] = env["AWS_CA_BUNDLE"]
+    scheme, host = "https", "s3.amazonaws.com"
+    if endpoint:
+        parsed = urllib.parse.urlsplit(endpoint)
+        scheme, host = parsed.scheme, parsed.hostname or ""
+    proxies = {k.lower().removesuffix("_proxy"): v for k, v in env.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
+    proxy = proxies.get(scheme)
+    if proxy and not urllib.request.proxy_bypass_environment(host, proxies):
+        return urllib3.ProxyManager(proxy, **kwargs)
+    return urllib3.PoolManager(**kwargs)
+
+
+def run_all(tasks: Sequence[Callable[[], _T]], jobs: int) -> list[_T]:
+    """Run tasks in a pool, results in order; the first failure cancels what has not started."""
+    if not tasks:
+        return []
+    if len(tasks) == 1:
+        return [tasks[0]()]
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
+        futures = [pool.submit(retry.carried(t)) for t in tasks]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            for f in futures:
+                f.cancel()
+            raise failed.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]

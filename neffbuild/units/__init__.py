@@ -1,0 +1,1 @@
+"""A manifest expanded against a host: build units and their keys."""

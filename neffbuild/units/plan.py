@@ -1,0 +1,301 @@
+"""Expand a manifest into build units, one per (model entry, shape), each with its cache key.
+
+A unit's key hashes the normalised unit (model identity, pipeline, dtype, mode, components, shape,
+the call arguments that change a graph, environment it sets) together with the environment
+fingerprint its backend reports. Two hosts agree on a key exactly when a cache built on one
+serves the other. Call arguments that only change how often graphs run (the number of steps,
+prompt texts a pipeline pads to a fixed length) are left out of the key, and shown as such.
+
+Before any key is computed, the plan is checked against this host and the pipeline: a mistake
+found here costs a second, found by a worker it costs a minute of loading first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neffbuild.backends import get_backend
+from neffbuild.backends.base import Backend
+from neffbuild.documents.records import unit_key
+from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
+from neffbuild.hashing import canonical_json, hash_bytes
+from neffbuild.documents.manifest import LoadedManifest, ModelEntry, Shape, is_local_model, join_problems
+
+TEXT = "<text>"  # a prompt text left out of the key: its place (and count) stays in
+# Config-like files that define a local model's graphs; weights only change values, not code.
+_MODEL_CONFIG_SUFFIXES = {".json", ".txt", ".model", ".jinja"}
+_MODEL_CONFIG_MAX_BYTES = 16 << 20
+
+FactsProvider = Callable[[Backend, Mapping[str, str], str], Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class BuildUnit:
+    unit_id: str
+    entry: ModelEntry
+    shape: Shape
+    model_ref: str
+    env: Mapping[str, str]  # what the unit sets for build and serving (backend defaults + manifest)
+    normalized: Mapping[str, Any]
+    fingerprint: Mapping[str, str]
+    key: str
+    left_out: Mapping[str, Any] = field(default_factory=dict)  # call arguments not in the key
+
+
+@dataclass(frozen=True)
+class Plan:
+    loaded: LoadedManifest
+    backend_name: str
+    units: tuple[BuildUnit, ...]
+    runtime_env: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what a user must know: another host, nothing cached, unchecked
+    # [toolchain] facts that differ from this host's: (declared, here). Empty: plan for this host.
+    other_host: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+    def by_entry(self) -> dict[str, list[BuildUnit]]:
+        grouped: dict[str, list[BuildUnit]] = {}
+        for unit in self.units:
+            grouped.setdefault(unit.entry.id, []).append(unit)
+        return grouped
+
+
+def collect_facts(backend: Backend, env: Mapping[str, str], device: str) -> Mapping[str, str]:
+    return backend.collect_facts(env, device)
+
+
+def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: FactsProvider = collect_facts) -> Plan:
+    """Check, expand and key every unit; `env` is the environment the build will run in."""
+    backend_name = _single_backend(loaded)
+    backend = get_backend(backend_name)
+    notes = check_entries(loaded, backend, env)
+    declared = dict(loaded.manifest.toolchain or {})
+    facts_cache: dict[str, Mapping[str, str]] = {}
+    other_host: dict[str, tuple[str, str]] = {}
+    units: list[BuildUnit] = []
+    for entry in loaded.manifest.models:
+        scope = backend.scope(entry)
+        unit_env = dict(scope.env)
+        if entry.device not in facts_cache:
+            probed = facts_provider(backend, {**env, **unit_env}, entry.device)
+            other_host.update({k: (v, probed.get(k, "")) for k, v in declared.items() if probed.get(k) != v})
+            facts_cache[entry.device] = _usable_facts(loaded, backend, {**probed, **declared}, {**env, **unit_env})
+        fingerprint = backend.fingerprint(facts_cache[entry.device], {**env, **unit_env}, scope)
+        identity = model_identity(loaded, entry)
+        keyed_call, left_out = split_call(entry)
+        for shape in entry.expanded_shapes():
+            normalized = normalize_unit(entry, shape, identity, unit_env, keyed_call)
+            key = unit_key(normalized, fingerprint)
+            units.append(
+                BuildUnit(
+                    unit_id=f"{entry.id}/{entry.unit_label(shape)}",
+                    entry=entry,
+                    shape=shape,
+                    model_ref=loaded.resolve_model(entry),
+                    env=unit_env,
+                    normalized=normalized,
+                    fingerprint=fingerprint,
+                    key=key,
+                    left_out=left_out,
+                )
+            )
+    if other_host:
+        differing = ", ".join(f"{k} {d!r} (here {h or 'absent'!r})" for k, (d, h) in sorted(other_host.items()))
+        notes = [f"planning for another host: keys use the facts [toolchain] declares: {differing}", *notes]
+    return Plan(
+        loaded=loaded,
+        backend_name=backend_name,
+        units=tuple(units),
+        runtime_env=_merged_env(loaded, units),
+        notes=tuple(notes),
+        other_host=other_host,
+    )
+
+
+def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, str]) -> list[str]:
+    """Every check that needs no compile, before any worker starts: the toolchain table, this
+    host's compiler and device, the pipeline class, call arguments and components. Raises one
+    ManifestError (exit 2) with every problem; returns notes (what could not be checked, or
+    what a user must know)."""
+    from neffbuild.backends.pipelines import check_pipeline, model_index
+
+    declared = loaded.manifest.toolchain is not None
+    problems = _toolchain_problems(loaded, backend)
+    notes: list[str] = []
+    for entry in loaded.manifest.models:
+        found = [*backend.validate(entry, loaded), *backend.check_host(entry, env, declared=declared)]
+        if not any(p.field == "backend" for p in found):
+            index = model_index(loaded.resolve_model(entry), entry.revision, is_local_model(entry.model))
+            try:
+                pipeline_problems, unchecked = check_pipeline(entry, index)
+            except ImportError as exc:
+                if not declared:
+                    raise InputError(
+                        f"diffusers is not importable here ({exc}): cannot plan {loaded.path}",
+                        hint="pip install 'neffbuild[compile]'",
+                    ) from None
+                pipeline_problems, unchecked = [], ["its pipeline, call arguments and components (no diffusers here)"]
+            found += pipeline_problems
+            notes += [f"model[{entry.id}]: not checked before building: {what}" for what in unchecked]
+        if entry.mode == "eager" and not backend.caches_eager:
+            notes.append(
+                f"model[{entry.id}]: mode 'eager' on the {backend.name} backend compiles nothing, so nothing is "
+                "cached: `build` refuses it; it serves as a reference (`verify --replay --outputs`)"
+            )
+        problems += [(f"model[{entry.id}].{p}", p.hint) for p in found]
+    if problems:
+        hint = problems[0][1] if len(problems) == 1 else "fix the entries named above"
+        raise ManifestError(join_problems(loaded.path, [p for p, _ in problems]), hint=hint or "fix the entry named above")
+    return notes
+
+
+def check_buildable(plan: Plan) -> None:
+    """Refuse, before any worker starts, a build that would publish nothing or lie about its keys."""
+    backend = get_backend(plan.backend_name)
+    if plan.other_host:
+        name, (declared, here) = sorted(plan.other_host.items())[0]
+        raise EnvironmentMismatch(
+            f"{plan.loaded.path}: [toolchain] plans for another host ({name} {declared!r}, here {here or 'absent'!r}); "
+            "this host cannot build those keys",
+            hint="build on the host the [toolchain] table describes (`neffbuild plan` works from anywhere)",
+        )
+    eager = [e.id for e in plan.loaded.manifest.models if e.mode == "eager" and not backend.caches_eager]
+    if eager:
+        raise InputError(
+            f"{plan.loaded.path}: model[{eager[0]}]: mode 'eager' on the {backend.name} backend compiles nothing, "
+            "so there is nothing to cache or publish",
+            hint="use mode = 'full' or 'regional'; an eager entry serves only as a reference for `verify --replay`",
+        )
+
+
+def split_call(entry: ModelEntry) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the call arguments the key holds, those left out of it: warmup-only ones, and prompt texts
+    where the pipeline pads them to a fixed length, whose number stays keyed as <text> places)."""
+    from neffbuild.backends.pipelines import PADDED_PROMPTS, WARMUP_ONLY
+
+    padded = PADDED_PROMPTS.get(entry.pipeline, frozenset())
+    keyed: dict[str, Any] = {}
+    left_out: dict[str, Any] = {}
+    for name, value in sorted(entry.call_arguments().items()):
+        if name in WARMUP_ONLY:
+            left_out[name] = value
+        elif name in padded:
+            left_out[name] = value
+            keyed[name] = [TEXT] * len(value) if isinstance(value, list) else TEXT
+        else:
+            keyed[name] = value
+    return keyed, left_out
+
+
+def normalize_unit(
+    entry: ModelEntry, shape: Shape, identity: Mapping[str, str], unit_env: Mapping[str, str], keyed_call: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Everything about the unit that changes its compiled result; nothing that does not (its name,
+    warmup-only call arguments)."""
+    return {
+        "model": dict(identity),
+        "pipeline": entry.pipeline,
+        "dtype": entry.dtype,
+        "backend": entry.backend,
+        "device": entry.device,
+        "mode": entry.mode,
+        "components": list(entry.components) if entry.mode != "eager" else [],
+        "tensor_parallel": entry.tensor_parallel,
+        "shape": shape.model_dump(),
+        "call": dict(keyed_call),
+        "env": dict(sorted(unit_env.items())),
+    }
+
+
+def model_identity(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, str]:
+    """Hub models by id and revision; local models by the digest of their config files (not
+    their path, so the same model in another directory keys the same)."""
+    if not is_local_model(entry.model):
+        return {"hub": entry.model, "revision": entry.revision or ""}
+    root = Path(loaded.resolve_model(entry))
+    parts = []
+    try:
+        for path in sorted(root.rglob("*")):
+            if path.suffix in _MODEL_CONFIG_SUFFIXES and path.is_file() and path.stat().st_size <= _MODEL_CONFIG_MAX_BYTES:
+                parts.append({"path": path.relative_to(root).as_posix(), "digest": hash_bytes(path.read_bytes())})
+    except OSError as exc:
+        raise ManifestError(
+            f"{loaded.path}: model[{entry.id}].model: cannot read {exc.filename or root}: {exc.strerror or exc}",
+            hint="the model directory must be readable by the user who plans and builds",
+        ) from None
+    return {"local_config": hash_bytes(canonical_json(parts))}
+
+
+def plan_document(plan: Plan) -> dict[str, Any]:
+    """`neffbuild plan --json`: units, keys, what each key holds and which call arguments it leaves out."""
+    return {
+        "manifest": str(plan.loaded.path),
+        "name": plan.loaded.manifest.name,
+        "backend": plan.backend_name,
+        "host": "declared by [toolchain]" if plan.other_host else "this host",
+        "notes": list(plan.notes),
+        "env": dict(plan.runtime_env),
+        "units": [
+            {
+                "unit_id": u.unit_id,
+                "key": u.key,
+                "unit": u.normalized,
+                "left_out_of_key": dict(u.left_out),
+                "fingerprint": u.fingerprint,
+            }
+            for u in plan.units
+        ],
+    }
+
+
+def _toolchain_problems(loaded: LoadedManifest, backend: Backend) -> list[tuple[str, str]]:
+    import difflib
+
+    problems = []
+    for name in loaded.manifest.toolchain or {}:
+        if name not in backend.fact_names:
+            close = difflib.get_close_matches(name, backend.fact_names, n=1, cutoff=0.6)
+            problems.append(
+                (
+                    f"toolchain.{name}: not a fact of the {backend.name} backend" + (f"; did you mean {close[0]!r}?" if close else ""),
+                    f"it takes {', '.join(backend.fact_names)}",
+                )
+            )
+    return problems
+
+
+def _usable_facts(loaded: LoadedManifest, backend: Backend, facts: Mapping[str, str], env: Mapping[str, str]) -> Mapping[str, str]:
+    unusable = backend.unusable_facts(facts, env)
+    if unusable:
+        source = "[toolchain] declares" if loaded.manifest.toolchain else "this host has"
+        raise ManifestError(
+            f"{loaded.path}: toolchain: {source} no {', '.join(unusable)}: keys would not name what builds them",
+            hint=f"declare them in the manifest's [toolchain] table (e.g. {unusable[0]} = \"...\"), "
+            "or plan on the build host",
+        )
+    return facts
+
+
+def _single_backend(loaded: LoadedManifest) -> str:
+    names = sorted({e.backend for e in loaded.manifest.models})
+    if len(names) > 1:
+        raise ManifestError(
+            f"{loaded.path}: entries use several backends ({', '.join(names)})",
+            hint="one manifest feeds one cache dir: split it into one manifest per backend",
+        )
+    return names[0]
+
+
+def _merged_env(loaded: LoadedManifest, units: list[BuildUnit]) -> dict[str, str]:
+    """The environment one serving process needs for all entries; a clash cannot be served."""
+    merged: dict[str, str] = {}
+    for unit in units:
+        for name, value in unit.env.items():
+            if merged.setdefault(name, value) != value:
+                raise ManifestError(
+                    f"{loaded.path}: model[{unit.entry.id}].env.{name}: {value!r} differs from another entry's {merged[name]!r}",
+                    hint="one serving process has one environment: make the entries agree",
+                )
+    return dict(sorted(merged.items()))
