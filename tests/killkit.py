@@ -1,4 +1,4 @@
-"""Kill real pulls and look at what they leave: shared by tests/test_pull_faults.py and
+"""Kill real pulls and look at what they leave: shared by tests/host/test_pull_faults.py and
 bench/killpull.py.
 
 A point is one `neffbuild pull` process, SIGKILLed after a delay, into a cache dir that was empty

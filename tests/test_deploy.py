@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.store.local import LocalStore
-from tests.test_pull import FILES, publish_files
+from tests.host.test_pull import FILES, publish_files
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNITS = ("neffbuild-pull.service", "image-server.service")

@@ -12,8 +12,8 @@ from neffbuild.build.publish import move_tag
 from neffbuild.documents.refs import parse_ref
 from neffbuild.store.base import doc_key
 from neffbuild.store.local import LocalStore
-from tests.test_materialize import snapshot
-from tests.test_pull import FILES, publish_files
+from tests.fs.test_confined import snapshot
+from tests.host.test_pull import FILES, publish_files
 
 TRAVERSING = ["../../../outside", "../releases/x", "a/b", "/abs", "..", ".hidden", "-flag", "a\nb", "a b", "x" * 129, "\ud800", ""]
 

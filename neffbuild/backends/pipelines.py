@@ -23,7 +23,7 @@ from neffbuild.documents.manifest import ModelEntry
 
 # Pipelines whose prompt encoders pad every prompt to a fixed token length (tokenizer
 # padding="max_length", truncation=True), read in diffusers 0.42's sources and re-checked against
-# the installed diffusers by tests/test_plan.py: the text changes tensor values, never shapes,
+# the installed diffusers by tests/units/test_plan.py: the text changes tensor values, never shapes,
 # so the prompt texts are left out of the key (their number stays in: it is the batch).
 # The lines that only warn about truncation (padding="longest") do not feed the models.
 PADDED_PROMPTS: Mapping[str, frozenset[str]] = {
@@ -35,7 +35,7 @@ PADDED_PROMPTS: Mapping[str, frozenset[str]] = {
 }
 # Call arguments that never change a compiled graph: the scheduler runs eagerly and hands the
 # models a timestep tensor per step, so the number of steps changes how often graphs run, not
-# what they are (diffusers' Neuron guide says the same; tests/test_plan.py replays it).
+# what they are (diffusers' Neuron guide says the same; tests/units/test_plan.py replays it).
 WARMUP_ONLY = frozenset({"num_inference_steps"})
 _AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 _LIBRARIES = ("diffusers", "transformers")  # component libraries whose classes plan may import

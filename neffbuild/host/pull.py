@@ -3,7 +3,7 @@
 Each file lands through materialize.write_verified (a temp file, hashed while written, then named),
 so a crash or a bad object never leaves half a file: each path holds its old bytes, its new bytes
 or (killed as it replaced them) nothing, and where the filesystem has unnamed files (O_TMPFILE)
-no temp name ever appears beside them (tests/test_pull_faults.py kills pulls to check). A small state file
+no temp name ever appears beside them (tests/host/test_pull_faults.py kills pulls to check). A small state file
 remembers (size, mtime) of what we wrote, so a complete cache makes pull a no-op without
 re-reading gigabytes of NEFFs; a no-op pull writes nothing at all (a full disk does not fail it).
 

@@ -26,7 +26,7 @@ from neffbuild.store import open_store
 from neffbuild.store.local import LocalStore
 from tests.storekit import publish_release_of, write_files
 from tests.tcpproxy import TcpProxy
-from tests.test_pull import publish_files
+from tests.host.test_pull import publish_files
 
 HOSTILE_VALUES = {
     "TORCHINDUCTOR_A": "it's $(touch PWNED) `touch PWNED` \"quoted\" \\ back\\slash",

@@ -163,7 +163,7 @@ def test_debug_flag_shows_the_traceback(tmp_path: Path, model_dir: Path, cli) ->
 
 
 def test_shipped_schema_is_current_and_accepts_the_repo_manifests(cli) -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     shipped = json.loads((root / "neffbuild" / "schema" / "manifest.schema.json").read_text())
     assert shipped == manifest_json_schema(), "regenerate: neffbuild schema > neffbuild/schema/manifest.schema.json"
     printed = cli("schema")

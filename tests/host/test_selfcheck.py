@@ -11,7 +11,7 @@ import pytest
 
 from neffbuild.backends.neuron import NeuronBackend
 from neffbuild.host.selfcheck import NAMES, check_import_defaults, check_tp_keys, neuron_selfcheck, run_probe
-from tests.test_neuron import _has_torch_neuronx, fake_torch_neuronx
+from tests.backends.test_neuron import _has_torch_neuronx, fake_torch_neuronx
 
 
 def with_fake(tmp_path: Path, **kw: str) -> tuple[NeuronBackend, dict[str, str]]:

@@ -27,7 +27,7 @@ from tests.gckit import age, publish, referenced, release
 from tests.procs import wait_for
 from tests.storekit import keys_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DAY = 86400
 
 

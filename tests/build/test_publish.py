@@ -16,7 +16,7 @@ from neffbuild.store import open_store
 from neffbuild.store.base import Store
 from tests.storekit import publish_release_of, write_files
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MOVES = 6  # tag moves per process: enough that the two really interleave
 
 # Each publisher: two releases of its own (blobs, bundle, release), then MOVES moves of the shared

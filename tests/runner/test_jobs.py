@@ -33,7 +33,7 @@ from neffbuild.runner.jobs import (
 from neffbuild.documents.manifest import ModelEntry, Shape
 from tests.procs import gone, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def entry() -> ModelEntry:

@@ -31,7 +31,7 @@ from tests.conftest import write_model_index
 from neffbuild.documents.manifest import ModelEntry, ShapeSet, load_manifest
 from neffbuild.units.plan import make_plan
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 NEFF = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/\1\2[0-9a-f]{28}\.neff$")
 EAGER_NEFF = re.compile(r"^([0-9a-f]{64})/\1\.neff$")  # the Python compiler path's layout
 VERSIONS = {"torch": "2.13.0", "torch-neuronx": "2.13.0.1", "neuronx-cc": "2.21.33", "diffusers": "0.42.1", "transformers": "5.0.0"}

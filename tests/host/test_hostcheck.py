@@ -18,7 +18,7 @@ from neffbuild.documents.records import BundleRecord, Release, ReleaseUnit, Timi
 from neffbuild.host.hostcheck import FieldDiff, check_host, host_fingerprint
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.units.plan import make_plan
-from tests.test_plan import manifest  # noqa: F401 - the fixture
+from tests.units.test_plan import manifest  # noqa: F401 - the fixture
 
 # The environment the build and the checks run in: what the thread count and ISA read from.
 BASE_ENV = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY")}
@@ -153,7 +153,7 @@ def test_facts_are_read_without_torch_and_agree_with_torch():
         " 'facts': b.collect_facts({}, 'cpu')}))\n"
         "import torch; print(json.dumps(b.worker_facts({}, 'cpu')))\n"
     )
-    env = {**BASE_ENV, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**BASE_ENV, "PYTHONPATH": str(Path(__file__).parents[2])}
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
     first, second = (json.loads(line) for line in out.stdout.splitlines())

@@ -382,7 +382,7 @@ def test_a_disk_that_fills_mid_pull_is_a_one_line_error_and_leaves_nothing_behin
 
 # ---- a hostile cache dir: no symlink below --cache-dir is followed (issue 9) ----------------------
 
-from tests.test_materialize import snapshot  # noqa: E402
+from tests.fs.test_confined import snapshot  # noqa: E402
 
 
 @pytest.fixture
@@ -683,7 +683,7 @@ def test_a_state_whose_release_was_edited_is_corrupt_until_a_pull_rewrites_it(st
 
 # ---- preflight: the host is compared with the release before any byte moves (issue 11) -----------
 
-from tests.test_status import publish_units, without_flag  # noqa: E402
+from tests.host.test_status import publish_units, without_flag  # noqa: E402
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
