@@ -7,15 +7,22 @@ unit wrote entries of other bytes under other names, and no two builds released 
 Those times are read only to log the time a hit saves, so the worker records them as zero
 before each entry is pickled. Where a torch version lacks these methods nothing is patched:
 builds still work, their entries just differ from build to build (docs/ci.md says so).
+
+An AOTAutograd entry also keeps the lines that explain its graph key, for a log line on a miss;
+they show functions by repr, with their address in the compiling process: those addresses are
+written as `0x?`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any
 
 log = logging.getLogger(__name__)
+# `<function select_decomp_table at 0x7f8987881080>`: an object's address in this process.
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+>")
 
 
 def zero_compile_times() -> bool:
@@ -46,6 +53,8 @@ def zero_compile_times() -> bool:
             for name in ("forward_time_taken_ns", "backward_time_taken_ns"):
                 if hasattr(entry, name):
                     setattr(entry, name, 0)
+            for name in ("compiled_fw", "compiled_bw"):
+                _without_addresses(getattr(entry, name, None))
             return save_entry(key, entry, *args, **kwargs)
 
         _save.neffbuild_patched = True  # type: ignore[attr-defined]
@@ -54,3 +63,11 @@ def zero_compile_times() -> bool:
     if patched < 2:
         log.warning("this torch lacks an Inductor cache writer neffbuild knows: entries will differ from build to build")
     return patched == 2
+
+
+def _without_addresses(compiled: Any) -> None:
+    info = getattr(compiled, "fx_graph_cache_info", None)
+    if not (isinstance(info, tuple) and len(info) == 2 and isinstance(info[1], list)):
+        return
+    lines = [_ADDRESS.sub(" at 0x?>", line) if isinstance(line, str) else line for line in info[1]]
+    object.__setattr__(compiled, "fx_graph_cache_info", (info[0], lines))
