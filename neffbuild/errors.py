@@ -109,6 +109,20 @@ class StateCorrupt(NeffbuildError):
     exit_code = 13
 
 
+class IncompleteRelease(NeffbuildError):
+    """`release`: a unit of the manifest has no bundle in the store yet; nothing was released."""
+
+    exit_code = 14
+
+
+class WorkerKilled(BuildError):
+    """A build worker was killed by a signal or the OOM killer, not failed by its compile: a
+    retry (of the unit, or of the shard) may pass, so fleets retry this code and not exit 5."""
+
+    exit_code = 15
+    how = "killed"  # "killed by SIGKILL", "killed by the OOM killer (...)"
+
+
 class Interrupted(NeffbuildError):
     """SIGINT or SIGTERM stopped a build or replay; its exit code is the shell's 128 + signal."""
 

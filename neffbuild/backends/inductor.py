@@ -20,7 +20,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Backend, Problem, UnitScope, cpu_isa_flags, dynamo_counters, relevant_env
+from neffbuild.backends.base import (
+    Backend,
+    Problem,
+    UnitScope,
+    cpu_isa_flags,
+    dynamo_counters,
+    relevant_env,
+)
 from neffbuild.backends.serving import INDUCTOR
 
 if TYPE_CHECKING:
@@ -131,6 +138,12 @@ class InductorBackend(Backend):
                     )
                 ]
         return []
+
+    def prepare_process(self, shape_count: int) -> None:
+        super().prepare_process(shape_count)
+        from neffbuild.backends.inductor_repro import zero_compile_times
+
+        zero_compile_times()  # entries of the same bytes on every build (inductor_repro.py)
 
     def worker_env(self, cache_dir: Path, scratch: Path) -> dict[str, str]:
         return {

@@ -124,9 +124,19 @@ def main(argv: list[str]) -> int:
         if world > 1:
             error = f"rank {rank} of {world}: {error}"
         result = WorkerResult(fingerprint={}, load_s=0.0, runs=(), error=error, traceback=trace)
+    result = result.model_copy(update={"peak_rss": peak_rss()})
     if writes_result(os.environ) or result.error is not None:
         write_json_atomic(result_path(job_file, rank), result)
     return 0 if result.error is None else 1
+
+
+def peak_rss() -> int:
+    """Bytes: the larger of this process's peak RSS and its largest waited-for child's (the C++
+    compiler runs as one); Linux reports kilobytes."""
+    import resource
+
+    kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    return kib * 1024
 
 
 def import_seams(env: Mapping[str, str]) -> None:

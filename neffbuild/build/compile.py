@@ -13,18 +13,20 @@ SIGTERM stops every worker, removes the scratch and raises Interrupted (jobs.sup
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from neffbuild.version import __version__
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, components_without_graphs, no_graph_hint
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath, Timings
-from neffbuild.errors import BuildError, ConflictError, Interrupted, NeffbuildError
+from neffbuild.build.report import emit, from_build
+from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
+from neffbuild.errors import BuildError, Interrupted, NeffbuildError, WorkerKilled
+from neffbuild.build.fanin import assemble_release
+from neffbuild.build.fleet import checked_document, select
 from neffbuild.hashing import hash_file
 from neffbuild.runner.jobs import (
     DEFAULT_LOGS_DIR,
@@ -48,8 +50,10 @@ from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.documents.refs import load_doc
 from neffbuild.fs.room import require_scratch
+from neffbuild.units.shards import ShardSpec
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
+from neffbuild.runner.unitdir import unit_scratch, units_root
 
 # (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
 # "publishing", then a final status ("built", "present", "failed").
@@ -71,6 +75,10 @@ class UnitOutcome:
     log: str | None = None  # a failed unit's kept worker log
     log_tail: tuple[str, ...] = ()
     worker_traceback: str | None = None
+    attempts: int = 1  # 1 + the retries it took (--retries)
+    killed: str | None = None  # a failed unit's worker was killed: how ("killed by SIGKILL", the OOM killer)
+    peak_rss: int = 0  # bytes, as the worker measured it (0: not measured, e.g. present or killed)
+    counters: Mapping[str, int] = field(default_factory=dict)  # the compiler's counters for this unit
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,13 @@ class BuildReport:
     outcomes: tuple[UnitOutcome, ...]
     release_id: str | None
     tag: str | None
+    shard: str | None = None  # "I/N" when this build was one shard of a fleet
+    units_total: int = 0  # units in the manifest (a shard builds some of them)
+
+    @property
+    def complete(self) -> bool:
+        """Whether this build covered the whole manifest (and so may release it)."""
+        return len(self.outcomes) == self.units_total
 
     @property
     def failed(self) -> list[UnitOutcome]:
@@ -97,6 +112,9 @@ class _Run:
     logs_dir: Path
     notify: Notify
     workers: Workers
+    retries: int = 0
+    units_root: Path = Path()  # where each unit compiles at a path of its own (unitdir.py)
+    keep_work: bool = False
 
 
 def build_manifest(
@@ -109,8 +127,14 @@ def build_manifest(
     work_dir: Path | None = None,
     keep_work: bool = False,
     progress: Progress = no_progress,
+    shard: ShardSpec | None = None,
+    shard_count: int | None = None,
+    plan_file: Path | None = None,
+    retries: int = 0,
+    report_file: Path | None = None,
 ) -> BuildReport:
-    """`neffbuild build`: plan the manifest, open (or create) its store, build every unit.
+    """`neffbuild build`: plan the manifest (or check --plan's against this host), open (or
+    create) its store, build every unit or this shard's.
 
     A plan that cannot be built is refused before the store is created, so it leaves nothing
     behind; failed units' logs go to --work-dir's logs/ (jobs.logs_dir_for).
@@ -118,11 +142,17 @@ def build_manifest(
     loaded = load_manifest(manifest)
     plan = make_plan(loaded, env)
     check_buildable(plan)
+    document = checked_document(plan, plan_file)
     opened = store.open(env, manifest_default=loaded.manifest.store, create=True)
-    with progress(len(plan.units)) as notify:
-        return build(
-            plan, opened, env=env, tag=tag, jobs=jobs, work_dir=work_dir, keep_work=keep_work, logs_dir=logs_dir_for(work_dir), notify=notify
-        )
+    chosen = select(plan, opened, env=env, shard=shard, shard_count=shard_count, document=document, tag=tag)
+    label = chosen.shard.label if chosen.shard and chosen.shard.count > 1 else None
+    with progress(len(chosen.units)) as notify:
+        report = build(
+            plan, opened, env=env, tag=tag, jobs=jobs, work_dir=work_dir, keep_work=keep_work, logs_dir=logs_dir_for(work_dir),
+            notify=notify, units=chosen.units, retries=retries, shard=label,
+        )  # fmt: skip
+    emit(from_build(report), report_file, env)
+    return report
 
 
 def build(
@@ -136,23 +166,31 @@ def build(
     keep_work: bool = False,
     logs_dir: Path = DEFAULT_LOGS_DIR,
     notify: Notify | None = None,
+    units: Sequence[BuildUnit] | None = None,
+    retries: int = 0,
+    shard: str | None = None,
 ) -> BuildReport:
+    """Build `units` (default: all of the plan's, in the order given: long ones first pays off),
+    each up to 1 + retries times. Only a build of every unit in this one process releases and
+    moves the tag; a shard leaves that to `neffbuild release`, which sees every shard's bundles."""
     check_buildable(plan)
+    chosen = tuple(plan.units if units is None else units)
     backend = get_backend(plan.backend_name)
     work_root = make_scratch_root(work_dir, "neffbuild-work-")
     run_logs = logs_dir.expanduser().resolve() / run_name()
     with supervised(cleanup=(lambda: None) if keep_work else (lambda: remove_tree(work_root))) as workers:
-        run = _Run(backend, store, env, work_root, run_logs, notify or (lambda unit_id, status: None), workers)
-        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), plan.units, jobs, workers)
+        notify = notify or (lambda unit_id, status: None)
+        run = _Run(backend, store, env, work_root, run_logs, notify, workers, retries, units_root(work_dir), keep_work)
+        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, jobs, workers)
     name = tag or plan.loaded.manifest.name
-    report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None)
-    if report.failed:
+    report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
+    if report.failed or not report.complete:
         return report
     records = [load_doc(store, BundleRecord, u.key, hint=f"{u.unit_id}: it vanished during the build; rerun it") for u in plan.units]
     release = make_release(plan, records, backend)
     release_id = publish_release(store, release)
     move_tag(store, name, release_id)
-    return BuildReport(report.name, store.url, report.outcomes, release_id, name)
+    return replace(report, release_id=release_id, tag=name)
 
 
 def _in_parallel(do: Callable[[BuildUnit], UnitOutcome], units: Sequence[BuildUnit], jobs: int, workers: Workers) -> list[UnitOutcome]:
@@ -172,13 +210,25 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
         run.notify(unit.unit_id, "present")
         return UnitOutcome(unit.unit_id, unit.key, "present")
     started = time.monotonic()
-    scratch = run.work_root / f"{unit.key[:16]}-{uuid.uuid4().hex[:6]}"
-    try:
-        outcome = build_unit(unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify)
-    except Interrupted:
-        raise
-    except (NeffbuildError, OSError) as exc:  # an OSError here is this unit's (its scratch, its files), not the build's
-        return _failed(unit, run, scratch, exc, started)
+    for attempt in range(1, run.retries + 2):
+        outcome = _attempt(unit, run, started)
+        if outcome.status != "failed" or attempt > run.retries:
+            if outcome.status == "failed":
+                run.notify(unit.unit_id, "failed")
+            return replace(outcome, attempts=attempt)
+        run.notify(unit.unit_id, f"retrying ({attempt} of {run.retries} retries) after: {outcome.error}")
+    raise AssertionError("unreachable: the last attempt returns")
+
+
+def _attempt(unit: BuildUnit, run: _Run, started: float) -> UnitOutcome:
+    # The same dir for the same unit on every build: the compiled bytes name it (unitdir.py).
+    with unit_scratch(run.units_root, unit.key, run.work_root, keep=run.keep_work) as scratch:
+        try:
+            outcome = build_unit(unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify)
+        except Interrupted:
+            raise
+        except (NeffbuildError, OSError) as exc:  # an OSError here is this unit's (its scratch, its files), not the build's
+            return _failed(unit, run, scratch, exc, started)
     run.notify(unit.unit_id, "built")
     return replace(outcome, seconds=time.monotonic() - started)
 
@@ -190,12 +240,12 @@ def _failed(unit: BuildUnit, run: _Run, scratch: Path, exc: NeffbuildError | OSE
         error, debug = (f"{exc.message} ({exc.hint})" if exc.hint else exc.message), exc.debug_detail
     else:
         error, debug = f"{exc.filename or scratch}: {exc.strerror or exc}", None
+    killed = exc.how if isinstance(exc, WorkerKilled) else None
     try:
         log = keep_logs(scratch, run.logs_dir / unit_dir_name(unit.unit_id))
     except OSError as kept:
         log = None
         error += f"; its log could not be kept ({kept.filename or run.logs_dir}: {kept.strerror or kept})"
-    run.notify(unit.unit_id, "failed")
     return UnitOutcome(
         unit.unit_id,
         unit.key,
@@ -205,6 +255,7 @@ def _failed(unit: BuildUnit, run: _Run, scratch: Path, exc: NeffbuildError | OSE
         log=str(log) if log else None,
         log_tail=log_tail(log),
         worker_traceback=debug,
+        killed=killed,
     )
 
 
@@ -258,6 +309,8 @@ def build_unit(
         uploaded=uploaded,
         first_call_s=run.first_call_s,
         compiles=run.compiles,
+        peak_rss=result.peak_rss,
+        counters=dict(run.counters),
     )
 
 
@@ -279,40 +332,8 @@ def _check_fingerprint(unit: BuildUnit, seen: Mapping[str, str]) -> None:
 
 def make_release(plan: Plan, records: Sequence[BundleRecord], backend: Backend) -> Release:
     """Merge the bundles' files into one cache-dir listing; clashing paths go to the backend."""
-    chosen: dict[str, tuple[FileEntry, str]] = {}
-    dropped: dict[str, set[str]] = {}
-    for record in sorted(records, key=lambda r: r.key):  # deterministic winner
-        for entry in record.files:
-            kept = chosen.setdefault(entry.path, (entry, record.unit_id))
-            if kept[0].digest == entry.digest:
-                continue
-            if not backend.is_content_keyed(entry.path):
-                raise ConflictError(
-                    f"{entry.path}: units {kept[1]} and {record.unit_id} produced different files at one path",
-                    hint=f"the {backend.name} backend does not treat this path as a content key; report it",
-                )
-            dropped.setdefault(entry.path, set()).add(entry.digest)
-    common = _common_fields([r.fingerprint for r in records])
-    return Release(
-        name=plan.loaded.manifest.name,
-        manifest_digest=plan.loaded.source_digest,
-        backend=backend.name,
-        cache_env=backend.cache_env,
-        env=dict(plan.runtime_env),
-        fingerprint=common,
-        units=tuple(ReleaseUnit(unit_id=u.unit_id, key=u.key) for u in plan.units),
-        files=tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path)),
-        shared=tuple(
-            SharedPath(path=p, kept=chosen[p][0].digest, dropped=tuple(sorted(d))) for p, d in sorted(dropped.items())
-        ),
-    )
-
-
-def _common_fields(fingerprints: Sequence[Mapping[str, str]]) -> dict[str, str]:
-    if not fingerprints:
-        return {}
-    first = fingerprints[0]
-    return {k: v for k, v in sorted(first.items()) if all(f.get(k) == v for f in fingerprints)}
+    units = [(u.unit_id, u.key) for u in plan.units]
+    return assemble_release(plan.loaded.manifest.name, plan.loaded.source_digest, plan.runtime_env, units, records, backend)
 
 
 def failure(report: BuildReport) -> BuildError:
@@ -327,7 +348,9 @@ def failure(report: BuildReport) -> BuildError:
         details.append(f"  log: {o.log or '(none kept)'}")
         if o is first and o.log_tail:
             details.extend(f"  | {line}" for line in o.log_tail)
-    return BuildError(
+    # Only killed workers: a retry may pass, so the exit code (15) lets a fleet retry this shard.
+    kind = WorkerKilled if all(o.killed for o in failed) else BuildError
+    return kind(
         f"{len(failed)} of {len(report.outcomes)} units failed; first: {first.error}",
         hint="--debug shows the worker's traceback, --keep-work keeps each unit's scratch dir (cache, job); "
         "units already built are kept, so a rerun builds only the rest",

@@ -62,16 +62,31 @@ def cli(debug: bool) -> None:
     _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
 
 
+_plan_file_option = click.option(
+    "--plan", "plan_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
+    help="Use the units and keys of this plan document (`neffbuild plan --out`) instead of planning on this host.",
+)  # fmt: skip
+
+
 @cli.command()
 @click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", help="Write the plan document (units, keys, fingerprint, manifest digest, durations) for `build --plan` and `release --plan`.")
+@click.option("--shards", type=click.IntRange(1, 4096), metavar="N", help="Show which units each of N shards builds and its predicted time (durations from the store's tag).")
+@click.option("--tag", help="Tag whose release holds the durations to balance by [default: the manifest's name].")
+@store_option
 @json_option
-def plan(manifest: Path, as_json: bool) -> None:
+def plan(manifest: Path, out: Path | None, shards: int | None, tag: str | None, store: StoreChoice, as_json: bool) -> None:
     """Show the build units of MANIFEST and their keys, without compiling."""
-    from neffbuild.documents.manifest import load_manifest
-    from neffbuild.units.plan import make_plan
+    if out is None and shards is None:
+        from neffbuild.documents.manifest import load_manifest
+        from neffbuild.units.plan import make_plan
 
-    the_plan = make_plan(load_manifest(manifest), os.environ)
-    Console(as_json).plan(the_plan)
+        Console(as_json).plan(make_plan(load_manifest(manifest), os.environ))
+        return
+    from neffbuild.build.fleet import plan_fleet
+    from neffbuild.cli.views import print_fleet_plan
+
+    print_fleet_plan(Console(as_json), plan_fleet(manifest, store, env=os.environ, shards=shards, out=out, tag=tag))
 
 
 @cli.command()
@@ -85,10 +100,23 @@ def plan(manifest: Path, as_json: bool) -> None:
     help="Scratch space for compiles (created if absent); failed units' logs go to its logs/ [default: temp dir; logs in .neffbuild/logs].",
 )
 @click.option("--keep-work", is_flag=True, help="Keep each unit's scratch dir (cache, job, log).")
+@click.option("--shard", "shard_text", metavar="I/N", help="Build only shard I (from 0) of N; the release is left to `neffbuild release` [default: from JOB_COMPLETION_INDEX or AWS_BATCH_JOB_ARRAY_INDEX].")
+@click.option("--shards", "shard_count", type=click.IntRange(1, 4096), metavar="N", help="The shard count, with the index from the engine's environment (JOB_COMPLETION_INDEX) [default: NEFFBUILD_SHARDS, AWS_BATCH_JOB_ARRAY_SIZE, or --plan's].")
+@click.option(
+    "--plan", "plan_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
+    help="The fleet's plan document (`neffbuild plan --out`): this host must give its keys (exit 7 naming the facts that differ); its durations balance the shards.",
+)  # fmt: skip
+@click.option("--retries", type=click.IntRange(0, 100), default=0, show_default=True, help="Build a failing unit again up to this many times.")
+@click.option("--report", "report_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", help="Write a JSON report of every unit (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).")
 @json_option
-def build(manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool, as_json: bool) -> None:
-    """Warmup-compile every unit of MANIFEST, publish bundles, then a release and its tag."""
+def build(
+    manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool,
+    shard_text: str | None, shard_count: int | None, plan_file: Path | None, retries: int, report_file: Path | None, as_json: bool,
+) -> None:  # fmt: skip
+    """Warmup-compile every unit of MANIFEST (or one shard's), publish bundles; a build of every
+    unit then publishes a release and moves its tag."""
     from neffbuild.build.compile import build_manifest, failure
+    from neffbuild.units.shards import parse_shard
 
     console = Console(as_json)
     report = build_manifest(
@@ -100,10 +128,37 @@ def build(manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None,
         work_dir=work_dir,
         keep_work=keep_work,
         progress=lambda total: console.units_progress("building", total),
+        shard=parse_shard(shard_text) if shard_text is not None else None,
+        shard_count=shard_count,
+        plan_file=plan_file,
+        retries=retries,
+        report_file=report_file,
     )
     console.build(report)
     if report.failed:
         raise failure(report)
+
+
+@cli.command("release")
+@click.argument("manifest", type=click.Path(path_type=Path))
+@store_option
+@click.option("--tag", help="Tag to move [default: the manifest's name].")
+@_plan_file_option
+@click.option("--shard-report", "shard_reports", type=click.Path(path_type=Path, dir_okay=False), multiple=True, metavar="FILE", help="A shard's `build --report` (repeatable): merged into --report and the step summary.")
+@click.option("--report", "report_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", help="Write the merged JSON report (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).")
+@json_option
+def release_command(
+    manifest: Path, store: StoreChoice, tag: str | None, plan_file: Path | None, shard_reports: tuple[Path, ...], report_file: Path | None, as_json: bool
+) -> None:
+    """Fan-in: once every unit of MANIFEST has a bundle in the store (from any shard), publish the
+    release and move the tag; otherwise name the units still missing (exit 14), releasing nothing."""
+    from neffbuild.build.fanin import incomplete, release_and_report
+
+    result = release_and_report(manifest, store, env=os.environ, tag=tag, plan_file=plan_file, shard_reports=shard_reports, report_file=report_file)
+    if result.missing:
+        Console(as_json).release(result)
+        raise incomplete(result)
+    _report_after_change(lambda: Console(as_json).release(result), f"released {result.release_id}")
 
 
 _allow_env_option = click.option(

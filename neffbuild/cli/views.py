@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from neffbuild.build.compile import BuildReport
     from neffbuild.documents.records import TagRecord
     from neffbuild.host.doctor import DoctorReport
+    from neffbuild.build.fanin import ReleaseResult
+    from neffbuild.build.fleet import FleetPlan
     from neffbuild.inspect.diff import Diff, HostDiff
     from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
@@ -204,6 +206,25 @@ class Console:
         self._table(f"{report.name} -> {report.store}", columns, rows)
         if report.release_id:
             self.out.print(f"release {report.release_id}; tag {report.tag} -> it")
+        elif not report.complete and not report.failed:
+            where = f"shard {report.shard}" if report.shard else "this build"
+            self.out.print(
+                f"{where}: {len(report.outcomes)} of {report.units_total} units; no release: "
+                "`neffbuild release MANIFEST` publishes it once every shard is done"
+            )
+
+    def release(self, result: ReleaseResult) -> None:
+        if self.as_json:
+            self._json(result)
+            return
+        source = "the plan document" if result.planned else "this host's plan"
+        if result.release_id:
+            self.out.print(f"{result.name}: {len(result.units)} units from {source}, every bundle in {result.store}")
+            self.out.print(f"release {result.release_id}; tag {result.tag} -> it")
+        else:
+            self.out.print(f"{result.name}: {len(result.missing)} of {len(result.units)} units from {source} have no bundle in {result.store}:")
+            for unit_id in result.missing:
+                self.out.print(f"  missing  {unit_id}")
 
     def pull(self, report: PullReport) -> None:
         if report.stale:  # loud on stderr, --json or not: a journal must show the host booted stale
@@ -716,3 +737,29 @@ def print_store_check(console: Console, check: Any) -> None:
             console.out.print(f"{kind}: {f.key}: {f.problem}", markup=False)
     if check.clean:
         console.out.print("clean: every reference resolves")
+
+
+def print_fleet_plan(console: Console, fleet: FleetPlan) -> None:
+    """`plan --out/--shards`: the plan, then each shard's units and predicted time."""
+    assignment = fleet.assignment
+    if console.as_json:
+        from neffbuild.units.plan import plan_document
+
+        doc = plan_document(fleet.plan)
+        if assignment is not None:
+            doc["shards"] = [
+                {"shard": f"{i}/{len(assignment.shards)}", "units": list(ids), "predicted_s": assignment.predicted_s[i]}
+                for i, ids in enumerate(assignment.shards)
+            ]
+        doc["durations"] = dict(fleet.document.durations)
+        console._json(doc)
+        return
+    console.plan(fleet.plan)
+    if assignment is None:
+        return
+    known = len(assignment.known)
+    source = f"durations of {known} of {len(fleet.plan.units)} units from {fleet.durations_from}" if known else "no durations recorded: balanced by unit count"
+    console.out.print(f"{len(assignment.shards)} shards ({source}):")
+    for i, ids in enumerate(assignment.shards):
+        predicted = f"{assignment.predicted_s[i]:.0f} s" if known else f"{len(ids)} units"
+        console.out.print(f"  shard {i}/{len(assignment.shards)}: {predicted}: {', '.join(ids) or '(nothing)'}")

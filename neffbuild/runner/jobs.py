@@ -25,8 +25,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from neffbuild.fs.atomic import write_atomic
-from neffbuild.errors import BuildError, InputError, Interrupted
+from neffbuild.errors import BuildError, InputError, Interrupted, WorkerKilled
 from neffbuild.documents.manifest import ModelEntry, Shape
+from neffbuild.runner.oomwatch import memory_events_path, oom_kills
 from neffbuild.pids import alive
 
 # The CLI's pid, set in each worker's environment: a worker outliving it ends itself.
@@ -85,6 +86,7 @@ class WorkerResult(_Frozen):
     runs: tuple[ShapeRun, ...]
     error: str | None = None
     traceback: str | None = None  # the worker's own, shown by the CLI with --debug
+    peak_rss: int = 0  # bytes: the worker's peak resident memory (its own or a child's, whichever is larger)
 
 
 def write_json_atomic(path: Path, model: BaseModel) -> None:
@@ -299,6 +301,8 @@ def run_worker(
     write_json_atomic(job_file, job)
     log = scratch / "worker.log"
     events = EventReader(Path(job.events_file or ""), on_phase or (lambda unit_id, phase: None))
+    memory_events = memory_events_path()
+    ooms_before = oom_kills(memory_events)
     if workers is None:
         with supervised() as own:
             code = own.run(command_for(job_file), env, log, events.poll)
@@ -311,6 +315,16 @@ def run_worker(
             f"{units}: its scratch dir {scratch} was removed while its worker ran ({describe_exit(code)}, no result)",
             hint="something else deletes files there, a temp cleaner perhaps; rerun with --work-dir on a dir nothing else cleans",
         )
+    if result is None and code < 0:
+        ooms_after = oom_kills(memory_events)
+        oom = code == -signal.SIGKILL and ooms_before is not None and ooms_after is not None and ooms_after > ooms_before
+        how = "killed by the OOM killer (SIGKILL; its cgroup's oom_kill count rose)" if oom else describe_exit(code)
+        killed = WorkerKilled(
+            f"{units}: worker left no result ({how}): it was killed, not failed by its compile",
+            hint="give the unit more memory (or fewer --jobs); a retry may pass" if oom else "a retry may pass, unless something kills it again",
+        )
+        killed.how = how
+        raise killed
     if result is None:
         raise BuildError(f"{units}: worker left no result ({describe_exit(code)}): it was killed or crashed")
     if result.error or code != 0:
