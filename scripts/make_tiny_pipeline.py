@@ -118,6 +118,11 @@ def is_complete(out_dir: Path) -> bool:
 
 def make_tiny_pipeline(out_dir: Path, seed: int = 0) -> Path:
     """Build the pipeline and move it into out_dir atomically (replacing any old one)."""
+    return save_atomically(Flux2KleinPipeline(**_components(seed), is_distilled=True), out_dir)
+
+
+def save_atomically(pipe: object, out_dir: Path) -> Path:
+    """save_pretrained into a sibling temp dir, then rename it to out_dir (replacing any old one)."""
     out_dir = Path(out_dir).absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # A sibling temp dir is on the same filesystem, so the final rename is atomic.
@@ -125,8 +130,7 @@ def make_tiny_pipeline(out_dir: Path, seed: int = 0) -> Path:
     tmp.mkdir()  # unlike mkdtemp, keeps the umask's permissions for the final dir
     old = tmp.with_suffix(".old")
     try:
-        pipe = Flux2KleinPipeline(**_components(seed), is_distilled=True)
-        pipe.save_pretrained(tmp)
+        pipe.save_pretrained(tmp)  # type: ignore[attr-defined]
         if out_dir.exists():
             out_dir.rename(old)  # rename() cannot replace a non-empty dir; move it aside first
         tmp.rename(out_dir)
