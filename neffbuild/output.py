@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
-    from neffbuild.plan import Plan
+    from neffbuild.plan import BuildUnit, Plan
     from neffbuild.pull import PullReport
     from neffbuild.status import StatusReport
     from neffbuild.transfer import PushResult
@@ -177,8 +177,8 @@ class Console:
             say_err(f"note: {note}")  # whole lines: CI logs are grepped
         self._table(
             f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})",
-            [("unit", True), ("key", True), ("mode", False), ("dtype", False), ("device", False)],
-            [(u.unit_id, u.key, u.entry.mode, u.entry.dtype, u.entry.device) for u in plan.units],
+            [("unit", True), ("key", True), ("graph batch", False), ("mode", False), ("dtype", False), ("device", False)],
+            [(u.unit_id, u.key, _graph_batch(u), u.entry.mode, u.entry.dtype, u.entry.device) for u in plan.units],
         )
         if plan.units:
             self.out.print("fingerprint:")
@@ -187,6 +187,9 @@ class Console:
             left_out = sorted({name for u in plan.units for name in u.left_out})
             if left_out:
                 self.out.print(f"left out of the keys (warmup only): {', '.join(left_out)}")
+            reduced = dict(sorted({k: v for u in plan.units for k, v in u.reduced.items()}.items()))
+            for name, why in reduced.items():
+                self.out.print(f"keyed only as {why}: {name} values with one outcome build the same graphs", markup=False)
 
     def build(self, report: BuildReport) -> None:
         if self.as_json:
@@ -551,6 +554,14 @@ def _unit_header(console: Console, u: UnitView, title: str) -> None:
         f"  built {_when(u.created_at)}: load {u.timings.load_s:.1f} s, first call {u.timings.first_call_s:.1f} s, {_graphs(u.counters)} graphs",
         markup=False,
     )
+
+
+def _graph_batch(unit: BuildUnit) -> str:
+    """The batch the compiled graphs see: the unit label's, doubled by classifier-free guidance."""
+    if unit.graph_batch is None:
+        return "?"
+    images = unit.shape.batch * unit.entry.prompts_per_call
+    return f"{unit.graph_batch} (CFG)" if unit.graph_batch != images else str(unit.graph_batch)
 
 
 def _graphs(counters: Mapping[str, int]) -> int:
