@@ -580,11 +580,14 @@ def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
         f"{diff.kind} {diff.old} -> {diff.new}: {len(diff.changed)} changed, {len(diff.added)} added, {len(diff.removed)} removed, "
         f"{len(diff.unchanged)} unchanged units; {len(files)} files differ"
     )
+    if diff.kind == "release" and not (diff.changed or diff.added or diff.removed):
+        say("  same graphs: every unit has the key it had (what differs is nothing a compiled graph sees)")
     for change in diff.release:
         say(f"  {change.path} {_change(change.path, change.old, change.new)}")
     for unit in diff.changed:
         renamed = f" (was {unit.old_unit_id})" if unit.old_unit_id != unit.unit_id else ""
-        say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}")
+        graphs = {True: " (same graphs: every component received the same inputs)", False: "", None: ""}[unit.same_graphs]
+        say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}{graphs}")
         for change in unit.fields:
             say(f"  {change.path} {_change(change.path, change.old, change.new)}")
         if not unit.fields:
