@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
-    from neffbuild.plan import BuildUnit, Plan
+    from neffbuild.plan import Plan
     from neffbuild.pull import PullReport
     from neffbuild.status import StatusReport
     from neffbuild.transfer import PushResult
@@ -177,9 +177,12 @@ class Console:
             say_err(f"note: {note}")  # whole lines: CI logs are grepped
         self._table(
             f"{plan.loaded.manifest.name}: {len(plan.units)} units ({plan.backend_name})",
-            [("unit", True), ("key", True), ("graph batch", False), ("mode", False), ("dtype", False), ("device", False)],
-            [(u.unit_id, u.key, _graph_batch(u), u.entry.mode, u.entry.dtype, u.entry.device) for u in plan.units],
+            [("unit", True), ("key", True), ("mode", False), ("dtype", False), ("device", False)],
+            [(u.unit_id, u.key, u.entry.mode, u.entry.dtype, u.entry.device) for u in plan.units],
         )
+        doubled = [u for u in plan.units if u.graph_batch is not None and u.graph_batch != u.shape.batch * u.entry.prompts_per_call]
+        for u in doubled:  # beside the label, which counts images: the graphs see more
+            self.out.print(f"{u.unit_id}: the graphs see batch {u.graph_batch} (classifier-free guidance doubles it)", markup=False)
         if plan.units:
             self.out.print("fingerprint:")
             for k, v in plan.units[0].fingerprint.items():
@@ -554,14 +557,6 @@ def _unit_header(console: Console, u: UnitView, title: str) -> None:
         f"  built {_when(u.created_at)}: load {u.timings.load_s:.1f} s, first call {u.timings.first_call_s:.1f} s, {_graphs(u.counters)} graphs",
         markup=False,
     )
-
-
-def _graph_batch(unit: BuildUnit) -> str:
-    """The batch the compiled graphs see: the unit label's, doubled by classifier-free guidance."""
-    if unit.graph_batch is None:
-        return "?"
-    images = unit.shape.batch * unit.entry.prompts_per_call
-    return f"{unit.graph_batch} (CFG)" if unit.graph_batch != images else str(unit.graph_batch)
 
 
 def _graphs(counters: Mapping[str, int]) -> int:

@@ -116,6 +116,9 @@ def test_plan_shows_the_batch_the_graphs_see(tiny_sdxl: Path, tmp_path: Path, cl
     assert plan.units[0].normalized["call"]["guidance_scale"] == {"> 1": False}
     table = cli("plan", str(no_cfg), env={"COLUMNS": "200"})
     assert "keyed only as guidance_scale > 1 (do_classifier_free_guidance)" in table.stdout, table.stdout
+    assert "the graphs see batch" not in table.stdout
+    doubled = cli("plan", str(tmp_path / "a.toml"))
+    assert "sdxl/64x64x1: the graphs see batch 2 (classifier-free guidance doubles it)" in doubled.stdout, doubled.stdout
 
 
 def test_the_plans_claims_hold_for_what_the_components_receive(tiny_sdxl: Path) -> None:
