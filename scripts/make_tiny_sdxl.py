@@ -11,7 +11,6 @@ StableDiffusionXL pipeline"). Heights and widths are multiples of 8 (vae_scale_f
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel  # noqa: E402
-from make_tiny_pipeline import _size, is_complete, save_atomically  # noqa: E402
+from make_tiny_pipeline import run_script, save_atomically  # noqa: E402
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer  # noqa: E402
 
 HIDDEN_1, HIDDEN_2 = 16, 32  # the UNet's cross-attention width is their sum; pooled = HIDDEN_2
@@ -118,21 +117,7 @@ def make_tiny_sdxl(out_dir: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true", help="rebuild even if out_dir is complete")
-    args = ap.parse_args(argv)
-    out: Path = args.out_dir.absolute()
-    if out.exists() and not args.force:
-        if is_complete(out):
-            print(f"{out} exists and is complete ({_size(out)} bytes); use --force to rebuild")
-            return 0
-        print(f"error: {out} exists but is not a complete pipeline; use --force to replace it", file=sys.stderr)
-        return 2
-    out = make_tiny_sdxl(out, seed=args.seed)
-    print(f"{out} {_size(out)} bytes")
-    return 0
+    return run_script(argv, __doc__.splitlines()[0], make_tiny_sdxl)
 
 
 if __name__ == "__main__":

@@ -133,9 +133,11 @@ def _popped(tree: ast.AST, var_kw: str) -> set[str]:
             and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
         ):  # fmt: skip
             names.add(node.args[0].value)
-        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == var_kw:
-            if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
-                names.add(node.slice.value)
+        elif (
+            isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == var_kw
+            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
+        ):  # fmt: skip
+            names.add(node.slice.value)
     return names
 
 
