@@ -60,6 +60,14 @@ class BuildError(NeffbuildError):
     exit_code = 5
 
 
+class PartlyCompiledError(BuildError):
+    """A unit's warmup compiled some components but not every listed one: its row says how many."""
+
+    def __init__(self, message: str, hint: str | None = None, *, compiles: int = 0) -> None:
+        super().__init__(message, hint)
+        self.compiles = compiles
+
+
 class ReplayMissError(NeffbuildError):
     """A replay compiled something: the cache did not cover the manifest."""
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 # Never reach for a hub: everything below is built in memory.
@@ -112,12 +113,17 @@ def is_complete(out_dir: Path) -> bool:
         index = json.loads((out_dir / "model_index.json").read_text())
     except (OSError, ValueError):
         return False
-    names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
+    names = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v and v[0] is not None]
     return bool(names) and all((out_dir / n).is_dir() for n in names)
 
 
 def make_tiny_pipeline(out_dir: Path, seed: int = 0) -> Path:
     """Build the pipeline and move it into out_dir atomically (replacing any old one)."""
+    return save_atomically(Flux2KleinPipeline(**_components(seed), is_distilled=True), out_dir)
+
+
+def save_atomically(pipe: object, out_dir: Path) -> Path:
+    """save_pretrained into a sibling temp dir, then rename it to out_dir (replacing any old one)."""
     out_dir = Path(out_dir).absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # A sibling temp dir is on the same filesystem, so the final rename is atomic.
@@ -125,8 +131,7 @@ def make_tiny_pipeline(out_dir: Path, seed: int = 0) -> Path:
     tmp.mkdir()  # unlike mkdtemp, keeps the umask's permissions for the final dir
     old = tmp.with_suffix(".old")
     try:
-        pipe = Flux2KleinPipeline(**_components(seed), is_distilled=True)
-        pipe.save_pretrained(tmp)
+        pipe.save_pretrained(tmp)  # type: ignore[attr-defined]
         if out_dir.exists():
             out_dir.rename(old)  # rename() cannot replace a non-empty dir; move it aside first
         tmp.rename(out_dir)
@@ -141,7 +146,12 @@ def _size(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    return run_script(argv, __doc__.splitlines()[0], make_tiny_pipeline)
+
+
+def run_script(argv: list[str] | None, description: str, make: Callable[[Path, int], Path]) -> int:
+    """The command line both tiny-pipeline scripts share: OUT_DIR [--seed N] [--force]."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if out_dir is complete")
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"error: {out} exists but is not a complete pipeline; use --force to replace it", file=sys.stderr)
         return 2
-    out = make_tiny_pipeline(out, seed=args.seed)
+    out = make(out, args.seed)
     print(f"{out} {_size(out)} bytes")
     return 0
 

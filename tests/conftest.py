@@ -29,7 +29,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 # scripts/test.sh runs the suite on 2 xdist workers with --dist loadgroup; tests that share one of
 # these builds (minutes of real compiling) go to one worker, so that each is built once.
-SHARED_BUILDS = ("built", "built_with_decode")
+SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -116,6 +116,50 @@ def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_manif
 @pytest.fixture(scope="session")
 def built_store(built: BuiltStore) -> Path:
     return built.path
+
+
+# ---- a second pipeline family: tiny StableDiffusionXL (tests/test_sdxl.py) ------------------------
+
+SDXL_MANIFEST = ROOT / "manifests" / "tiny-sdxl.toml"
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny StableDiffusionXL pipeline, written by the project's script."""
+    out = tmp_path_factory.mktemp("models") / "tiny-sdxl"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_sdxl.py"), str(out)], check=True, capture_output=True)
+    return out
+
+
+def write_sdxl_manifest(path: Path, model_dir: Path, *, replace: tuple[tuple[str, str], ...] = ()) -> Path:
+    """The repo's tiny SDXL manifest with its model path pointed at model_dir and edits applied."""
+    text = SDXL_MANIFEST.read_text().replace('"../.neffbuild/models/tiny-sdxl"', f'"{model_dir}"')
+    for old, new in replace:
+        assert old in text, f"the repo's SDXL manifest has no {old!r}; update the test"
+        text = text.replace(old, new, 1)
+    path.write_text(text)
+    return path
+
+
+@dataclass(frozen=True)
+class BuiltSdxl:
+    store: Path
+    manifest: Path
+    report: dict  # `build --json`
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def built_sdxl(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl: Path) -> BuiltSdxl:
+    """One real Inductor build of the tiny SDXL manifest (unet + vae.decode, two shapes), shared."""
+    import time
+
+    root = tmp_path_factory.mktemp("sdxl")
+    manifest = write_sdxl_manifest(root / "tiny-sdxl.toml", tiny_sdxl)
+    started = time.monotonic()
+    result = run_cli("build", str(manifest), "--store", str(root / "store"), "--json")
+    assert result.returncode == 0, result.stderr
+    return BuiltSdxl(root / "store", manifest, json.loads(result.stdout), time.monotonic() - started)
 
 
 # ---- S3: a real SeaweedFS server on loopback (tests/s3server.py) ---------------------------------

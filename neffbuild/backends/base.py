@@ -280,13 +280,57 @@ def compile_components(pipe: Any, entry: ModelEntry, compiler: Any, compiler_nam
             bound = getattr(component, method, None)
             if not callable(bound):
                 raise ValueError(f"{type(component).__name__} has no method {method!r}")
-            setattr(component, method, torch.compile(bound, **options))
+            setattr(component, method, _recorded(spec, torch.compile(bound, **options)))
         elif entry.mode == "full":
             component.compile(**options)
+            # Module.compile keeps the compiled call here; recording outside it keeps the
+            # graph whole (a hook would run inside it).
+            component._compiled_call_impl = _recorded(spec, component._compiled_call_impl)
         elif not getattr(component, "_repeated_blocks", None):
             raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
         else:
             component.compile_repeated_blocks(**options)
+            component.register_forward_pre_hook(lambda _m, args, kwargs, spec=spec: _record(spec, args, kwargs), with_kwargs=True)
+
+
+_INPUTS: dict[str, dict[str, None]] = {}  # component -> its distinct input signatures, in call order
+_MAX_SIGNATURES = 16  # per component: a pipeline passing a per-step scalar would list every step
+
+
+def _recorded(spec: str, compiled: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _record(spec, args, kwargs)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _record(spec: str, args: Any, kwargs: Any) -> None:
+    seen = _INPUTS.setdefault(spec, {})
+    if len(seen) < _MAX_SIGNATURES:
+        parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
+        seen.setdefault(", ".join(parts), None)
+
+
+def describe_input(value: Any) -> str:
+    """What a compiled graph is specialised on: a tensor's shape and dtype (not its values), a
+    plain value as itself, containers item by item, anything else by its type."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}{list(value.shape)}".replace("torch.", "")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(describe_input(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {describe_input(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+    return type(value).__name__
+
+
+def input_signatures() -> dict[str, tuple[str, ...]]:
+    """Every listed component's distinct input signatures in this process so far."""
+    return {spec: tuple(seen) for spec, seen in sorted(_INPUTS.items())}
 
 
 def graph_counters() -> dict[str, int]:

@@ -19,20 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends.base import Problem
+from neffbuild.backends.pipecode import FORWARD, WHOLE, CallFacts, call_facts
 from neffbuild.documents.manifest import ModelEntry
 
-# Pipelines whose prompt encoders pad every prompt to a fixed token length (tokenizer
-# padding="max_length", truncation=True), read in diffusers 0.42's sources and re-checked against
-# the installed diffusers by tests/units/test_plan.py: the text changes tensor values, never shapes,
-# so the prompt texts are left out of the key (their number stays in: it is the batch).
-# The lines that only warn about truncation (padding="longest") do not feed the models.
-PADDED_PROMPTS: Mapping[str, frozenset[str]] = {
-    "FluxPipeline": frozenset({"prompt", "prompt_2", "negative_prompt", "negative_prompt_2"}),
-    "Flux2KleinPipeline": frozenset({"prompt"}),
-    "StableDiffusion3Pipeline": frozenset(
-        {"prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3"}
-    ),
-}
 # Call arguments that never change a compiled graph: the scheduler runs eagerly and hands the
 # models a timestep tensor per step, so the number of steps changes how often graphs run, not
 # what they are (diffusers' Neuron guide says the same; tests/units/test_plan.py replays it).
@@ -71,7 +60,31 @@ def check_pipeline(entry: ModelEntry, index: Mapping[str, Any] | None) -> tuple[
         unchecked.append("its components (the model's model_index.json is not on this host)")
     else:
         problems.extend(_component_problems(entry, index, unchecked))
+    if pipeline is not None and not any(p.field == "components" for p in problems):
+        problems.extend(_unreached_components(pipeline, entry))
     return problems, unchecked
+
+
+def _unreached_components(pipeline: type, entry: ModelEntry) -> list[Problem]:
+    """Components the pipeline's call never runs as listed: a VAE's forward or encode in a
+    text-to-image call that only decodes. Refused only where the code shows every use of the
+    component (it is never handed on whole); the build would compile the rest first, then fail."""
+    import torch
+
+    uses = call_facts(pipeline).uses
+    problems = []
+    for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
+        used = uses.get(name, frozenset())
+        wanted = method or FORWARD
+        if not used or WHOLE in used or wanted in used or (method is None and entry.mode == "regional"):
+            continue  # regional compiles the blocks forward runs; unknown uses refuse nothing
+        called = sorted(m for m in used if not m.startswith(".") and m != FORWARD and not hasattr(torch.nn.Module, m))
+        instead = ", ".join(f"'{name}.{m}'" for m in called) or "another component"
+        problems.append(
+            Problem("components", f"{spec!r}: {pipeline.__name__}.__call__ never calls {name}.{wanted}; it calls {instead}",
+                    f"list {instead} instead: only what the call runs is compiled and cached")
+        )  # fmt: skip
+    return problems
 
 
 def _pipeline_class(diffusers: Any, name: str, problems: list[Problem]) -> Any:
@@ -99,20 +112,44 @@ def _pipeline_class(diffusers: Any, name: str, problems: list[Problem]) -> Any:
     return cls
 
 
+def pipeline_facts(entry: ModelEntry) -> CallFacts | None:
+    """What the entry's pipeline code says about its call arguments; None where diffusers or
+    the class is not importable here (plan then keys every argument as written)."""
+    try:
+        diffusers = import_diffusers()
+        cls = getattr(diffusers, entry.pipeline, None)
+    except Exception:  # noqa: BLE001 - no diffusers, or the pipeline's optional dependency is missing
+        return None
+    if not isinstance(cls, type) or not issubclass(cls, diffusers.DiffusionPipeline):
+        return None
+    return call_facts(cls)
+
+
 def _call_problems(pipeline: type, entry: ModelEntry) -> list[Problem]:
-    parameters = inspect.signature(pipeline.__call__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return []  # **kwargs: anything goes through
-    accepted = [n for n in parameters if n != "self"]
-    return [
+    # Where __call__ takes **kwargs, diffusers swallows an unknown name (a typo runs the default),
+    # so the names it reads out of **kwargs are the only others it accepts.
+    facts = call_facts(pipeline)
+    accepted = list(facts.accepted)
+    through = f" (and {', '.join(facts.pass_through)} through **kwargs)" if facts.pass_through else ""
+    problems = [
         Problem(
             f"call.{name}",
             f"{pipeline.__name__}.__call__ has no parameter {name!r}{_did_you_mean(name, accepted)}",
-            f"its parameters: {', '.join(accepted)}",
+            f"its parameters: {', '.join(facts.parameters)}{through}",
         )
         for name in entry.call
-        if name not in parameters
+        if name not in accepted
     ]
+    for name, length in facts.tuples.items():
+        value = entry.call.get(name)
+        if isinstance(value, list) and length is not None and len(value) != length:
+            problems.append(
+                Problem(f"call.{name}", f"{pipeline.__name__} takes a {length}-tuple, got {len(value)} items",
+                        f"write {name} = [{', '.join(['…'] * length)}] (passed to the pipeline as a tuple)")
+            )  # fmt: skip
+        elif value is not None and not isinstance(value, list):
+            problems.append(Problem(f"call.{name}", f"{pipeline.__name__} takes a tuple, got {value!r}", f"write {name} = [...]"))
+    return problems
 
 
 def _component_problems(entry: ModelEntry, index: Mapping[str, Any], unchecked: list[str]) -> list[Problem]:
@@ -195,3 +232,46 @@ def _cached_hub_file(repo: str, revision: str | None, filename: str) -> Path | N
 def _did_you_mean(name: str, candidates: list[str]) -> str:
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def guidance_doubles(entry: ModelEntry, model_ref: str, local: bool) -> bool | None:
+    """Does classifier-free guidance double the batch the components see? The pipeline's own
+    `do_classifier_free_guidance` property, run on the call's guidance_scale and the model's
+    configs (model_index.json, <component>/config.json); None where that cannot be known here."""
+    facts = pipeline_facts(entry)
+    if facts is None or not local:
+        return None
+    cls = getattr(import_diffusers(), entry.pipeline)
+    prop = inspect.getattr_static(cls, "do_classifier_free_guidance", None)
+    if not isinstance(prop, property) or prop.fget is None:
+        return None
+    guidance = entry.call_arguments().get("guidance_scale", facts.defaults.get("guidance_scale"))
+    try:
+        return bool(prop.fget(_ConfigView(Path(model_ref), guidance)))
+    except Exception:  # noqa: BLE001 - the property reads something a config cannot answer
+        return None
+
+
+class _ConfigView:
+    """Just enough of a loaded pipeline for a property that reads configs: `self.config`
+    (model_index.json), `self.<component>.config` (its config.json), `self._guidance_scale`."""
+
+    def __init__(self, root: Path, guidance: Any) -> None:
+        from types import SimpleNamespace
+
+        from neffbuild.documents.manifest import read_json_object
+
+        self._guidance_scale = guidance
+        self._root = root
+        index = read_json_object(root / "model_index.json")
+        self.config = SimpleNamespace(**{k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)})
+
+    def __getattr__(self, name: str) -> Any:
+        from types import SimpleNamespace
+
+        from neffbuild.documents.manifest import read_json_object
+
+        path = self._root / name / "config.json"
+        if name.startswith("_") or not path.is_file():
+            raise AttributeError(name)
+        return SimpleNamespace(config=SimpleNamespace(**read_json_object(path)))

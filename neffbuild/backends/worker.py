@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends import get_backend
-from neffbuild.backends.base import Backend
+from neffbuild.backends.base import Backend, input_signatures
 from neffbuild.runner.jobs import ShapeRun, WorkerJob, WorkerResult, WrittenFile, append_event, die_with_parent, result_path, write_json_atomic
 from neffbuild.documents.manifest import ModelEntry, Shape
 
@@ -28,7 +28,12 @@ WORKER_IMPORTS_ENV = "NEFFBUILD_WORKER_IMPORTS"
 def call_kwargs(entry: ModelEntry, shape: Shape) -> dict[str, Any]:
     import torch
 
-    kwargs: dict[str, Any] = entry.call_arguments()
+    from neffbuild.backends.pipelines import pipeline_facts
+
+    facts = pipeline_facts(entry)
+    tuples = facts.tuples if facts else {}
+    # TOML has no tuples; SDXL's size conditioning concatenates them (original_size + crops...).
+    kwargs: dict[str, Any] = {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in entry.call_arguments().items()}
     kwargs.update(
         height=shape.height,
         width=shape.width,
@@ -59,6 +64,7 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
     append_event(job.events_file, "compiling" if job.purpose == "build" else "replaying", unit_id)
     watched = Path(job.watch_dir) if job.watch_dir else None
     files_before = _snapshot(backend, watched)
+    inputs_before = input_signatures()
     before = backend.counters()
     started = time.perf_counter()
     with torch.inference_mode():
@@ -67,6 +73,7 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
     after = backend.counters()
     files_after = _snapshot(backend, watched)
     written = _changes(files_before, files_after)
+    inputs = {k: tuple(s for s in v if s not in inputs_before.get(k, ())) for k, v in input_signatures().items()}
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
     delta = {k: v for k, v in delta.items() if v}
     output = None
@@ -80,6 +87,7 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
         compiles=backend.compiles_in(delta),
         output=output,
         written=written,
+        inputs={k: v for k, v in inputs.items() if v},
     )
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from neffbuild.version import __version__
 from neffbuild.backends import get_backend
-from neffbuild.backends.base import Backend, components_without_graphs, no_graph_hint
+from neffbuild.backends.base import GRAPH_PREFIX, Backend, components_without_graphs, no_graph_hint
 from neffbuild.build.report import emit, from_build
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
-from neffbuild.errors import BuildError, Interrupted, NeffbuildError, WorkerKilled
+from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyCompiledError, WorkerKilled
 from neffbuild.build.fanin import assemble_release
 from neffbuild.build.fleet import checked_document, select
 from neffbuild.hashing import hash_file
@@ -250,6 +250,7 @@ def _failed(unit: BuildUnit, run: _Run, scratch: Path, exc: NeffbuildError | OSE
         unit.unit_id,
         unit.key,
         "failed",
+        compiles=getattr(exc, "compiles", 0),  # what the warmup compiled before it failed
         error=error,
         seconds=time.monotonic() - started,
         log=str(log) if log else None,
@@ -283,7 +284,11 @@ def build_unit(
     run = result.runs[0]
     silent = components_without_graphs(unit.entry, run.counters)
     if silent:
-        raise BuildError(f"{unit.unit_id}: component {silent[0]!r} produced no graph", hint=no_graph_hint(silent[0]))
+        compiled = sorted({k.removeprefix(GRAPH_PREFIX) for k, v in run.counters.items() if k.startswith(GRAPH_PREFIX) and v > 0})
+        also = f" (compiled: {', '.join(compiled)})" if compiled else ""
+        raise PartlyCompiledError(
+            f"{unit.unit_id}: component {silent[0]!r} produced no graph{also}", hint=no_graph_hint(silent[0]), compiles=run.compiles
+        )
     files = _hash_outputs(backend, cache_dir)
     if unit.entry.mode != "eager" and not files:
         raise BuildError(f"{unit.unit_id}: the warmup wrote no cache files", hint=f"is {backend.cache_env} honoured?")
@@ -295,6 +300,7 @@ def build_unit(
         fingerprint=dict(unit.fingerprint),
         files=tuple(FileEntry(path=p, size=s.size, digest=s.digest) for p, s in files),
         counters=run.counters,
+        inputs=dict(run.inputs),
         timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         neffbuild_version=__version__,

@@ -182,6 +182,9 @@ class Console:
             [("unit", True), ("key", True), ("mode", False), ("dtype", False), ("device", False)],
             [(u.unit_id, u.key, u.entry.mode, u.entry.dtype, u.entry.device) for u in plan.units],
         )
+        doubled = [u for u in plan.units if u.graph_batch is not None and u.graph_batch != u.shape.batch * u.entry.prompts_per_call]
+        for u in doubled:  # beside the label, which counts images: the graphs see more
+            self.out.print(f"{u.unit_id}: the graphs see batch {u.graph_batch} (classifier-free guidance doubles it)", markup=False)
         if plan.units:
             self.out.print("fingerprint:")
             for k, v in plan.units[0].fingerprint.items():
@@ -189,6 +192,9 @@ class Console:
             left_out = sorted({name for u in plan.units for name in u.left_out})
             if left_out:
                 self.out.print(f"left out of the keys (warmup only): {', '.join(left_out)}")
+            reduced = dict(sorted({k: v for u in plan.units for k, v in u.reduced.items()}.items()))
+            for name, why in reduced.items():
+                self.out.print(f"keyed only as {why}: {name} values with one outcome build the same graphs", markup=False)
 
     def build(self, report: BuildReport) -> None:
         if self.as_json:
@@ -590,11 +596,14 @@ def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
         f"{diff.kind} {diff.old} -> {diff.new}: {len(diff.changed)} changed, {len(diff.added)} added, {len(diff.removed)} removed, "
         f"{len(diff.unchanged)} unchanged units; {len(files)} files differ"
     )
+    if diff.kind == "release" and not (diff.changed or diff.added or diff.removed):
+        say("  same graphs: every unit has the key it had (what differs is nothing a compiled graph sees)")
     for change in diff.release:
         say(f"  {change.path} {_change(change.path, change.old, change.new)}")
     for unit in diff.changed:
         renamed = f" (was {unit.old_unit_id})" if unit.old_unit_id != unit.unit_id else ""
-        say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}")
+        graphs = {True: " (same graphs: every component received the same inputs)", False: "", None: ""}[unit.same_graphs]
+        say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}{graphs}")
         for change in unit.fields:
             say(f"  {change.path} {_change(change.path, change.old, change.new)}")
         if not unit.fields:

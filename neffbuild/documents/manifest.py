@@ -199,7 +199,8 @@ class ModelEntry(_Strict):
         if self.mode == "regional" and methods:
             raise ValueError(
                 f"components: {methods[0]!r} names a method, but mode 'regional' compiles a component's repeated "
-                "blocks; list the component alone, or use mode 'full'"
+                f"blocks; list the component alone, use mode 'full', or add a second [[model]] entry (same model, "
+                f"another id) with mode = 'full' and components = [{methods[0]!r}]"
             )
         problem = self._call_size_problem()
         if problem:
@@ -208,9 +209,11 @@ class ModelEntry(_Strict):
 
     def _call_size_problem(self) -> str | None:
         prompts = self.prompts_per_call
-        negative = self.call.get("negative_prompt")
-        if isinstance(negative, list) and len(negative) != prompts:
-            return f"call.negative_prompt has {len(negative)} entries for {prompts} prompts; give as many"
+        # Every prompt-like list pairs with the prompts one by one (prompt_2 feeds the second
+        # text encoder, negative_prompt the unconditional half): a pipeline zips them.
+        for name, value in sorted(self.call.items()):
+            if name != "prompt" and PROMPT_ARGS.match(name) and isinstance(value, list) and len(value) != prompts:
+                return f"call.{name} has {len(value)} entries for {prompts} prompts; give as many"
         sets = self.shapes if isinstance(self.shapes, list) else [self.shapes]
         if sum(s.size for s in sets) > MAX_UNITS:
             return f"shapes expand to more than {MAX_UNITS} units; split the entry"

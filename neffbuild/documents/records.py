@@ -153,6 +153,9 @@ class BundleRecord:
     created_at: str
     neffbuild_version: str
     format: str = BUNDLE_FORMAT
+    # What each listed component received during the warmup, one line per distinct call
+    # (shapes, dtypes, plain values): two bundles with equal inputs compiled the same graphs.
+    inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,13 +138,26 @@ def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[Fi
         now = planned.get(unit.unit_id)
         if now is None:
             continue
+        old, new = _leaves(unit.unit), _leaves(now.normalized)
         differing = [
-            FieldDiff(f"unit.{name}", _shown(unit.unit.get(name)), _shown(now.normalized.get(name)), breaking=True)
-            for name in sorted(set(unit.unit) | set(now.normalized))
-            if unit.unit.get(name) != now.normalized.get(name)
+            FieldDiff(f"unit.{name}", _shown(old.get(name)), _shown(new.get(name)), breaking=True)
+            for name in sorted(set(old) | set(new))
+            if old.get(name) != new.get(name)
         ]
         if differing:
             out[unit.unit_id] = (*out.get(unit.unit_id, ()), *differing)
+    return out
+
+
+def _leaves(unit: Mapping[str, object]) -> dict[str, object]:
+    """A normalised unit one level down (`call.guidance_scale`, `shape.height`): a change is
+    named by the manifest field a user edits, not by the whole table it sits in."""
+    out: dict[str, object] = {}
+    for name, value in unit.items():
+        if isinstance(value, dict) and value and name != "model":
+            out.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            out[name] = value
     return out
 
 
@@ -252,7 +265,11 @@ def status_error(report: StatusReport) -> StatusMiss | None:
     hints = []
     if report.count("missing") or report.count("stale"):
         hints.append(f"`neffbuild pull {report.tag or report.release_id} --cache-dir {report.cache_dir}` fetches what is missing")
-    if report.count("mismatch"):
+    mismatched = [u for u in report.units if u.state == "mismatch"]
+    edited = sorted({f"model[{u.unit_id.rpartition('/')[0] or u.unit_id}].{c.name.removeprefix('unit.')}" for u in mismatched for c in u.changes if c.name.startswith("unit.")})
+    if edited:  # the manifest, not the host: the same manifest would hit
+        hints.append(f"the manifest differs from what the release built ({', '.join(edited[:4])}): build it, or undo that change")
+    if any(not c.name.startswith("unit.") for u in mismatched for c in u.changes):
         hints.append("a mismatch needs this host's environment to match the build's, or a build on this host")
     if report.count("absent"):
         hints.append("build the manifest to add the units its release lacks")

@@ -49,6 +49,9 @@ class UnitChange:
     old_key: str
     new_key: str
     fields: tuple[FieldChange, ...]  # empty only if the key formula itself changed
+    # Both builds recorded what each component received, and it was the same: the key moved
+    # for something no graph sees (True), the graphs differ (False), or unknown (None).
+    same_graphs: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,8 @@ def identity(record: BundleRecord) -> tuple[str, str]:
 def _unit_change(old: BundleRecord, new: BundleRecord) -> UnitChange:
     fields = field_changes(flatten(old.unit, "unit."), flatten(new.unit, "unit."))
     fields += field_changes(dict(old.fingerprint), dict(new.fingerprint))
-    return UnitChange(new.unit_id, old.unit_id, old.key, new.key, tuple(fields))
+    same = old.inputs == new.inputs if old.inputs and new.inputs else None
+    return UnitChange(new.unit_id, old.unit_id, old.key, new.key, tuple(fields), same)
 
 
 def release_changes(old: Release, new: Release) -> tuple[FieldChange, ...]:

@@ -78,6 +78,7 @@ class ShapeRun(_Frozen):
     compiles: int
     output: str | None = None
     written: tuple[WrittenFile, ...] = ()
+    inputs: dict[str, tuple[str, ...]] = {}  # per component: its distinct input signatures (base.input_signatures)
 
 
 class WorkerResult(_Frozen):

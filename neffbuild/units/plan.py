@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
@@ -23,6 +23,9 @@ from neffbuild.documents.records import unit_key
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.documents.manifest import LoadedManifest, ModelEntry, Shape, is_local_model, join_problems
+
+if TYPE_CHECKING:
+    from neffbuild.backends.pipecode import CallFacts
 
 TEXT = "<text>"  # a prompt text left out of the key: its place (and count) stays in
 # Config-like files that define a local model's graphs; weights only change values, not code.
@@ -43,6 +46,9 @@ class BuildUnit:
     fingerprint: Mapping[str, str]
     key: str
     left_out: Mapping[str, Any] = field(default_factory=dict)  # call arguments not in the key
+    # Call arguments the key holds only in part, and why (guidance_scale: "> 1 (do_classifier_free_guidance)").
+    reduced: Mapping[str, str] = field(default_factory=dict)
+    graph_batch: int | None = None  # the batch the compiled graphs see (after CFG); None: unknown here
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,11 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
             facts_cache[entry.device] = _usable_facts(loaded, backend, {**probed, **declared}, {**env, **unit_env})
         fingerprint = backend.fingerprint(facts_cache[entry.device], {**env, **unit_env}, scope)
         identity = model_identity(loaded, entry)
-        keyed_call, left_out = split_call(entry)
+        from neffbuild.backends.pipelines import guidance_doubles, pipeline_facts
+
+        facts = pipeline_facts(entry)
+        keyed_call, left_out, reduced = split_call(entry, facts)
+        doubles = guidance_doubles(entry, loaded.resolve_model(entry), is_local_model(entry.model))
         for shape in entry.expanded_shapes():
             normalized = normalize_unit(entry, shape, identity, unit_env, keyed_call)
             key = unit_key(normalized, fingerprint)
@@ -99,6 +109,8 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
                     fingerprint=fingerprint,
                     key=key,
                     left_out=left_out,
+                    reduced=reduced,
+                    graph_batch=None if doubles is None else shape.batch * entry.prompts_per_call * (2 if doubles else 1),
                 )
             )
     if other_host:
@@ -170,23 +182,35 @@ def check_buildable(plan: Plan) -> None:
         )
 
 
-def split_call(entry: ModelEntry) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the call arguments the key holds, those left out of it: warmup-only ones, and prompt texts
-    where the pipeline pads them to a fixed length, whose number stays keyed as <text> places)."""
-    from neffbuild.backends.pipelines import PADDED_PROMPTS, WARMUP_ONLY
+def split_call(entry: ModelEntry, facts: CallFacts | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """(the call arguments the key holds, those left out of it, why some are held only in part),
+    from what the pipeline's own code does with them (backends/pipecode.py): warmup-only ones
+    out; prompt texts the pipeline pads to a fixed length out, their number kept as <text>
+    places; an argument the graphs see only as a comparison (guidance_scale > 1: classifier-free
+    guidance on or off) keyed as that comparison's outcome, and left out where the outcome is the
+    default's. Without the pipeline's code (no diffusers here) every argument is keyed as written."""
+    from neffbuild.backends.pipelines import WARMUP_ONLY
 
-    padded = PADDED_PROMPTS.get(entry.pipeline, frozenset())
     keyed: dict[str, Any] = {}
     left_out: dict[str, Any] = {}
+    reduced: dict[str, str] = {}
     for name, value in sorted(entry.call_arguments().items()):
+        predicate = facts.predicates.get(name) if facts else None
+        outcome = predicate.holds(value) if predicate else None
         if name in WARMUP_ONLY:
             left_out[name] = value
-        elif name in padded:
+        elif facts and name in facts.padded_prompts:
             left_out[name] = value
             keyed[name] = [TEXT] * len(value) if isinstance(value, list) else TEXT
+        elif predicate and outcome is not None:
+            left_out[name] = value
+            default = predicate.holds(facts.defaults.get(name)) if facts else None
+            reduced[name] = f"{name} {predicate.label} ({predicate.source})"
+            if outcome != default:
+                keyed[name] = {predicate.label: outcome}
         else:
             keyed[name] = value
-    return keyed, left_out
+    return keyed, left_out, reduced
 
 
 def normalize_unit(
@@ -243,6 +267,8 @@ def plan_document(plan: Plan) -> dict[str, Any]:
                 "key": u.key,
                 "unit": u.normalized,
                 "left_out_of_key": dict(u.left_out),
+                "reduced_in_key": dict(u.reduced),
+                "graph_batch": u.graph_batch,
                 "fingerprint": u.fingerprint,
             }
             for u in plan.units

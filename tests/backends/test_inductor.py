@@ -67,12 +67,24 @@ def test_a_method_component_records_graphs_and_replays_with_zero_compiles(built_
     assert unit["counters"]["graphs.vae.decode"] >= 1  # decode ran compiled, from the cache
 
 
-@pytest.mark.slow
-def test_a_component_whose_forward_never_runs_fails_the_build_naming_it(tmp_path: Path, tiny_model: Path, cli) -> None:
+def test_a_component_whose_forward_the_call_never_runs_is_refused_at_plan_naming_the_method(tmp_path: Path, tiny_model: Path, cli) -> None:
     manifest = manifest_with(tmp_path / "vae.toml", tiny_model, '["transformer", "vae"]')
     result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--json")
+    assert result.returncode == 2, result.stderr
+    assert "never calls vae.forward" in result.stderr and "'vae.decode'" in result.stderr
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.slow
+def test_a_component_the_warmup_never_runs_fails_the_build_and_its_row_counts_what_compiled(tmp_path: Path, tiny_model: Path, cli) -> None:
+    # Flux2Klein's call reaches vae.encode (image conditioning), so plan cannot refuse it; a
+    # text-to-image warmup never runs it: the build fails after compiling the transformer.
+    manifest = manifest_with(tmp_path / "vae.toml", tiny_model, '["transformer", "vae.encode"]')
+    result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--json")
     assert result.returncode == 5, result.stderr
-    assert "component 'vae' produced no graph" in result.stderr and "list 'vae.decode'" in result.stderr
+    assert "component 'vae.encode' produced no graph (compiled: transformer)" in result.stderr, result.stderr
+    (outcome,) = json.loads(result.stdout)["outcomes"]
+    assert outcome["status"] == "failed" and outcome["compiles"] > 0
     assert not (tmp_path / "store" / "tags").exists() or not list((tmp_path / "store" / "tags").iterdir())
 
 

@@ -121,10 +121,12 @@ def test_changed_mode_changes_keys(manifest: Path) -> None:
 
 
 def test_a_component_method_is_its_own_key(manifest: Path) -> None:
-    edit(manifest, 'dtype = "float32"', 'dtype = "float32"\ncomponents = ["transformer", "vae"]')
-    whole = set(keys(manifest).values())
-    edit(manifest, '"vae"]', '"vae.decode"]')
-    assert whole.isdisjoint(keys(manifest).values())
+    # Both methods are reached by Flux2Klein's call (encode for image conditioning); a whole
+    # `vae` is not, and plan refuses it (test_pipelines.py).
+    edit(manifest, 'dtype = "float32"', 'dtype = "float32"\ncomponents = ["transformer", "vae.encode"]')
+    encode = set(keys(manifest).values())
+    edit(manifest, '"vae.encode"]', '"vae.decode"]')
+    assert encode.isdisjoint(keys(manifest).values())
 
 
 # -- the key holds what changes a graph, and nothing else (warmup-only call arguments) -----------
@@ -176,38 +178,25 @@ def test_plan_json_shows_what_the_key_leaves_out(manifest: Path, cli) -> None:
     assert "left out of the keys (warmup only): num_inference_steps, prompt" in text.stdout
 
 
-def test_padded_prompt_table_matches_the_installed_diffusers() -> None:
-    """Each pipeline listed as padding its prompts does so in every tokenizer call that feeds a
-    text encoder (the padding="longest" calls only compare lengths for a truncation warning)."""
-    import ast
-    import inspect
-    import textwrap
-
+@pytest.mark.parametrize(
+    "pipeline, padded",
+    [
+        ("FluxPipeline", {"prompt", "prompt_2", "negative_prompt", "negative_prompt_2"}),
+        ("Flux2KleinPipeline", {"prompt"}),
+        ("StableDiffusion3Pipeline", {"prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3"}),
+        ("StableDiffusionXLPipeline", {"prompt", "prompt_2", "negative_prompt", "negative_prompt_2"}),
+        ("StableDiffusionPipeline", {"prompt", "negative_prompt"}),
+        ("QwenImagePipeline", set()),  # padding=True: to the longest prompt, so the text is a length
+    ],
+)
+def test_padded_prompts_are_read_from_the_pipeline_code(pipeline: str, padded: set[str]) -> None:
+    """What the hand-written table held (and SDXL, SD 1.5, which it lacked), read from the
+    installed diffusers' tokenizer calls instead of a list of class names."""
     import diffusers
 
-    from neffbuild.backends.pipelines import PADDED_PROMPTS
+    from neffbuild.backends.pipecode import call_facts
 
-    for name, prompt_args in PADDED_PROMPTS.items():
-        cls = getattr(diffusers, name)
-        encoders = [m for m in dir(cls) if m.startswith("_get_") and m.endswith("prompt_embeds")]
-        assert encoders, name
-        for method in encoders:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method))))
-            feeding = [
-                node.value
-                for node in ast.walk(tree)
-                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                and "tokenizer" in ast.unparse(node.value.func).lower()
-                and not any("untruncated" in ast.unparse(t) for t in node.targets)
-            ]  # fmt: skip
-            calls = [c for c in feeding if any(k.arg == "padding" for k in c.keywords)]
-            assert calls, f"{name}.{method}: no tokenizer call found"
-            for call in calls:
-                padding = {k.arg: ast.unparse(k.value) for k in call.keywords}
-                assert padding["padding"] in ("'max_length'", '"max_length"'), f"{name}.{method}: {padding}"
-                assert padding.get("truncation") == "True", f"{name}.{method}: {padding}"
-        parameters = inspect.signature(cls.__call__).parameters
-        assert prompt_args <= set(parameters), name
+    assert call_facts(getattr(diffusers, pipeline)).padded_prompts == padded
 
 
 def test_a_prompt_list_multiplies_the_batch_in_the_unit_id_and_key(manifest: Path) -> None:
