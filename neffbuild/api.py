@@ -12,6 +12,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from neffbuild.pull import PullReport
+from neffbuild.retry import Policy
 from neffbuild.store.base import Store
 
 
@@ -25,6 +26,7 @@ def ensure_cache(
     host_check: bool = True,
     env: Mapping[str, str] | None = None,
     verify: str = "fast",
+    policy: Policy | None = None,
 ) -> PullReport:
     """Make cache_dir hold REF's release (a tag or release id) from store (a URL or an open Store);
     a complete cache fetches nothing. The report's `exports` are what the server must export.
@@ -37,6 +39,9 @@ def ensure_cache(
     host_check: compare this host (env, default os.environ, read only) with the release first.
     env also holds the S3 settings when store is a URL (AWS_ENDPOINT_URL, credentials).
     verify: "fast" trusts files whose (size, mtime) pull recorded; "full" rehashes every file.
+    policy: how requests are retried and paced (neffbuild.retry.Policy; None: the default). The
+    report counts what the store put the pull through: retries, throttled (503 SlowDown or 429
+    answers), waited_s (backoff and pacing) and paced_to (the rate it ended at, if throttled).
     """
     from neffbuild.fallback import pull_or_stale
     from neffbuild.store import open_store
@@ -47,8 +52,9 @@ def ensure_cache(
         return open_store(store, env=environ) if isinstance(store, str) else store
 
     return pull_or_stale(
-        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout, verify=verify
-    )
+        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout, verify=verify,
+        policy=policy,
+    )  # fmt: skip
 
 
 def apply_exports(report: PullReport, environ: MutableMapping[str, str] | None = None) -> None:

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from neffbuild.errors import InputError, NeffbuildError
 from neffbuild.output import Console, printed_document
 
 if TYPE_CHECKING:
+    from neffbuild.retry import Policy
     from neffbuild.store import StoreChoice
 
 _DEBUG = {"on": False}
@@ -160,9 +161,23 @@ def pull(
     report = pull_or_stale(
         lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
         jobs=jobs or 16, allow_env=allow_env, env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
-        timeout=timeout,
+        timeout=timeout, policy=retry_policy(os.environ),
     )  # fmt: skip
     Console(as_json).pull(report)
+
+
+def retry_policy(env: Mapping[str, str]) -> Policy | None:
+    """The retry policy NEFFBUILD_RETRY_SCALE asks for (every backoff and pacing time times it:
+    tests and benchmarks run a storm of minutes in seconds); None: the default."""
+    from neffbuild.retry import DEFAULT, SCALE_ENV
+
+    text = env.get(SCALE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return DEFAULT.scaled(float(text))
+    except ValueError:
+        raise InputError(f"{SCALE_ENV}={text!r}: expected a positive number (1: the default timings)") from None
 
 
 @cli.command()
