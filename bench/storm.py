@@ -83,7 +83,7 @@ def run(proxy: TcpProxy, url: str, env: dict[str, str], hosts: int, timeout: flo
     """One storm of `hosts` pulls through proxy; it and how many pulls verified (every file whole)."""
     caches = [WORK / "caches" / f"host{i:02d}" for i in range(hosts)]
     shutil.rmtree(WORK / "caches", ignore_errors=True)
-    done = storm(proxy, url, env, caches, timeout=timeout)
+    done = storm(proxy, url, env, caches, timeout=timeout, code=Path(env["PYTHONPATH"]))
     files = {rel.relative_to(WORK / "src").as_posix(): rel.read_bytes() for rel in (WORK / "src").rglob("*") if rel.is_file()}
     verified = sum(p.code == 0 and holds(c, files) for p, c in zip(done.pulls, caches, strict=True))
     failures = [p.report.get("error", "")[:160] for p in done.pulls if p.code]

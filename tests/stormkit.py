@@ -69,14 +69,19 @@ class Storm:
 
 
 def storm(
-    proxy: TcpProxy, store_url: str, env: Mapping[str, str], caches: list[Path], *, timeout: float, extra: tuple[str, ...] = ()
+    proxy: TcpProxy, store_url: str, env: Mapping[str, str], caches: list[Path], *, timeout: float, extra: tuple[str, ...] = (),
+    code: Path | None = None,
 ) -> Storm:  # fmt: skip
-    """One `neffbuild pull prod --json` per cache dir, all started together through proxy."""
+    """One `neffbuild pull prod --json` per cache dir, all started together through proxy; code:
+    the checkout whose neffbuild they run (its root is their working dir: `python -m` puts that
+    first on sys.path), default this one."""
     command = [sys.executable, "-m", "neffbuild", "pull", "prod", "--store", store_url, "--json", "--timeout", f"{timeout:g}", "--no-host-check", *extra]
     full_env = {**os.environ, **env, "AWS_ENDPOINT_URL": proxy.endpoint}
     started = time.monotonic()
     procs = [
-        subprocess.Popen([*command, "--cache-dir", str(c)], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*command, "--cache-dir", str(c)], env=full_env, cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for c in caches
     ]
     ended: dict[int, float] = {}
