@@ -12,6 +12,8 @@ env_file=${NEFFBUILD_ENV_FILE:-/tmp/neffbuild-serving.env}
 neffbuild=${NEFFBUILD_BIN:-neffbuild}
 
 # Non-zero (store down, host mismatch, no room, ...) stops the container: nothing serves half-warm.
+# Exit 3 is the store: unreachable, or failing or throttling until --timeout; a restart policy
+# (e.g. --restart on-failure) tries again, fetching only what the last try did not land.
 "$neffbuild" pull "$NEFFBUILD_RELEASE" --cache-dir "$cache_dir" --env-file "$env_file" \
     --lock-timeout "${NEFFBUILD_LOCK_TIMEOUT:-300}" --timeout "${NEFFBUILD_TIMEOUT:-600}" >/dev/null
 

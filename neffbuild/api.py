@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, MutableMapping
 from pathlib import Path
 
 from neffbuild.host.pull import PullReport
+from neffbuild.retry import Policy
 from neffbuild.store.base import Store
 
 
@@ -26,6 +27,7 @@ def ensure_cache(
     env: Mapping[str, str] | None = None,
     verify: str = "fast",
     allow_env: Collection[str] = (),
+    policy: Policy | None = None,
 ) -> PullReport:
     """Make cache_dir hold REF's release (a tag or release id) from store (a URL or an open Store);
     a complete cache fetches nothing. The report's `exports` are what the server must export.
@@ -41,6 +43,9 @@ def ensure_cache(
     allow_env: variables this host accepts in the release's environment beyond those its backend
     declares (pull --allow-env), with those env's NEFFBUILD_ALLOW_ENV lists; a stale fallback
     makes its exports again under the same allow, never from what the cache dir's state says.
+    policy: how requests are retried and paced (neffbuild.retry.Policy; None: the default). The
+    report counts what the store put the pull through: retries, throttled (503 SlowDown or 429
+    answers), waited_s (backoff and pacing) and paced_to (the rate it ended at, if throttled).
     """
     from neffbuild.host.exports import host_allow
     from neffbuild.host.fallback import pull_or_stale
@@ -54,6 +59,7 @@ def ensure_cache(
     return pull_or_stale(
         opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout, verify=verify,
         allow_env=host_allow(allow_env, environ),
+        policy=policy,
     )  # fmt: skip
 
 

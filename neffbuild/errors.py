@@ -48,6 +48,11 @@ class DeadlineExceeded(StoreError):
     """An operation on the store (a pull's --timeout) ran past its deadline: a slow or stalled store."""
 
 
+class Abandoned(StoreError):
+    """A request given up because another request of the same operation failed for good: the
+    operation reports that first failure, never this one (store/dataplane.py's run_all)."""
+
+
 class IntegrityError(NeffbuildError):
     """Bytes or a document do not match their recorded digest or schema."""
 

@@ -4,10 +4,17 @@ A failure is retried only when it is Transient: throttling (503 SlowDown, 429), 
 dropped or refused connection, a socket timeout. Everything else (another 4xx, a short or wrong
 object: IntegrityError) is raised as it is, at once; an integrity failure is never retried into
 success. Between tries the policy sleeps with exponential backoff and full jitter (a uniform draw
-in [0, min(CAP_S, BASE_S * 2**try)]), so hosts booting together spread out instead of retrying in
-step; after ATTEMPTS tries of one request it gives up with a StoreError naming the object. A
-throttled request (the store is up and asks us to slow down) gets THROTTLED_ATTEMPTS: hosts booting
-together can be throttled for tens of seconds, and the deadline still bounds the whole.
+in [0, min(cap_s, base_s * 2**try)]), so hosts booting together spread out instead of retrying in
+step. A failing request gets `attempts` tries, then a StoreError names the object. A throttled
+one (the store is up and asks us to slow down) is not failing: under a deadline it keeps backing
+off until the deadline, however long the store throttles (a fleet booting at once can be throttled
+for minutes); with no deadline it gets `throttled_attempts` tries, as nothing else would bound it.
+
+An Operation (a pull: `operation()`) is what the threads of one pull share: its Policy, its Pacer
+(an adaptive token bucket: see Pacer), the counts its report shows (retries, throttled answers,
+seconds spent waiting) and a stop switch: when one of its requests fails for good, `stop()` wakes
+every other one from its backoff or pacing wait and cuts the responses they are reading, so the
+pull ends within a second instead of after their own retries (store/dataplane.py's run_all).
 
 A Deadline (pull --timeout, ensure_cache(timeout=...)) bounds the whole operation, not a request:
 it is the current one for everything run under `bounded()` (thread pools carry it: `carried`).
@@ -15,39 +22,71 @@ Each request's connect and read timeouts are min(their usual value, time left); 
 after the deadline and no backoff sleeps past it; and when it passes, a watchdog shuts down every
 socket still registered with it (`watch`), so a response that stalls or trickles one byte at a time
 (each read returning before its own timeout) ends at the deadline too. Past it: DeadlineExceeded
-(exit 3), naming the store and what the operation was doing.
+(exit 3), naming the store, what the operation was doing and, if the store throttled it, that.
 
 Why not tenacity, stamina or backoff (all well kept): the loop itself is a dozen lines; what the
 policy needs around it is not something they express: one absolute deadline shared by many threads
-that also sets each request's socket timeouts and cuts reads in flight, typed errors naming the
-object, and attempts that keep state (a resumed download continues from the bytes it has). The
-data plane would wrap every request in a library object to save those dozen lines, and every boot
-host would carry one more dependency.
+that also sets each request's socket timeouts and cuts reads in flight, a rate shared by those
+threads, typed errors naming the object, and attempts that keep state (a resumed download
+continues from the bytes it has). Every boot host would carry one more dependency for that loop.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
+import math
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from neffbuild.errors import DeadlineExceeded, StoreError
+from neffbuild.errors import Abandoned, DeadlineExceeded, StoreError
 
-# Tries of one request: with the backoff below, 1.5 s of sleep in all on average, 3.1 s at most,
-# about what AWS's SDKs wait by default; a store down at boot fails in seconds (or --allow-stale).
-ATTEMPTS = 6
-# Tries of one request while the store keeps throttling it: about 40 s of backoff on average.
-THROTTLED_ATTEMPTS = 16
-BASE_S = 0.1  # the first backoff is drawn from [0, BASE_S]
-CAP_S = 8.0  # no single backoff is longer
+log = logging.getLogger(__name__)
+
 CONNECT_S = 10.0  # a connection not made in this long is Transient
 READ_S = 120.0  # a socket read waiting this long is Transient
 DEADLINE_HINT = "the store is slow or unreachable; raise --timeout, or boot the installed release with --allow-stale"
+THROTTLED_HINT = (
+    "the store kept throttling this host (503 SlowDown / 429): stagger the fleet's boots, raise --timeout, "
+    "or boot the installed release with --allow-stale"
+)
+SCALE_ENV = "NEFFBUILD_RETRY_SCALE"  # read by the CLI only (see Policy.scaled)
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How requests are retried and paced. Defaults: 6 tries of a failing request (1.5 s of backoff
+    on average, 3.1 s at most, about what AWS's SDKs wait by default, so a store down at boot fails
+    in seconds); throttled requests until the deadline, or 16 tries (about 40 s) without one."""
+
+    attempts: int = 6  # tries of a failing request
+    throttled_attempts: int = 16  # tries of a throttled request when no deadline bounds it
+    base_s: float = 0.1  # the first backoff is drawn from [0, base_s]
+    cap_s: float = 8.0  # no single backoff is longer
+    # The Pacer (AWS's adaptive mode's constants, but for min_rate and beta: see Pacer):
+    min_rate: float = 0.1  # requests/s a throttled pull never goes below
+    beta: float = 0.5  # a throttled answer cuts the rate to beta x what was sent
+    cubic_c: float = 0.4  # requests/s^3: how fast the rate grows back after a cut
+    window_s: float = 0.5  # the sent rate is measured over windows this long
+
+    def scaled(self, factor: float) -> Policy:
+        """Every time factor x, every rate / factor (so the dynamics keep their shape): what
+        NEFFBUILD_RETRY_SCALE does for tests and benchmarks that cannot wait minutes."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"a retry scale must be a positive number, not {factor!r}")
+        return replace(
+            self, base_s=self.base_s * factor, cap_s=self.cap_s * factor, min_rate=self.min_rate / factor,
+            cubic_c=self.cubic_c / factor**4, window_s=self.window_s * factor,
+        )  # fmt: skip
+
+
+DEFAULT = Policy()
 
 
 class Transient(Exception):
@@ -63,6 +102,34 @@ class Transient(Exception):
         self.throttled = throttled
 
 
+class _Cuts:
+    """Callbacks that end reads in flight (a socket shutdown each), fired once, when a deadline
+    passes or an operation stops; one registered after that is fired at once."""
+
+    def __init__(self) -> None:
+        self._cuts: dict[int, Callable[[], None]] = {}
+        self._lock = threading.Lock()
+        self.fired = False
+
+    def watch(self, key: int, cut: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.fired:
+                self._cuts[key] = cut
+                return
+        cut()
+
+    def unwatch(self, key: int) -> None:
+        with self._lock:
+            self._cuts.pop(key, None)
+
+    def fire(self) -> None:
+        with self._lock:  # held while cutting: an unwatched socket may already serve another request
+            self.fired = True
+            for cut in self._cuts.values():
+                cut()
+            self._cuts.clear()
+
+
 class Deadline:
     """A wall-clock limit on one operation (`what`, e.g. "pulling prod"), shared by its threads."""
 
@@ -72,17 +139,16 @@ class Deadline:
         self.step = "opening the store"  # what the operation is doing now, for the error
         self.at = time.monotonic() + timeout
         self._landed = 0
-        self._cuts: dict[int, Callable[[], None]] = {}
+        self._cuts = _Cuts()
         self._lock = threading.Lock()
-        self._passed = False
-        self._timer = threading.Timer(timeout, self._pass)
+        self._timer = threading.Timer(timeout, self._cuts.fire)
         self._timer.daemon = True
 
     def left(self) -> float:
         return max(0.0, self.at - time.monotonic())
 
     def passed(self) -> bool:
-        return self._passed or time.monotonic() >= self.at
+        return self._cuts.fired or time.monotonic() >= self.at
 
     def doing(self, step: str) -> None:
         self.step = step
@@ -96,7 +162,11 @@ class Deadline:
         return f"{self.step}, {self._landed} landed" if self._landed else self.step
 
     def error(self, where: str) -> DeadlineExceeded:
-        return DeadlineExceeded(f"{where}: {self.what} went past its {self.timeout:g} s deadline while {self.now()}", hint=DEADLINE_HINT)
+        message = f"{where}: {self.what} went past its {self.timeout:g} s deadline while {self.now()}"
+        op = _OPERATION.get()
+        if op is None or not op.throttled:
+            return DeadlineExceeded(message, hint=DEADLINE_HINT)
+        return DeadlineExceeded(f"{message}; the store throttled it: {op.counts().summary()}", hint=THROTTLED_HINT)
 
     def check(self, where: str) -> None:
         if self.passed():
@@ -104,15 +174,10 @@ class Deadline:
 
     def watch(self, key: int, cut: Callable[[], None]) -> None:
         """Call cut() when the deadline passes, unless unwatch(key) came first."""
-        with self._lock:
-            if not self._passed:
-                self._cuts[key] = cut
-                return
-        cut()
+        self._cuts.watch(key, cut)
 
     def unwatch(self, key: int) -> None:
-        with self._lock:
-            self._cuts.pop(key, None)
+        self._cuts.unwatch(key)
 
     def start(self) -> None:
         """Arm the watchdog (a timer thread) that cuts what is watched when the deadline passes."""
@@ -121,15 +186,167 @@ class Deadline:
     def stop(self) -> None:
         self._timer.cancel()
 
-    def _pass(self) -> None:
-        with self._lock:  # held while cutting: an unwatched socket may already serve another request
-            self._passed = True
-            for cut in self._cuts.values():
-                cut()
-            self._cuts.clear()
+
+class Pacer:
+    """An adaptive token bucket: the rate at which one operation's requests may be sent.
+
+    The model is the AWS SDKs' "adaptive" retry mode (botocore/retries/adaptive.py): no limit
+    until the store first throttles; then each throttled answer cuts the rate to beta x the rate
+    measured being sent, and each success lets it grow back along a CUBIC curve (slowly near the
+    rate that was throttled, faster away from it), never past twice the measured rate. Every
+    host of a fleet does the same, so together they settle near the store's rate instead of
+    spending most requests on 503s. Where this one differs, and why:
+    - it paces one operation (a pull, all its threads and both its read and write paths), not one
+      botocore client;
+    - its floor is 0.1 requests/s, not 0.5: 64 hosts at 0.5 would still ask 32 requests/s of a
+      store that serves 12; and a cut halves the rate (beta 0.5, not 0.7): each host is one of
+      many, so it sheds more (a simulation of 64 hosts put 503s per forwarded request at 0.4
+      with 0.5 and 0.6 with 0.7, in the same time);
+    - a throttled answer to a request sent before the last cut does not cut again (TCP's one
+      reduction per round trip): sixteen requests in flight answered 503 together are one signal,
+      not sixteen, and would otherwise drop the rate to the floor at once;
+    - there is no burst: a request goes once 1 / rate has passed since the previous one; a waiting
+      request looks again every window_s (the rate may have grown or been cut since) and wakes for
+      the operation's stop and its deadline;
+    - before a window of sending has been measured, the rate is estimated from the requests sent
+      since the start (over at least a tenth of a window): AWS takes 0 then, and falls to its
+      floor at the first 503, so a host throttled on its first requests crawled for tens of
+      seconds after the store had stopped throttling;
+    - its timings scale with the policy (Policy.scaled), for tests.
+    `clock` is injectable so the curve can be checked without sleeping.
+    """
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.enabled = False
+        self.rate = math.inf  # requests/s while enabled
+        self._w_max = 0.0  # the rate at the last cut
+        self._cut_at = -math.inf
+        self._next = -math.inf  # when the next request may go
+        self._start = clock()
+        self._measured: float | None = None  # requests/s sent, smoothed over windows (None: no window yet)
+        self._window = math.floor(self._start / policy.window_s) * policy.window_s
+        self._in_window = 0
+
+    def take(self) -> float:
+        """0 if a request may go now (it is counted as sent), else the seconds to wait first."""
+        with self._lock:
+            now = self._clock()
+            if self.enabled:
+                if now < self._next:
+                    return self._next - now
+                self._next = now + 1.0 / self.rate
+            window = math.floor(now / self.policy.window_s) * self.policy.window_s
+            self._in_window += 1
+            if window > self._window:
+                current = self._in_window / (window - self._window)
+                self._measured = current if self._measured is None else 0.8 * current + 0.2 * self._measured
+                self._window, self._in_window = window, 0
+            return 0.0
+
+    def measured(self) -> float:
+        """The rate requests were sent at lately (the lock held)."""
+        if self._measured is not None:
+            return self._measured
+        return self._in_window / max(self._clock() - self._start, self.policy.window_s / 10)
+
+    def throttled(self, sent_at: float) -> None:
+        """A request sent at sent_at (clock time) was throttled."""
+        with self._lock:
+            if sent_at < self._cut_at:
+                return  # sent at the old rate: already answered by that cut
+            now = self._clock()
+            measured = self.measured()
+            self._w_max = max(min(measured, self.rate), self.policy.min_rate)
+            self.rate = max(self.policy.min_rate, self._w_max * self.policy.beta)
+            self._cut_at = now
+            self.enabled = True
+            self._next = now + 1.0 / self.rate
+        log.debug("throttled: sending at most %.3g requests/s", self.rate)
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if not self.enabled:
+                return
+            p = self.policy
+            k = (self._w_max * (1 - p.beta) / p.cubic_c) ** (1 / 3)
+            cubic = p.cubic_c * (self._clock() - self._cut_at - k) ** 3 + self._w_max
+            self.rate = max(p.min_rate, min(cubic, 2 * self.measured()))
+
+    def now(self) -> float:
+        return self._clock()
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """What an operation's requests went through: tries after the first (retries), answers that
+    throttled them, and seconds they spent waiting (backoff and pacing, summed over requests in
+    parallel, so it may exceed the operation's own time)."""
+
+    retries: int = 0
+    throttled: int = 0
+    waited_s: float = 0.0
+    paced_to: float | None = None  # requests/s the pacer allowed at the end; None: never throttled
+
+    def summary(self) -> str:
+        rate = f", paced down to {self.paced_to:.2g} requests/s" if self.paced_to is not None else ""
+        return f"{self.throttled} answers 503 SlowDown or 429, {self.retries} retries, {self.waited_s:.1f} s waiting{rate}"
+
+
+class Operation:
+    """What the threads of one operation (a pull) share: policy, pacer, counts and a stop switch."""
+
+    def __init__(self, policy: Policy = DEFAULT, what: str = "the operation") -> None:
+        self.policy = policy
+        self.what = what
+        self.pacer = Pacer(policy)
+        self.retries = 0
+        self.throttled = 0
+        self.waited_s = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._cuts = _Cuts()
+
+    def counts(self) -> Counts:
+        with self._lock:
+            paced = self.pacer.rate if self.pacer.enabled else None
+            return Counts(self.retries, self.throttled, round(self.waited_s, 3), paced)
+
+    def count(self, *, retry: bool = False, throttled: bool = False, waited: float = 0.0) -> None:
+        with self._lock:
+            self.retries += retry
+            self.throttled += throttled
+            self.waited_s += waited
+
+    def stop(self) -> None:
+        """One request failed for good: wake the others from their waits and cut their reads."""
+        self._stop.set()
+        self._cuts.fire()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def check(self, where: str) -> None:
+        if self._stop.is_set():
+            raise Abandoned(f"{where}: abandoned: another request of {self.what} failed")
+
+    def wait(self, seconds: float) -> None:
+        """Sleep, unless stopped first."""
+        if seconds > 0:
+            self._stop.wait(seconds)
+
+    def watch(self, key: int, cut: Callable[[], None]) -> None:
+        self._cuts.watch(key, cut)
+
+    def unwatch(self, key: int) -> None:
+        self._cuts.unwatch(key)
 
 
 _CURRENT: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("neffbuild_deadline", default=None)
+_OPERATION: contextvars.ContextVar[Operation | None] = contextvars.ContextVar("neffbuild_operation", default=None)
 
 
 @contextmanager
@@ -148,8 +365,35 @@ def bounded(timeout: float | None, what: str) -> Iterator[Deadline | None]:
         _CURRENT.reset(token)
 
 
+@contextmanager
+def operation(policy: Policy | None = None, what: str = "the operation") -> Iterator[Operation]:
+    """Run the block as one operation (its requests paced and counted together); inside another
+    one and with no policy of its own, the block is part of that one."""
+    current = _OPERATION.get()
+    if current is not None and policy is None:
+        yield current
+        return
+    op = Operation(policy or DEFAULT, what)
+    token = _OPERATION.set(op)
+    try:
+        yield op
+    finally:
+        _OPERATION.reset(token)
+
+
 def current() -> Deadline | None:
     return _CURRENT.get()
+
+
+def current_operation() -> Operation | None:
+    return _OPERATION.get()
+
+
+def stop() -> None:
+    """The current operation failed: stop its other requests (nothing without an operation)."""
+    op = _OPERATION.get()
+    if op is not None:
+        op.stop()
 
 
 def doing(step: str) -> None:
@@ -167,10 +411,14 @@ def landed() -> None:
 
 
 def check(where: str) -> None:
-    """DeadlineExceeded if the current deadline has passed (where: the store, for the message)."""
+    """DeadlineExceeded if the current deadline has passed, Abandoned if the operation stopped
+    (where: the store, for the message)."""
     deadline = _CURRENT.get()
     if deadline is not None:
         deadline.check(where)
+    op = _OPERATION.get()
+    if op is not None:
+        op.check(where)
 
 
 def timeouts() -> tuple[float, float]:
@@ -182,41 +430,114 @@ def timeouts() -> tuple[float, float]:
     return min(CONNECT_S, left), min(READ_S, left)
 
 
-def backoff(tries: int, *, base: float | None = None, cap: float | None = None) -> float:
-    """Seconds to wait after `tries` failed tries: full jitter, uniform in [0, min(cap, base * 2**tries)]
-    (default BASE_S and CAP_S)."""
-    base, cap = BASE_S if base is None else base, CAP_S if cap is None else cap
+def watch(key: int, cut: Callable[[], None]) -> None:
+    """Call cut() (end a read in flight) when the deadline passes or the operation stops."""
+    for guard in (_CURRENT.get(), _OPERATION.get()):
+        if guard is not None:
+            guard.watch(key, cut)
+
+
+def unwatch(key: int) -> None:
+    for guard in (_CURRENT.get(), _OPERATION.get()):
+        if guard is not None:
+            guard.unwatch(key)
+
+
+def backoff(tries: int, *, base: float = DEFAULT.base_s, cap: float = DEFAULT.cap_s) -> float:
+    """Seconds to wait after `tries` failed tries: full jitter, uniform in [0, min(cap, base * 2**tries)]."""
     return random.uniform(0.0, min(cap, base * 2 ** min(tries, 32)))
 
 
-def pause(where: str, tries: int, failure: Transient) -> None:
-    """After try number `tries` (counted from 0) failed: sleep, or raise if no try is left (the
-    attempts are spent: StoreError; the deadline passed: DeadlineExceeded)."""
+class Tries:
+    """One request's failures so far: `failed` (count against the policy's attempts) and
+    `throttled` (count only with no deadline); both set the backoff."""
+
+    __slots__ = ("failed", "throttled", "sent_at")
+
+    def __init__(self) -> None:
+        self.failed = 0
+        self.throttled = 0
+        self.sent_at = -math.inf  # when the try that failed was sent (the pacer's round)
+
+    def reset(self) -> None:
+        """The request moved on (a resumed body received more): a drop now and then is not a failing store."""
+        self.failed = self.throttled = 0
+
+
+def pause(where: str, tries: Tries, failure: Transient) -> None:
+    """After a try failed with `failure`: count it, sleep, or raise if no try is left (the
+    attempts are spent: StoreError; the deadline passed: DeadlineExceeded; the operation
+    stopped: Abandoned)."""
     deadline = _CURRENT.get()
-    if deadline is not None:
-        deadline.check(where)
-    attempts = THROTTLED_ATTEMPTS if failure.throttled else ATTEMPTS
-    if tries + 1 >= attempts:
+    op = _OPERATION.get()
+    policy = op.policy if op is not None else DEFAULT
+    if failure.throttled:
+        tries.throttled += 1
+        if op is not None:
+            op.pacer.throttled(tries.sent_at)
+    else:
+        tries.failed += 1
+    if op is not None:
+        op.count(throttled=failure.throttled)
+    check(where)
+    if (failure.throttled and deadline is None and tries.throttled >= policy.throttled_attempts) or (
+        not failure.throttled and tries.failed >= policy.attempts
+    ):
+        attempts = tries.failed + tries.throttled
         doing = f", {deadline.what}: {deadline.now()}" if deadline is not None else ""
-        raise StoreError(f"{where}: {failure} ({tries + 1} tries{doing})", hint=failure.hint)
-    delay = backoff(tries)
+        raise StoreError(f"{where}: {failure} ({attempts} tries{doing})", hint=failure.hint)
+    delay = backoff(tries.failed + tries.throttled - 1, base=policy.base_s, cap=policy.cap_s)
     if deadline is not None:
         delay = min(delay, deadline.left())
-    time.sleep(delay)
-    if deadline is not None:
-        deadline.check(where)
+    _wait(op, delay)
+    check(where)
+    if op is not None:
+        op.count(retry=True)
+
+
+def _wait(op: Operation | None, seconds: float) -> None:
+    if op is None:
+        time.sleep(seconds)
+        return
+    started = time.monotonic()
+    op.wait(seconds)
+    op.count(waited=time.monotonic() - started)
+
+
+def paced(where: str, tries: Tries) -> None:
+    """Wait until the operation's pacer lets this try go (at once before the store first throttles)."""
+    op = _OPERATION.get()
+    if op is None:
+        return
+    while (delay := op.pacer.take()) > 0:
+        deadline = _CURRENT.get()
+        if deadline is not None and delay >= deadline.left():
+            _wait(op, deadline.left())
+        else:
+            _wait(op, min(delay, op.policy.window_s))  # the rate may change meanwhile: look again
+        check(where)
+    tries.sent_at = op.pacer.now()
+
+
+def succeeded() -> None:
+    op = _OPERATION.get()
+    if op is not None:
+        op.pacer.succeeded()
 
 
 def retried(where: str, attempt: Callable[[], _T]) -> _T:
     """attempt() until it returns, retrying Transient failures under the policy."""
     check(where)
-    tries = 0
+    tries = Tries()
     while True:
+        paced(where, tries)
         try:
-            return attempt()
+            result = attempt()
         except Transient as failure:
             pause(where, tries, failure)
-            tries += 1
+            continue
+        succeeded()
+        return result
 
 
 def carried(task: Callable[[], _T]) -> Callable[[], _T]:

@@ -13,6 +13,10 @@ Modes:
   never ends. `extra_sent` counts the bytes sent past the real bodies.
 - "slowdown": answer the first `slowdowns` requests for `paths` (and `methods`, if given) with
   S3's 503 SlowDown (an XML error body), without forwarding them (a throttling server).
+- "limit": a store with a request rate: let `limit` requests a second through (a token bucket
+  holding one second's worth, refilled continuously) and answer the rest 503 SlowDown, as S3
+  answers a burst. `forwarded` counts the requests let through, `slowed` the others; `limit`
+  may be changed while it serves (None: no limit).
 - "trickle": successful GET responses for `paths` forward their headers, then the body
   `trickle[0]` bytes every `trickle[1]` seconds (a server that never stops, never finishes).
 - "stall": successful GET responses for `paths` forward their headers, then nothing until the
@@ -39,13 +43,13 @@ SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown<
 SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (
     len(SLOWDOWN_BODY), SLOWDOWN_BODY,
 )  # fmt: skip
-MISBEHAVING = ("slowdown", "trickle", "stall")  # modes served by TcpProxy._misbehave
+MISBEHAVING = ("slowdown", "limit", "trickle", "stall")  # modes served by TcpProxy._misbehave
 
 
 class TcpProxy:
     def __init__(
         self, upstream_port: int, mode: str = "pass", paths: Sequence[str] = ("/",), cuts: int = 0, endless_cap: int = 1 << 30,
-        *, slowdowns: int = 0, methods: Sequence[str] = (), trickle: tuple[int, float] = (1, 1.0),
+        *, slowdowns: int = 0, methods: Sequence[str] = (), trickle: tuple[int, float] = (1, 1.0), limit: float | None = None,
     ) -> None:  # fmt: skip
         self.upstream = ("127.0.0.1", upstream_port)
         self.mode = mode
@@ -59,6 +63,10 @@ class TcpProxy:
         self.methods = tuple(m.encode() for m in methods)
         self.slowed: list[tuple[str, str]] = []  # (method, path) of each request answered 503 SlowDown
         self.trickle = trickle
+        self.limit = limit
+        self.forwarded = 0
+        self._tokens = 0.0 if limit is None else max(1.0, limit)
+        self._filled = time.monotonic()
         self.seen: list[tuple[str, str, dict[str, str]]] = []
         self.bytes_down = 0
         self.requests = 0
@@ -238,7 +246,7 @@ class TcpProxy:
             method, path = first.split(b" ")[:2]
             self._saw(method, path, headers)
             matches = any(p in path for p in self.paths)
-            if self.mode == "slowdown" and matches and self._slow_down(method, path):
+            if (self.mode == "slowdown" and matches and self._slow_down(method, path)) or (self.mode == "limit" and not self._admit(method, path)):
                 client.sendall(SLOWDOWN)
                 return
             upstream = socket.create_connection(self.upstream, timeout=30)
@@ -249,7 +257,7 @@ class TcpProxy:
             while remaining > 0 and (chunk := client.recv(min(65536, remaining))):
                 upstream.sendall(chunk)
                 remaining -= len(chunk)
-            self._answer(upstream, client, slow=self.mode != "slowdown" and method == b"GET" and matches)
+            self._answer(upstream, client, slow=self.mode not in ("slowdown", "limit") and method == b"GET" and matches)
         except OSError:
             pass
         finally:
@@ -264,6 +272,20 @@ class TcpProxy:
             self.slowdowns -= 1
             self.slowed.append((method.decode(), path.decode(errors="replace")))
             return True
+
+    def _admit(self, method: bytes, path: bytes) -> bool:
+        """Whether the rate limit lets this request through now (else it is counted as slowed)."""
+        with self._cuts_lock:
+            now = time.monotonic()
+            if self.limit is not None:
+                self._tokens = min(max(1.0, self.limit), self._tokens + (now - self._filled) * self.limit)
+            self._filled = now
+            if self.limit is None or self._tokens >= 1:
+                self._tokens -= self.limit is not None
+                self.forwarded += 1
+                return True
+            self.slowed.append((method.decode(), path.decode(errors="replace")))
+            return False
 
     def _answer(self, upstream: socket.socket, client: socket.socket, *, slow: bool) -> None:
         """Forward the response; if slow and a 2xx: its head, then the body trickled or stalled."""

@@ -76,6 +76,37 @@ def test_the_pull_unit_runs_once_before_the_server_with_the_store_in_its_own_env
             assert f"\n{word[2:-1]}=" in f"\n{example}"
 
 
+def test_a_failed_pull_is_retried_after_a_jittered_bounded_delay_and_exit_3_is_retried(tmp_path: Path) -> None:
+    """systemd restarts the pull on failure (a oneshot may: only Restart=always/on-success are
+    refused for it), not on exits a retry cannot mend, at most StartLimitBurst times an hour;
+    each failure waits RestartSec plus a random draw (ExecStopPost), run here with a stand-in
+    `sleep` that prints what it was asked to wait."""
+    pull = unit("neffbuild-pull.service")
+    service = pull["Service"]
+    assert service["Type"] == "oneshot" and service["Restart"] == "on-failure" and service["RestartSec"] == "15s"
+    prevented = {int(code) for code in service["RestartPreventExitStatus"].split()}
+    assert 3 not in prevented and 9 not in prevented and {2, 4, 7, 8, 10} <= prevented
+    assert (pull["Unit"]["StartLimitIntervalSec"], pull["Unit"]["StartLimitBurst"]) == ("1h", "4")
+    assert "Exit 3:" in (DEPLOY / "neffbuild-pull.service").read_text()  # the comments say what exit 3 means
+    command = service["ExecStopPost"]
+    assert command.startswith("/bin/sh -c '") and command.endswith("'")
+    script = command.removeprefix("/bin/sh -c '").removesuffix("'").replace("$$", "$")  # systemd's escape of a literal $
+    stand_in = tmp_path / "bin"
+    stand_in.mkdir()
+    (stand_in / "sleep").write_text('#!/bin/sh\necho "$1"\n')
+    (stand_in / "sleep").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stand_in}:{os.environ['PATH']}"}
+
+    def after(result: str) -> str:
+        done = subprocess.run(["/bin/sh", "-c", script], env={**env, "SERVICE_RESULT": result}, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert after("success") == ""  # a plain stop waits for nothing
+    delays = [int(after("exit-code")) for _ in range(12)]
+    assert all(0 <= d <= 30 for d in delays) and len(set(delays)) > 1, delays
+
+
 def test_the_server_reads_the_pulled_cache_read_only_but_for_the_dirs_its_compiler_writes_on_a_hit() -> None:
     from neffbuild.backends.serving import INDUCTOR
 

@@ -19,6 +19,7 @@ from neffbuild import retry
 from neffbuild.api import ensure_cache
 from neffbuild.errors import DeadlineExceeded, IntegrityError, NotFoundError, StoreError
 from neffbuild.fs.confined import BlobTarget
+from neffbuild.documents.refs import resolve
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
 from neffbuild.store.s3.dataplane import PART, http_error
@@ -29,13 +30,26 @@ from tests.tcpproxy import TcpProxy
 # ---- the policy ------------------------------------------------------------------------------
 
 
+FAST = retry.DEFAULT.scaled(0.0001)  # the policy's shape, at test speed
+
+
 def test_backoff_is_full_jitter_within_its_exponential_bound() -> None:
+    policy = retry.DEFAULT
     for tries in range(12):
-        bound = min(retry.CAP_S, retry.BASE_S * 2**tries)
+        bound = min(policy.cap_s, policy.base_s * 2**tries)
         waits = [retry.backoff(tries) for _ in range(400)]
         assert all(0 <= w <= bound for w in waits)
         # Full jitter: the draws cover [0, bound], not a band near it (nor a fixed value).
         assert min(waits) < 0.1 * bound and max(waits) > 0.9 * bound
+
+
+def test_a_scaled_policy_keeps_its_shape() -> None:
+    scaled = retry.DEFAULT.scaled(0.1)
+    assert (scaled.base_s, scaled.cap_s, scaled.window_s) == pytest.approx((0.01, 0.8, 0.05))
+    assert scaled.min_rate == pytest.approx(1.0) and (scaled.attempts, scaled.throttled_attempts) == (6, 16)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            retry.DEFAULT.scaled(bad)
 
 
 @pytest.mark.parametrize(
@@ -56,8 +70,7 @@ def test_only_throttling_and_5xx_are_worth_another_try(status: int, body: bytes,
     assert type(answer) is kind
 
 
-def test_transient_failures_are_retried_and_others_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(retry, "BASE_S", 0.001)
+def test_transient_failures_are_retried_and_others_are_not() -> None:
     calls = []
 
     def flaky() -> str:
@@ -66,39 +79,152 @@ def test_transient_failures_are_retried_and_others_are_not(monkeypatch: pytest.M
             raise retry.Transient("HTTP 503 SlowDown")
         return "ok"
 
-    assert retry.retried("s3://b/k", flaky) == "ok" and len(calls) == 3
+    with retry.operation(FAST):
+        assert retry.retried("s3://b/k", flaky) == "ok" and len(calls) == 3
 
-    def corrupt() -> None:
-        calls.append(2)
-        raise IntegrityError("s3://b/k: the object is short")
+        def corrupt() -> None:
+            calls.append(2)
+            raise IntegrityError("s3://b/k: the object is short")
 
-    with pytest.raises(IntegrityError):
-        retry.retried("s3://b/k", corrupt)
-    assert calls.count(2) == 1  # an integrity failure is never tried again
+        with pytest.raises(IntegrityError):
+            retry.retried("s3://b/k", corrupt)
+        assert calls.count(2) == 1  # an integrity failure is never tried again
 
-    def failing() -> None:
-        calls.append(3)
-        raise retry.Transient("connection refused")
+        def failing() -> None:
+            calls.append(3)
+            raise retry.Transient("connection refused")
 
-    with pytest.raises(StoreError) as err:
-        retry.retried("s3://b/k", failing)
-    assert calls.count(3) == retry.ATTEMPTS and "s3://b/k" in err.value.message and not isinstance(err.value, DeadlineExceeded)
-
-
-def test_a_store_that_throttles_gets_more_tries_than_one_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(retry, "BASE_S", 0.0001)
-    monkeypatch.setattr(retry, "CAP_S", 0.001)
-    counts = {True: 0, False: 0}
-
-    def failing(throttled: bool) -> None:
-        counts[throttled] += 1
-        raise retry.Transient("HTTP 503 SlowDown" if throttled else "HTTP 500", throttled=throttled)
-
-    for throttled in (True, False):
         with pytest.raises(StoreError) as err:
-            retry.retried("s3://b/k", lambda: failing(throttled))
-        assert f"({counts[throttled]} tries" in err.value.message
-    assert counts == {True: retry.THROTTLED_ATTEMPTS, False: retry.ATTEMPTS} and retry.THROTTLED_ATTEMPTS > retry.ATTEMPTS
+            retry.retried("s3://b/k", failing)
+    assert calls.count(3) == FAST.attempts and "s3://b/k" in err.value.message and not isinstance(err.value, DeadlineExceeded)
+
+
+def _failing(counts: dict[bool, int], throttled: bool) -> None:
+    counts[throttled] += 1
+    raise retry.Transient("HTTP 503 SlowDown" if throttled else "HTTP 500", throttled=throttled)
+
+
+def test_without_a_deadline_a_throttling_store_gets_more_tries_than_one_that_fails() -> None:
+    counts = {True: 0, False: 0}
+    with retry.operation(FAST):
+        for throttled in (True, False):
+            with pytest.raises(StoreError) as err:
+                retry.retried("s3://b/k", lambda t=throttled: _failing(counts, t))
+            assert f"({counts[throttled]} tries" in err.value.message
+    assert counts == {True: FAST.throttled_attempts, False: FAST.attempts} and FAST.throttled_attempts > FAST.attempts
+
+
+def test_under_a_deadline_throttling_is_backed_off_until_the_deadline_and_named_there() -> None:
+    counts = {True: 0, False: 0}
+    with retry.operation(retry.DEFAULT.scaled(0.001)) as op:
+        with retry.bounded(1.0, "pulling prod"), pytest.raises(DeadlineExceeded) as err:
+            retry.retried("s3://b/k", lambda: _failing(counts, True))
+        with retry.bounded(60, "pulling prod"), pytest.raises(StoreError) as failed:  # a failing store still gets its tries
+            retry.retried("s3://b/k", lambda: _failing(counts, False))
+    assert counts[True] > 4 * FAST.throttled_attempts and counts[False] == FAST.attempts and not isinstance(failed.value, DeadlineExceeded)
+    assert "the store throttled it: " in err.value.message and f"{counts[True]} answers 503 SlowDown or 429" in err.value.message
+    assert err.value.hint == retry.THROTTLED_HINT and op.counts().throttled == counts[True] + 0
+
+
+def test_throttled_tries_do_not_spend_the_tries_of_a_failure() -> None:
+    """A request throttled many times, then failing: it still gets all its failure tries."""
+    seen: list[str] = []
+
+    def attempt() -> None:
+        kind = "throttled" if len(seen) < 20 else "failed"
+        seen.append(kind)
+        raise retry.Transient(kind, throttled=kind == "throttled")
+
+    with retry.operation(retry.DEFAULT.scaled(0.0001)), retry.bounded(30, "pulling prod"), pytest.raises(StoreError) as err:
+        retry.retried("s3://b/k", attempt)
+    assert seen.count("throttled") == 20 and seen.count("failed") == FAST.attempts and not isinstance(err.value, DeadlineExceeded)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _send(pacer: retry.Pacer, clock: Clock, *, throttled: bool) -> None:
+    """One request through the pacer once it may go (the clock moves there), then its answer."""
+    while (delay := pacer.take()) > 0:
+        clock.now += delay
+    sent = clock.now
+    clock.now += 0.001
+    if throttled:
+        pacer.throttled(sent)
+    else:
+        pacer.succeeded()
+
+
+def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
+    clock = Clock()
+    pacer = retry.Pacer(retry.DEFAULT, clock)
+    for _ in range(200):  # unthrottled: no limit at all
+        assert pacer.take() == 0
+        clock.now += 0.01
+    assert not pacer.enabled
+    _send(pacer, clock, throttled=True)
+    first = pacer.rate
+    assert pacer.enabled and 50 < first < 100  # beta x the ~100 requests/s it was sending
+    rates = [first]
+    for _ in range(8):
+        _send(pacer, clock, throttled=True)
+        rates.append(pacer.rate)
+    assert all(b < a for a, b in zip(rates, rates[1:])) and rates[-1] >= retry.DEFAULT.min_rate
+    # No burst: the next request waits 1 / rate.
+    assert pacer.take() == pytest.approx(1 / pacer.rate, rel=0.01)
+    low = pacer.rate
+    for _ in range(30):
+        _send(pacer, clock, throttled=False)
+    assert pacer.rate > 4 * low
+
+
+def test_a_pacer_never_goes_below_its_floor_and_cuts_once_per_round() -> None:
+    clock = Clock()
+    pacer = retry.Pacer(retry.DEFAULT, clock)
+    for _ in range(100):  # sending about 100 requests/s
+        pacer.take()
+        clock.now += 0.01
+    sent = clock.now
+    for _ in range(16):  # sixteen requests in flight together...
+        pacer.take()
+    clock.now += 0.1
+    for _ in range(16):  # ...all answered 503: one cut
+        pacer.throttled(sent)
+    once = pacer.rate
+    assert 50 < once < 100
+    for _ in range(100):
+        _send(pacer, clock, throttled=True)
+    assert pacer.rate == retry.DEFAULT.min_rate < once
+
+
+def test_a_stopped_operation_wakes_its_waits_and_raises_abandoned() -> None:
+    from neffbuild.errors import Abandoned
+
+    def throttled() -> None:
+        raise retry.Transient("HTTP 503 SlowDown", throttled=True)
+
+    errors: list[BaseException] = []
+    with retry.operation(retry.Policy(base_s=30, cap_s=30)) as op, retry.bounded(600, "pulling prod"):
+        task = retry.carried(lambda: retry.retried("s3://b/k", throttled))
+
+        def run() -> None:
+            try:
+                task()
+            except BaseException as exc:  # noqa: BLE001 - what the thread ended with is the point
+                errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        while not op.counts().throttled:  # in its first backoff (up to 30 s)
+            time.sleep(0.01)
+        op.stop()
+        thread.join(timeout=10)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], Abandoned), errors
 
 
 @pytest.mark.parametrize(("status", "code", "throttled"), [(503, b"SlowDown", True), (429, b"", True), (500, b"InternalError", False)])
@@ -166,27 +292,68 @@ def _assert_cache_holds(cache: Path, files: dict[str, bytes]) -> None:
 @pytest.mark.s3
 def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, s3_server, tmp_path: Path, cli) -> None:
     _, files = _published(s3_url, s3_env, tmp_path / "src", {f"f{i}.bin": 3000 + i for i in range(6)} | {"big.bin": 9 << 20})
-    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=retry.ATTEMPTS - 1) as proxy:
+    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=retry.DEFAULT.attempts - 1) as proxy:
         env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
         done = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "cache"), "--json", "--timeout", "60", env=env)
     assert done.returncode == 0, done.stderr
-    assert len(proxy.slowed) == retry.ATTEMPTS - 1  # every 503 was answered and retried past
-    assert json.loads(done.stdout)["files_fetched"] == len(files)
+    assert len(proxy.slowed) == retry.DEFAULT.attempts - 1  # every 503 was answered and retried past
+    report = json.loads(done.stdout)
+    assert report["files_fetched"] == len(files)
     _assert_cache_holds(tmp_path / "cache", files)
+    # What the store put it through is counted, and said in one line on stderr.
+    throttles = retry.DEFAULT.attempts - 1
+    assert (report["throttled"], report["retries"]) == (throttles, throttles) and report["waited_s"] > 0 and report["paced_to"] > 0
+    (note,) = [line for line in done.stderr.splitlines() if "throttled" in line]
+    assert note.startswith(f"note: the store throttled this pull: {throttles} answers 503 SlowDown or 429, {throttles} retries, ")
+    quiet = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "again"), "--json", env=s3_env)
+    again = json.loads(quiet.stdout)
+    assert (again["throttled"], again["retries"], again["waited_s"], again["paced_to"]) == (0, 0, 0.0, None)
+    assert "throttled" not in quiet.stderr
 
 
 @pytest.mark.s3
 def test_throttling_that_outlasts_the_tries_of_a_failure_is_still_backed_off(
-    s3_url, s3_env, s3_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_url, s3_env, s3_server, tmp_path: Path
 ) -> None:  # fmt: skip
-    monkeypatch.setattr(retry, "BASE_S", 0.005)  # in-process: the backoff's shape, at test speed
     _, files = _published(s3_url, s3_env, tmp_path / "src", {f"f{i}.bin": 3000 + i for i in range(6)})
-    slowdowns = retry.ATTEMPTS + 4  # more 503s in a row than a failing store gets tries
+    slowdowns = retry.DEFAULT.attempts + 4  # more 503s in a row than a failing store gets tries
     with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=slowdowns) as proxy:
         env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
-        report = ensure_cache("prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=60)
+        report = ensure_cache(
+            "prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=60, policy=retry.DEFAULT.scaled(0.05)
+        )
     assert len(proxy.slowed) == slowdowns and report.files_fetched == len(files)
+    assert report.throttled == slowdowns and report.retries == slowdowns and report.waited_s > 0
     _assert_cache_holds(tmp_path / "cache", files)
+
+
+@pytest.mark.s3
+def test_a_fatal_error_stops_the_pulls_other_requests_and_keeps_what_landed(s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+    """One file's blob is gone (404: fatal) while the store throttles the others, whose backoff
+    would last minutes (and, under a deadline, goes on until it): the pull fails on the 404
+    without waiting for them, and the files already landed stay."""
+    large = {f"large{i}.bin": PART + i for i in range(4)}  # loose blobs, one streamed GET each
+    small = {f"small{i}.bin": 2000 + i for i in range(5)}  # one pack
+    _, files = _published(s3_url, s3_env, tmp_path / "src", large | small)
+    store = open_store(s3_url, env=s3_env)
+    digests = {f.path: f.digest for f in resolve(store, "prod").release.files}
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    client_for(s3_server).delete_object(Bucket=bucket, Key=f"{prefix}/{blob_key(digests['large0.bin'])}")
+    throttled = [blob_key(digests[rel]) for rel in large if rel != "large0.bin"]
+    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=throttled, methods=("GET",), slowdowns=1_000_000) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        slow = retry.DEFAULT.scaled(100)  # a throttled request would back off for up to 10 s, then 20, 40...
+        with pytest.raises(NotFoundError) as err:
+            ensure_cache("prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=600, policy=slow)
+    assert "large0.bin" in err.value.message
+    sent = [(m, p) for m, p, _ in proxy.seen]
+    # A throttled request may have come back once before the 404 (its first backoff is drawn from
+    # [0, 10 s]); after it, none is tried again: each was woken from its wait and given up.
+    assert proxy.slowed and all(sent.count(request) <= 2 for request in proxy.slowed), sent
+    # What landed before the failure is kept, whole; nothing else is there (no temp file, no large file).
+    landed = {p.name for p in (tmp_path / "cache").iterdir() if p.is_file()}
+    assert landed <= small.keys()
+    _assert_cache_holds(tmp_path / "cache", {rel: files[rel] for rel in landed})
 
 
 @pytest.mark.s3

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from neffbuild.cli.views import Console, printed_document
 from neffbuild.printable import printable
 
 if TYPE_CHECKING:
+    from neffbuild.retry import Policy
     from neffbuild.store import StoreChoice
 
 _DEBUG = {"on": False}
@@ -219,9 +220,23 @@ def pull(
     report = pull_or_stale(
         lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
         jobs=jobs or 16, allow_env=host_allow(allow_env, os.environ), env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
-        timeout=timeout,
+        timeout=timeout, policy=retry_policy(os.environ),
     )  # fmt: skip
     _report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
+
+
+def retry_policy(env: Mapping[str, str]) -> Policy | None:
+    """The retry policy NEFFBUILD_RETRY_SCALE asks for (every backoff and pacing time times it:
+    tests and benchmarks run a storm of minutes in seconds); None: the default."""
+    from neffbuild.retry import DEFAULT, SCALE_ENV
+
+    text = env.get(SCALE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return DEFAULT.scaled(float(text))
+    except ValueError:
+        raise InputError(f"{SCALE_ENV}={text!r}: expected a positive number (1: the default timings)") from None
 
 
 @cli.command()

@@ -238,6 +238,11 @@ class Console:
                 f"warning: store unreachable ({report.stale_reason}); serving the release already installed, "
                 f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale"
             )
+        if report.throttled:  # on stderr, --json or not: a journal should show that boot was slowed by the store
+            from neffbuild.retry import Counts
+
+            counts = Counts(report.retries, report.throttled, report.waited_s, report.paced_to)
+            print(f"note: the store throttled this pull: {counts.summary()}", file=sys.stderr)
         if self.as_json:
             mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
             self._json({

@@ -22,7 +22,7 @@ from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError
 from neffbuild.host.exports import env_file_text, exports_for, write_env_file
 from neffbuild.fs.confined import Beneath
 from neffbuild.host.pull import PullReport, preflight, pull
-from neffbuild.retry import bounded
+from neffbuild.retry import Policy, bounded, operation
 from neffbuild.store.base import Store
 
 
@@ -36,22 +36,27 @@ def pull_or_stale(
     host_env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     allow_env: Collection[str] = (),
+    policy: Policy | None = None,
     **pull_options: object,
 ) -> PullReport:
     """pull (the store opened inside, so that failing to open it counts as unreachable); with
     allow_stale, a StoreError returns a stale report of the release cache_dir holds, when it is
     REF's (its tag or id) and fully installed; otherwise the StoreError is raised as it was.
     timeout (seconds) bounds opening the store and the pull together (pull's deadline): past it
-    is a StoreError too (DeadlineExceeded)."""
+    is a StoreError too (DeadlineExceeded). policy: how requests are retried and paced, opening
+    the store included (retry.Policy; default retry.DEFAULT)."""
     started = time.perf_counter()
-    try:
-        with bounded(timeout, f"pulling {ref}"):
-            return pull(open_store(), ref, cache_dir, env_file=env_file, host_env=host_env, allow_env=allow_env, **pull_options)  # type: ignore[arg-type]
-    except StoreError as exc:
-        installed = fully_installed(cache_dir.expanduser().resolve(), ref) if allow_stale else None
-        if installed is None:
-            raise
-        reason = exc.message
+    with operation(policy, f"pulling {ref}") as op:
+        try:
+            with bounded(timeout, f"pulling {ref}"):
+                return pull(open_store(), ref, cache_dir, env_file=env_file, host_env=host_env, allow_env=allow_env, **pull_options)  # type: ignore[arg-type]
+        except StoreError as exc:
+            counts = op.counts()
+            failure = exc
+    installed = fully_installed(cache_dir.expanduser().resolve(), ref) if allow_stale else None
+    if installed is None:
+        raise failure
+    reason = failure.message
     # What the state says pull exported is no permission: the exports are made again from the
     # installed release under this host's allow, as a pull would make them.
     cache_dir = cache_dir.expanduser().resolve()
@@ -66,7 +71,7 @@ def pull_or_stale(
         files_total=len(release.files), files_fetched=0, bytes_fetched=0, bytes_total=release.total_size,
         seconds=time.perf_counter() - started, exports=exports, host_checked=host_env is not None,
         host_warnings=warnings, stale=True, stale_reason=reason, installed_at=installed.installed_at, allowed=tuple(allow_env),
-    )  # fmt: skip
+    ).with_counts(counts)  # fmt: skip
 
 
 def fully_installed(cache_dir: Path, ref: str | None = None) -> Installed | None:

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -108,6 +108,16 @@ class PullReport:
     files_repaired: int = 0  # files fetched again because the cache held wrong bytes at their path
     allowed: tuple[str, ...] = ()  # the names this host allowed beyond its backend's (host_allow)
     state_replaced: str | None = None  # why the state file found was corrupt (it was read as nothing known, and rewritten)
+    # What the store put this pull through (retry.Counts): tries after a request's first, answers
+    # that throttled it (503 SlowDown, 429), seconds its requests waited (backoff and pacing,
+    # summed over parallel requests), and the rate it was paced down to (None: never throttled).
+    retries: int = 0
+    throttled: int = 0
+    waited_s: float = 0.0
+    paced_to: float | None = None
+
+    def with_counts(self, counts: retry.Counts) -> PullReport:
+        return replace(self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to)
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
@@ -159,6 +169,7 @@ def pull(
     timeout: float | None = None,
     verify: str = "fast",
     direct_writes: bool = True,
+    policy: retry.Policy | None = None,
 ) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
 
@@ -180,10 +191,15 @@ def pull(
 
     direct_writes: land files of materialize.DIRECT_MIN bytes or more with O_DIRECT (bypassing
     the page cache; see DIRECT_MIN for the trade).
+
+    policy: how requests are retried and paced (retry.Policy; default: the current operation's,
+    else retry.DEFAULT). The pull is one retry.Operation: its requests share one adaptive rate,
+    the report counts what the store put them through, and the first request to fail for good
+    stops the others.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
-    with retry.bounded(timeout, f"pulling {ref}"):
+    with retry.operation(policy, f"pulling {ref}") as op, retry.bounded(timeout, f"pulling {ref}"):
         started = time.perf_counter()
         deadline = retry.current()
         retry.doing(f"resolving {ref}")
@@ -232,7 +248,7 @@ def pull(
             files_repaired=sum(f.path in scan.damaged for f in missing),
             allowed=tuple(allow_env),
             state_replaced=old.problem,
-        )
+        ).with_counts(op.counts())
 
 
 @contextmanager

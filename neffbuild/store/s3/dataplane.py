@@ -229,7 +229,8 @@ class DataPlane:
         """An object's `size` bytes in order, as views of buf (see received). A body cut short
         continues with a ranged GET from the bytes already received, under the retry policy; the
         caller still checks what it got as a whole (write_verified hashes every byte)."""
-        got = tries = 0
+        got = 0
+        tries = retry.Tries()
         while True:
             response = self.stream(rel, got, size if got else None, needed=needed)
             before = got
@@ -240,9 +241,8 @@ class DataPlane:
                 return
             except Transient as failure:
                 if got > before:
-                    tries = 0  # it moved on: a drop now and then is not a failing store
+                    tries.reset()  # it moved on: a drop now and then is not a failing store
                 retry.pause(self.where(rel), tries, failure)
-                tries += 1
             finally:
                 finish(response)
 
@@ -329,9 +329,8 @@ class DataPlane:
             response = self.pool.request(method, self._presign(method, rel, params or {}), timeout=timeout, **kwargs)
         except urllib3.exceptions.HTTPError as exc:
             raise unreachable(self.base, rel if named is None else named, exc) from None
-        deadline = retry.current()
-        if deadline is not None and not kwargs.get("preload_content", True) and (sock := body_socket(response)) is not None:
-            deadline.watch(id(response), lambda: _shut(sock))
+        if not kwargs.get("preload_content", True) and (sock := body_socket(response)) is not None:
+            retry.watch(id(response), lambda: _shut(sock))
         return response
 
     def _get(self, rel: str, start: int, end: int | None, needed: str | None) -> urllib3.BaseHTTPResponse:
@@ -455,9 +454,7 @@ def too_long(where: str, limit: int, needed: str | None) -> IntegrityError:
 def finish(response: urllib3.BaseHTTPResponse) -> None:
     """Give the connection back for reuse only if its body was read to the end; else close it
     (a half-read body left on a pooled connection would be parsed as the next response)."""
-    deadline = retry.current()
-    if deadline is not None:
-        deadline.unwatch(id(response))
+    retry.unwatch(id(response))
     raw = getattr(response, "_fp", None)
     if raw is not None and not (isinstance(raw, http.client.HTTPResponse) and raw.isclosed()):
         response.close()
@@ -492,7 +489,8 @@ def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None
     if status == 416:
         return IntegrityError(f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT)
     if status >= 500 or status == 429:  # throttled (503 SlowDown, 429) or failing: worth another try
-        return Transient(f"HTTP {status} {code}".rstrip(), throttled=status in (429, 503))
+        shown = code if code.isascii() and code.isalnum() else ""  # the server's words, printed: only a plain code
+        return Transient(f"HTTP {status} {shown}".rstrip(), throttled=status in (429, 503))
     return StoreError(f"{where}: HTTP {status}: {body[:200].decode(errors='replace')}")
 
 
@@ -525,5 +523,6 @@ def run_all(tasks: Sequence[Callable[[], _T]], jobs: int) -> list[_T]:
         if failed is not None:
             for f in futures:
                 f.cancel()
+            retry.stop()  # the pull has failed: its requests still running stop now, not after their retries
             raise failed.exception()  # type: ignore[misc]
         return [f.result() for f in futures]

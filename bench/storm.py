@@ -1,0 +1,111 @@
+"""Boot storms (issue 26): N concurrent `neffbuild pull` processes against one throttled store.
+
+Starts its own SeaweedFS (tests/s3server.py) and publishes one release like the issue's (--small
+files of up to 200 KiB, packed, and --large of 9 MiB: 300 files, about 84 MiB by default). For
+each N in --hosts, N pulls into N empty cache dirs, all started together, twice: through a proxy
+that passes everything (unthrottled), then through one that lets --limit requests a second
+through and answers the rest 503 SlowDown with S3's XML body (tests/tcpproxy.py, mode "limit").
+Without --limit, the limit is set so the storm lasts --storm seconds: N x (requests per pull,
+counted in the unthrottled run) / limit. Every pull runs with --timeout (default 600). Prints,
+per run: pulls completed (exit 0) and verified (every file whole), 503s per forwarded request,
+and p50 / p90 / max of each pull's time from the common start.
+
+--code DIR runs the pulls with another checkout's neffbuild (PYTHONPATH=DIR), e.g. main's code
+for the old policy: `git archive main | tar -x -C /tmp/neffbuild-main`.
+
+Run:
+    .venv/bin/python bench/storm.py [--hosts 16,32,64] [--storm 165 | --limit 12] [--timeout 600] [--code DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from neffbuild.store import open_store  # noqa: E402
+from tests.s3server import S3Server, client_for  # noqa: E402
+from tests.stormkit import Storm, holds, publish_fleet_release, storm  # noqa: E402
+from tests.tcpproxy import TcpProxy  # noqa: E402
+
+WORK = ROOT / "bench" / ".work" / "storm"
+BUCKET = "storm"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", default="16,32,64")
+    p.add_argument("--storm", type=float, default=165.0, help="seconds the throttled storm should last (sets the limit)")
+    p.add_argument("--limit", type=float, default=None, help="requests/s the store serves (instead of --storm)")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--small", type=int, default=294)
+    p.add_argument("--large", type=int, default=6)
+    p.add_argument("--code", type=Path, default=ROOT, help="the neffbuild checkout the pulls run")
+    p.add_argument("--no-unthrottled", action="store_true", help="skip the unthrottled run (requests per pull: --per-pull)")
+    p.add_argument("--per-pull", type=float, default=None)
+    args = p.parse_args()
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    with S3Server(WORK / "weed") as server:
+        client_for(server).create_bucket(Bucket=BUCKET)
+        url = f"s3://{BUCKET}/bench"
+        env = {**server.env(), "PYTHONPATH": str(args.code.resolve())}
+        files = publish_fleet_release(open_store(url, create=True, env=server.env()), WORK / "src", small=args.small, large=args.large)
+        size = sum(len(b) for b in files.values())
+        del files
+        print(f"release: {args.small + args.large} files, {size / 2**20:.1f} MiB; code: {args.code}; timeout {args.timeout:g} s; "
+              f"{os.cpu_count()} CPUs; {uptime()}", flush=True)  # fmt: skip
+        print("| hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+        port = int(server.endpoint.rsplit(":", 1)[1])
+        for hosts in [int(h) for h in args.hosts.split(",")]:
+            per_pull = args.per_pull
+            if not args.no_unthrottled:
+                with TcpProxy(port, mode="limit", limit=None) as proxy:
+                    ran = run(proxy, url, env, hosts, args.timeout)
+                per_pull = ran[0].forwarded / hosts
+                row(hosts, None, None, ran)
+            limit = args.limit or round(hosts * per_pull / args.storm, 2)
+            with TcpProxy(port, mode="limit", limit=limit) as proxy:
+                ran = run(proxy, url, env, hosts, args.timeout)
+            row(hosts, limit, hosts * per_pull / limit if per_pull else None, ran)
+    print(f"# {uptime()}")
+
+
+def run(proxy: TcpProxy, url: str, env: dict[str, str], hosts: int, timeout: float) -> tuple[Storm, int]:
+    """One storm of `hosts` pulls through proxy; it and how many pulls verified (every file whole)."""
+    caches = [WORK / "caches" / f"host{i:02d}" for i in range(hosts)]
+    shutil.rmtree(WORK / "caches", ignore_errors=True)
+    done = storm(proxy, url, env, caches, timeout=timeout, code=Path(env["PYTHONPATH"]))
+    files = {rel.relative_to(WORK / "src").as_posix(): rel.read_bytes() for rel in (WORK / "src").rglob("*") if rel.is_file()}
+    verified = sum(p.code == 0 and holds(c, files) for p, c in zip(done.pulls, caches, strict=True))
+    failures = [p.report.get("error", "")[:160] for p in done.pulls if p.code]
+    if failures:
+        print(f"#   {len(failures)} failed, e.g.: {failures[0]}", flush=True)
+    shutil.rmtree(WORK / "caches", ignore_errors=True)
+    return done, verified
+
+
+def row(hosts: int, limit: float | None, storm_s: float | None, ran: tuple[Storm, int]) -> None:
+    done, verified = ran
+    storm_text = f"{storm_s:.0f}" if storm_s else "-"
+    ratio = f"{done.ratio:.2f}" if limit else "-"
+    p90 = done.quantile(0.9)
+    against = f"{p90 / storm_s:.2f}" if storm_s else "-"
+    print(f"| {hosts} | {limit if limit else 'none'} | {storm_text} | {done.completed}/{hosts} | {verified}/{hosts} | {ratio} | "
+          f"{done.median:.1f} | {p90:.1f} | {max(p.seconds for p in done.pulls):.1f} | {against} |", flush=True)  # fmt: skip
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+if __name__ == "__main__":
+    main()
