@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import sys
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,8 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from neffbuild.store import open_store  # noqa: E402
 from neffbuild.hashing import hash_bytes  # noqa: E402
+from neffbuild.store import open_store  # noqa: E402
 from neffbuild.store.base import BlobSource, Store  # noqa: E402
 from tests.inspectkit import FINGERPRINT, Unit, publish_units, unit_of  # noqa: E402
 from tests.s3server import S3Server, client_for  # noqa: E402

@@ -167,9 +167,9 @@ def publish_synthetic(store, files: Path, name: str) -> None:
 
 
 def push_real_bundle(store_dir: Path, tag: str | None, s3_store, files: Path) -> Case:
+    from neffbuild.build.push import push
     from neffbuild.host.pull import pull
     from neffbuild.store import open_store
-    from neffbuild.build.push import push
 
     local = open_store(str(store_dir))
     tags = list(local.list_docs("tags"))

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key  # noqa: E402
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release  # noqa: E402
+from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
 from neffbuild.store.base import Store  # noqa: E402
 from tests.storekit import this_host, write_files  # noqa: E402

@@ -25,9 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from diffusers import (  # noqa: E402
     AutoencoderKLFlux2,
+    FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
-    FlowMatchEulerDiscreteScheduler,
 )
 from tokenizers.pre_tokenizers import ByteLevel  # noqa: E402
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
 from neffbuild.hashing import hash_bytes
-from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.store.base import BlobSource, Store
 
 FINGERPRINT = {

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.documents.records import FileEntry
-from neffbuild.host.state import STATE_FILE, STATE_FORMAT
 from neffbuild.hashing import hash_file
-from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.host.pull import pull
+from neffbuild.host.state import STATE_FILE, STATE_FORMAT
+from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.store.base import Store
 
 Files = Mapping[str, FileEntry]  # a release's files by path

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.errors import InputError
-from neffbuild.names import key_problem, reserved_problem, tag_problem
 from neffbuild.build.publish import move_tag
 from neffbuild.documents.refs import parse_ref
+from neffbuild.errors import InputError
+from neffbuild.names import key_problem, reserved_problem, tag_problem
 from neffbuild.store.base import doc_key
 from neffbuild.store.local import LocalStore
 from tests.fs.test_confined import snapshot

@@ -17,9 +17,9 @@ import pytest
 
 from neffbuild import retry
 from neffbuild.api import ensure_cache
+from neffbuild.documents.refs import resolve
 from neffbuild.errors import DeadlineExceeded, IntegrityError, NotFoundError, StoreError
 from neffbuild.fs.confined import BlobTarget
-from neffbuild.documents.refs import resolve
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
 from neffbuild.store.s3.dataplane import PART, http_error
@@ -174,7 +174,7 @@ def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
     for _ in range(8):
         _send(pacer, clock, throttled=True)
         rates.append(pacer.rate)
-    assert all(b < a for a, b in zip(rates, rates[1:])) and rates[-1] >= retry.DEFAULT.min_rate
+    assert all(b < a for a, b in zip(rates, rates[1:], strict=False)) and rates[-1] >= retry.DEFAULT.min_rate
     # No burst: the next request waits 1 / rate.
     assert pacer.take() == pytest.approx(1 / pacer.rate, rel=0.01)
     low = pacer.rate

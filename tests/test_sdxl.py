@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.errors import ManifestError
 from neffbuild.documents.manifest import load_manifest
+from neffbuild.errors import ManifestError
 from neffbuild.units.plan import make_plan
 from tests.conftest import BuiltSdxl, write_sdxl_manifest
 from tests.units.test_plan import facts_provider

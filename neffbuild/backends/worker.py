@@ -17,8 +17,17 @@ from typing import Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, input_signatures
-from neffbuild.runner.jobs import ShapeRun, WorkerJob, WorkerResult, WrittenFile, append_event, die_with_parent, result_path, write_json_atomic
 from neffbuild.documents.manifest import ModelEntry, Shape
+from neffbuild.runner.jobs import (
+    ShapeRun,
+    WorkerJob,
+    WorkerResult,
+    WrittenFile,
+    append_event,
+    die_with_parent,
+    result_path,
+    write_json_atomic,
+)
 
 # Modules to import before the job runs (comma-separated). The seam through which tests register
 # a substitute compile backend (tests/neuron_double.py); future backends may load plugins so.
@@ -54,7 +63,7 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
     pipe = backend.load_pipeline(job.entry, job.model_ref)
     runner = backend.apply_mode(pipe, job.entry)
     load_s = time.perf_counter() - started
-    runs = [_run_shape(job, backend, runner, unit_id, shape) for unit_id, shape in zip(job.unit_ids, job.shapes)]
+    runs = [_run_shape(job, backend, runner, unit_id, shape) for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)]
     return WorkerResult(fingerprint=fingerprint, load_s=load_s, runs=tuple(runs))
 
 

@@ -19,14 +19,17 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from neffbuild.version import __version__
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import GRAPH_PREFIX, Backend, components_without_graphs, no_graph_hint
-from neffbuild.build.report import emit, from_build
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
-from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyCompiledError, WorkerKilled
 from neffbuild.build.fanin import assemble_release
 from neffbuild.build.fleet import checked_document, select
+from neffbuild.build.publish import move_tag, publish_bundle, publish_release
+from neffbuild.build.report import emit, from_build
+from neffbuild.documents.manifest import load_manifest
+from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
+from neffbuild.documents.refs import load_doc
+from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyCompiledError, WorkerKilled
+from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
 from neffbuild.runner.jobs import (
     DEFAULT_LOGS_DIR,
@@ -45,15 +48,12 @@ from neffbuild.runner.jobs import (
     supervised,
     unit_dir_name,
 )
-from neffbuild.documents.manifest import load_manifest
-from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
-from neffbuild.build.publish import move_tag, publish_bundle, publish_release
-from neffbuild.documents.refs import load_doc
-from neffbuild.fs.room import require_scratch
-from neffbuild.units.shards import ShardSpec
+from neffbuild.runner.unitdir import unit_scratch, units_root
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
-from neffbuild.runner.unitdir import unit_scratch, units_root
+from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
+from neffbuild.units.shards import ShardSpec
+from neffbuild.version import __version__
 
 # (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
 # "publishing", then a final status ("built", "present", "failed").

@@ -16,15 +16,15 @@ from pathlib import Path
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.build.report import emit, merged, read_reports
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath
-from neffbuild.errors import ConflictError, IncompleteRelease, IntegrityError
-from neffbuild.documents.manifest import load_manifest
-from neffbuild.units.plandoc import check_manifest, read_plan
 from neffbuild.build.publish import move_tag, publish_release
+from neffbuild.build.report import emit, merged, read_reports
+from neffbuild.documents.manifest import load_manifest
+from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath
 from neffbuild.documents.refs import checked_doc, doc_where
+from neffbuild.errors import ConflictError, IncompleteRelease, IntegrityError
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
+from neffbuild.units.plandoc import check_manifest, read_plan
 
 log = logging.getLogger(__name__)
 SHOWN_MISSING = 10  # unit ids named in the error; --json lists every one

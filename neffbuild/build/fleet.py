@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.documents.records import BundleRecord
+from neffbuild.documents.refs import checked_doc, doc_where, find_doc, read_tag
 from neffbuild.errors import NeffbuildError
+from neffbuild.store import StoreChoice
+from neffbuild.store.base import Store
 from neffbuild.units.plan import BuildUnit, Plan
 from neffbuild.units.plandoc import (
     PlanDocument,
@@ -27,10 +30,7 @@ from neffbuild.units.plandoc import (
     read_plan,
     write_plan,
 )
-from neffbuild.documents.refs import checked_doc, doc_where, find_doc, read_tag
 from neffbuild.units.shards import Assignment, ShardSpec, assign, shard_from_env
-from neffbuild.store import StoreChoice
-from neffbuild.store.base import Store
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from neffbuild.documents.records import BundleRecord, Release, TagEvent, TagRecord, dump
+from neffbuild.documents.refs import read_tag
 from neffbuild.errors import ConflictError, NotFoundError
-from neffbuild.store.lease import wait_for_gc, whoami
 from neffbuild.names import check_digest, check_tag
 from neffbuild.retry import backoff
-from neffbuild.documents.refs import read_tag
 from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.lease import wait_for_gc, whoami
 
 TAG_RETRIES = 20
 SETTLE_RETRIES = 5  # a gc deleting what a publish just repaired, again and again: give up

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.documents.records import FileEntry
-from neffbuild.fs.confined import BlobTarget
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
+from neffbuild.documents.records import FileEntry
 from neffbuild.documents.refs import parse_ref, read_tag, release_bundle, resolve
+from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffbuild.fs.atomic import write_atomic
 from neffbuild.documents.records import parse, to_json
 from neffbuild.errors import InputError, NeffbuildError
+from neffbuild.fs.atomic import write_atomic
 
 if TYPE_CHECKING:
     from neffbuild.build.compile import BuildReport, UnitOutcome

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from neffbuild.version import __version__
-from neffbuild.errors import InputError, NeffbuildError
 from neffbuild.cli.views import Console, printed_document
+from neffbuild.errors import InputError, NeffbuildError
 from neffbuild.printable import printable
+from neffbuild.version import __version__
 
 if TYPE_CHECKING:
     from neffbuild.retry import Policy
@@ -355,8 +355,8 @@ def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None,
 @json_option
 def push(ref: str, from_url: str, to_url: str, endpoint_url: str | None, jobs: int | None, as_json: bool) -> None:
     """Copy a release and its tag to another store, uploading only what that store lacks."""
-    from neffbuild.store import StoreChoice
     from neffbuild.build.push import push_between
+    from neffbuild.store import StoreChoice
 
     result = push_between(ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16)
     _report_after_change(lambda: Console(as_json).push(result), f"pushed release {result.release_id}")
@@ -397,8 +397,8 @@ def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests:
     """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
     hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
     Reads the cache dir; the store only for a release other than the installed one."""
-    from neffbuild.host.exports import host_allow
     from neffbuild.cli.views import print_status
+    from neffbuild.host.exports import host_allow
     from neffbuild.host.status import status_error, status_of
 
     report = status_of(ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ))
@@ -478,8 +478,8 @@ def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None
     """Bytes the store holds by tag, release, model entry and toolchain, what dedup saves, and
     what `gc` would free under --keep and --grace."""
     from neffbuild.cli import views as output
-    from neffbuild.maint.gc import Policy, parse_duration, reclaimable
     from neffbuild.inspect.du import disk_usage
+    from neffbuild.maint.gc import Policy, parse_duration, reclaimable
 
     policy = Policy(keep=keep, grace_s=parse_duration(grace))
     output.usage(Console(as_json), disk_usage(store.open(os.environ), reclaim=reclaimable(policy)))

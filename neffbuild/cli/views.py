@@ -22,19 +22,19 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from neffbuild.build.compile import BuildReport
-    from neffbuild.documents.records import TagRecord
-    from neffbuild.host.doctor import DoctorReport
     from neffbuild.build.fanin import ReleaseResult
     from neffbuild.build.fleet import FleetPlan
+    from neffbuild.build.push import PushResult
+    from neffbuild.documents.records import TagRecord
+    from neffbuild.host.doctor import DoctorReport
+    from neffbuild.host.pull import PullReport
+    from neffbuild.host.status import StatusReport
+    from neffbuild.host.verify import ReplayReport, UnitFiles
     from neffbuild.inspect.diff import Diff, HostDiff
     from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
     from neffbuild.units.plan import Plan
-    from neffbuild.host.pull import PullReport
-    from neffbuild.host.status import StatusReport
-    from neffbuild.build.push import PushResult
-    from neffbuild.host.verify import ReplayReport, UnitFiles
 
 
 def jsonable(value: Any) -> Any:

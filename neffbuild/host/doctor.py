@@ -21,8 +21,8 @@ from typing import Any, Literal
 from neffbuild.backends import get_backend
 from neffbuild.documents.records import Release, parse
 from neffbuild.errors import HostNotReady, InputError
-from neffbuild.host.hostcheck import Facts, check_host, read_facts
 from neffbuild.fs.room import nearest_existing, room_for
+from neffbuild.host.hostcheck import Facts, check_host, read_facts
 from neffbuild.store import StoreChoice
 
 Status = Literal["pass", "fail", "skip"]

@@ -17,11 +17,11 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from neffbuild.documents.records import FileEntry
-from neffbuild.host.state import CacheState, Installed, open_existing, read_state, state_path
 from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError
-from neffbuild.host.exports import env_file_text, exports_for, write_env_file
 from neffbuild.fs.confined import Beneath
+from neffbuild.host.exports import env_file_text, exports_for, write_env_file
 from neffbuild.host.pull import PullReport, preflight, pull
+from neffbuild.host.state import CacheState, Installed, open_existing, read_state, state_path
 from neffbuild.retry import Policy, bounded, operation
 from neffbuild.store.base import Store
 

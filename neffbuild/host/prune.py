@@ -15,12 +15,12 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.host.state import load_state, open_state_dir, state_path
+from neffbuild.documents.refs import resolve
 from neffbuild.errors import NotFoundError
 from neffbuild.fs.confined import disk_error
-from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.host.pull import LOCK_FILE, open_root, pull_lock
-from neffbuild.documents.refs import resolve
+from neffbuild.host.state import load_state, open_state_dir, state_path
+from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.store.base import Store
 
 

@@ -45,35 +45,35 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from neffbuild import retry
-from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.documents.records import FileEntry
+from neffbuild.documents.refs import ResolvedRelease, resolve
+from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
+from neffbuild.fs.atomic import write_atomic_at
+from neffbuild.fs.confined import (
+    Beneath,
+    BlobTarget,
+    disk_error,
+    sync_filesystem,
+)
+from neffbuild.fs.locks import acquire
+from neffbuild.fs.room import require_room, room_for
+from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, write_env_file
 from neffbuild.host.state import (
     STATE_FILE,
     CacheState,
     Installed,
     encode_state,
+    find_target,
     load_state,
     open_existing,
     open_state_dir,
-    read_state,
-    find_target,
     read_cache_state,
+    read_state,
     release_units,
     state_path,
 )
-from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
-from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, write_env_file
-from neffbuild.fs.locks import acquire
-from neffbuild.fs.confined import (
-    BlobTarget,
-    Beneath,
-    disk_error,
-    sync_filesystem,
-)
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
-from neffbuild.documents.refs import ResolvedRelease, resolve
-from neffbuild.fs.room import require_room, room_for
 from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"

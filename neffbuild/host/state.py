@@ -35,10 +35,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.documents.records import Release, ReleaseUnit, checked_field, decode_doc, digest_problem, env_problem, path_problem, to_json
+from neffbuild.documents.records import (
+    Release,
+    ReleaseUnit,
+    checked_field,
+    decode_doc,
+    digest_problem,
+    env_problem,
+    path_problem,
+    to_json,
+)
 from neffbuild.errors import InputError, IntegrityError, NotFoundError, StateCorrupt
-from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.fs.confined import disk_error, open_dir_beneath
+from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.names import STATE_DIR, tag_problem
 from neffbuild.printable import printable
 

@@ -20,17 +20,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from neffbuild.host.state import CacheState, Files, InstalledUnit, Target, find_target, read_cache_state, state_path
 from neffbuild.errors import StatusMiss
+from neffbuild.fs.confined import Beneath, disk_error
 from neffbuild.host.exports import exports_for
 from neffbuild.host.hostcheck import FieldDiff, HostReport, check_host
-from neffbuild.fs.confined import Beneath, disk_error
+from neffbuild.host.state import CacheState, Files, InstalledUnit, Target, find_target, read_cache_state, state_path
 
 if TYPE_CHECKING:
     from neffbuild.documents.records import FileEntry
-    from neffbuild.units.plan import Plan
     from neffbuild.store import StoreChoice
     from neffbuild.store.base import Store
+    from neffbuild.units.plan import Plan
 
 UnitState = Literal["hit", "mismatch", "missing", "stale", "absent"]
 

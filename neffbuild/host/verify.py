@@ -29,8 +29,9 @@ from pathlib import Path
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
+from neffbuild.documents.manifest import LoadedManifest, load_manifest
 from neffbuild.documents.records import BundleRecord
-from neffbuild.host.exports import serving_dirs
+from neffbuild.documents.refs import find_doc
 from neffbuild.errors import (
     BuildError,
     DiskError,
@@ -41,7 +42,9 @@ from neffbuild.errors import (
     NotFoundError,
     ReplayMissError,
 )
+from neffbuild.fs.readonly import require_read_only
 from neffbuild.hashing import hash_file
+from neffbuild.host.exports import serving_dirs
 from neffbuild.runner.jobs import (
     DEFAULT_LOGS_DIR,
     OnPhase,
@@ -60,12 +63,9 @@ from neffbuild.runner.jobs import (
     supervised,
     unit_dir_name,
 )
-from neffbuild.documents.manifest import LoadedManifest, load_manifest
-from neffbuild.units.plan import BuildUnit, Plan, make_plan
-from neffbuild.fs.readonly import require_read_only
-from neffbuild.documents.refs import find_doc
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
+from neffbuild.units.plan import BuildUnit, Plan, make_plan
 
 _ELSEWHERE = "a replay never writes into the dir it checks: give --work-dir / --outputs another place"
 FICLONE = 0x40049409  # linux/fs.h: share the source's extents (a reflink), copy-on-write

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from neffbuild.documents.records import BundleRecord, FileEntry, Release
+from neffbuild.documents.refs import ResolvedBundle, ResolvedRelease, resolve, resolve_any
 from neffbuild.errors import InputError
 from neffbuild.hashing import canonical_json
 from neffbuild.host.hostcheck import Facts, HostReport, check_host, read_facts, serving_env
 from neffbuild.inspect.read import DOC_JOBS
 from neffbuild.inspect.show import release_bundles
-from neffbuild.documents.refs import ResolvedBundle, ResolvedRelease, resolve, resolve_any
 from neffbuild.store.base import Store
 
 ABSENT = None  # a field one side lacks

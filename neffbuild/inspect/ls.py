@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from neffbuild.documents.records import BundleRecord, Release, TagRecord
 from neffbuild.errors import NotFoundError
-from neffbuild.names import check_tag
 from neffbuild.inspect.read import DOC_JOBS, Snapshot, fetch, snapshot
+from neffbuild.names import check_tag
 from neffbuild.store.base import Store
 
 # Fingerprint fields that name a toolchain, in the order a summary shows them (both backends').

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from neffbuild.documents.records import BundleRecord, Release, TagRecord, parse
-from neffbuild.hashing import hash_bytes
 from neffbuild.documents.refs import DOC_KINDS, Doc, checked_doc, doc_where
+from neffbuild.hashing import hash_bytes
 from neffbuild.store.base import DocKind, Store
 
 DOC_JOBS = 32  # documents read at once: S3 round trips overlap; a local store barely cares

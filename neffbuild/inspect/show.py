@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, SharedPath, Timings
+from neffbuild.documents.refs import ResolvedBundle, resolve_any
 from neffbuild.errors import NotFoundError
 from neffbuild.inspect.read import DOC_JOBS, fetch
-from neffbuild.documents.refs import ResolvedBundle, resolve_any
 from neffbuild.store.base import Store
 
 

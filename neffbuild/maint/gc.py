@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from neffbuild.store import lease as fence
 from neffbuild.documents.records import BundleRecord, Release, TagRecord, parse
 from neffbuild.errors import ConflictError, InputError, IntegrityError
 from neffbuild.inspect.du import Reclaimable
 from neffbuild.inspect.read import Snapshot
+from neffbuild.store import lease as fence
 from neffbuild.store.base import DELETE_BATCH, ObjectInfo, Store
 from neffbuild.store.packs import PackIndex, pack_id_of_index_key
 

@@ -24,11 +24,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from neffbuild.fs.atomic import write_atomic
-from neffbuild.errors import BuildError, InputError, Interrupted, WorkerKilled
 from neffbuild.documents.manifest import ModelEntry, Shape
-from neffbuild.runner.oomwatch import memory_events_path, oom_kills
+from neffbuild.errors import BuildError, InputError, Interrupted, WorkerKilled
+from neffbuild.fs.atomic import write_atomic
 from neffbuild.pids import alive
+from neffbuild.runner.oomwatch import memory_events_path, oom_kills
 
 # The CLI's pid, set in each worker's environment: a worker outliving it ends itself.
 PARENT_PID_ENV = "NEFFBUILD_PARENT_PID"

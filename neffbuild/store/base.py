@@ -45,7 +45,6 @@ from neffbuild.errors import InputError, StoreError
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.names import key_problem
 
-
 DocKind = Literal["bundles", "releases", "tags", "gc"]
 STORE_FORMAT = "neffbuild.store/1"
 MARKER = "neffbuild-store.json"

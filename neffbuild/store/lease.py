@@ -30,8 +30,8 @@ is not frozen for longer than that between its clock check and a delete.
 
 from __future__ import annotations
 
-import json
 import getpass
+import json
 import os
 import socket
 import time

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
-from neffbuild.fs.atomic import write_atomic
 from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoundError, StoreError
-from neffbuild.fs.locks import exclusive
+from neffbuild.fs.atomic import write_atomic
 from neffbuild.fs.confined import BlobTarget, disk_error, write_verified
+from neffbuild.fs.locks import exclusive
 from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
 from neffbuild.store.base import (
     DOC_MAX,

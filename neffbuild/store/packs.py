@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from neffbuild.errors import IntegrityError
-from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.fs.confined import BlobTarget
+from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.store.base import BlobSource, PackEntry, PackIndex, shown
 
 PACK_FORMAT = "neffbuild.pack/1"

@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neffbuild.fs.atomic import write_atomic
+from neffbuild.documents.manifest import LoadedManifest
 from neffbuild.documents.records import digest_problem, parse, to_json
 from neffbuild.errors import EnvironmentMismatch, InputError, NeffbuildError
-from neffbuild.documents.manifest import LoadedManifest
+from neffbuild.fs.atomic import write_atomic
 from neffbuild.units.plan import BuildUnit, Plan
 
 PLAN_FORMAT = "neffbuild.units.plan/1"

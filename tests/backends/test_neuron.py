@@ -26,10 +26,10 @@ from neffbuild.backends.neuron import (
     instance_family,
 )
 from neffbuild.backends.worker import group_rank, import_seams, writes_result
-from neffbuild.errors import ManifestError
-from tests.conftest import write_model_index
 from neffbuild.documents.manifest import ModelEntry, ShapeSet, load_manifest
+from neffbuild.errors import ManifestError
 from neffbuild.units.plan import make_plan
+from tests.conftest import write_model_index
 
 TESTS = Path(__file__).resolve().parents[1]
 NEFF = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/\1\2[0-9a-f]{28}\.neff$")
@@ -523,9 +523,9 @@ def test_tensor_parallel_runs_every_rank_under_torchrun_and_rank_zero_reports(tm
     # that the launch command starts N ranks of the worker and that only rank 0 writes the result.
     if _has_torch_neuronx():
         pytest.skip("torch-neuronx is installed: the real TP path is covered on Trainium")
+    from neffbuild.documents.manifest import Shape
     from neffbuild.errors import BuildError
     from neffbuild.runner.jobs import WorkerJob, run_worker
-    from neffbuild.documents.manifest import Shape
 
     e = entry(model="/nonexistent", tensor_parallel=2)
     job = WorkerJob(purpose="build", entry=e, model_ref="/nonexistent", unit_ids=("m/32x32x1",), shapes=(Shape(height=32, width=32),))
@@ -540,9 +540,9 @@ def test_tensor_parallel_runs_every_rank_under_torchrun_and_rank_zero_reports(tm
 
 def test_a_failing_rank_is_heard_when_rank_zero_was_stopped_before_it_could_write(tmp_path):
     # As torchrun does when rank 1 fails first: rank 0 is stopped (here: never started).
+    from neffbuild.documents.manifest import Shape
     from neffbuild.errors import BuildError
     from neffbuild.runner.jobs import WorkerJob, run_worker
-    from neffbuild.documents.manifest import Shape
 
     e = entry(model="/nonexistent", tensor_parallel=2)
     job = WorkerJob(purpose="build", entry=e, model_ref="/nonexistent", unit_ids=("m/32x32x1",), shapes=(Shape(height=32, width=32),))
@@ -640,8 +640,8 @@ call = { num_inference_steps = 2, max_sequence_length = 64, text_encoder_out_lay
 def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tiny_model, cli):
     from neffbuild.build.compile import build
     from neffbuild.host.pull import pull
-    from neffbuild.store import open_store
     from neffbuild.host.verify import check_files, replay
+    from neffbuild.store import open_store
 
     (tmp_path / "tiny").symlink_to(tiny_model)
     path = tmp_path / "neffbuild.toml"
@@ -713,8 +713,8 @@ env = { NEURON_LAUNCH_BLOCKING = "1" }
 def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_both_layouts(tmp_path, tiny_model):
     from neffbuild.build.compile import build
     from neffbuild.host.pull import pull
-    from neffbuild.store import open_store
     from neffbuild.host.verify import replay
+    from neffbuild.store import open_store
 
     (tmp_path / "tiny").symlink_to(tiny_model)
     path = tmp_path / "neffbuild.toml"

@@ -106,10 +106,10 @@ D1, D2, D3 = "1" * 32, "2" * 32, "3" * 32
 
 @pytest.fixture
 def two_unit_plan(tmp_path: Path):
-    from tests.units.test_plan import MANIFEST, facts_provider
     from neffbuild.documents.manifest import load_manifest
     from neffbuild.units.plan import make_plan
     from tests.conftest import write_model_index
+    from tests.units.test_plan import MANIFEST, facts_provider
 
     (tmp_path / "model" / "transformer").mkdir(parents=True)
     write_model_index(tmp_path / "model")

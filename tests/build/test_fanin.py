@@ -11,15 +11,15 @@ import pytest
 
 from neffbuild.backends.inductor import InductorBackend
 from neffbuild.build.compile import make_release
+from neffbuild.build.publish import publish_bundle
 from neffbuild.build.report import Report, ReportUnit, write_report
+from neffbuild.documents.manifest import load_manifest
 from neffbuild.documents.records import BundleRecord, FileEntry, Timings
 from neffbuild.hashing import hash_bytes
-from neffbuild.documents.manifest import load_manifest
-from neffbuild.units.plan import Plan, make_plan
-from neffbuild.units.plandoc import plan_to_document, read_plan, write_plan
-from neffbuild.build.publish import publish_bundle
 from neffbuild.store import open_store
 from neffbuild.store.base import BlobSource, Store
+from neffbuild.units.plan import Plan, make_plan
+from neffbuild.units.plandoc import plan_to_document, read_plan, write_plan
 from tests.conftest import write_model_index
 from tests.units.test_plan import MANIFEST, facts_provider
 
@@ -149,7 +149,7 @@ def test_plan_out_and_shards_then_shard_builds_of_present_units_then_release(man
     assert released.returncode == 0, released.stderr
     merged = json.loads((tmp_path / "all.json").read_text())
     assert merged["release_id"] == json.loads(released.stdout)["release_id"] and merged["shards"] == ["0/2", "1/2"]
-    assert sorted((u["unit_id"], u["shard"]) for u in merged["units"]) == sorted(zip(ids, ["0/2", "1/2"]))
+    assert sorted((u["unit_id"], u["shard"]) for u in merged["units"]) == sorted(zip(ids, ["0/2", "1/2"], strict=True))
     text = summary.read_text()
     assert text.count("### neffbuild: tiny") == 3 and f"release `{merged['release_id']}`" in text
     assert "| unit | status | shard | time | peak memory |" in text

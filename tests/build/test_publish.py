@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.documents.records import TagRecord, parse
 from neffbuild.build.publish import move_tag
+from neffbuild.documents.records import TagRecord, parse
 from neffbuild.store import open_store
 from neffbuild.store.base import Store
 from tests.storekit import publish_release_of, write_files

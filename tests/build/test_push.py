@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from neffbuild.build.push import push
 from neffbuild.documents.records import TagRecord, parse
 from neffbuild.errors import NotFoundError
 from neffbuild.host.pull import pull
 from neffbuild.store import open_store
-from neffbuild.build.push import push
 from tests.storekit import keys_of, publish_release_of, small_and_large
 
 

@@ -17,10 +17,10 @@ import pytest
 
 from neffbuild.store import open_store
 from neffbuild.store.base import MARKER, blob_key
+from tests.build.test_compile import damaged_model, start_build  # noqa: F401  (damaged_model: a fixture)
 from tests.conftest import write_manifest
 from tests.procs import started_by, wait_for, without_override
 from tests.storekit import publish_release_of, write_files
-from tests.build.test_compile import damaged_model, start_build  # noqa: F401  (damaged_model: a fixture)
 
 
 def cli_without_override(*args: str) -> subprocess.CompletedProcess[str]:

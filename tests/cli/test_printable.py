@@ -17,11 +17,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, TagEvent, TagRecord, Timings, dump, unit_key
-from neffbuild.host.exports import shell_lines, shell_word
-from neffbuild.hashing import hash_bytes
-from neffbuild.printable import printable
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release, read_tag
+from neffbuild.documents.records import (
+    BundleRecord,
+    FileEntry,
+    Release,
+    ReleaseUnit,
+    TagEvent,
+    TagRecord,
+    Timings,
+    dump,
+    unit_key,
+)
+from neffbuild.hashing import hash_bytes
+from neffbuild.host.exports import shell_lines, shell_word
+from neffbuild.printable import printable
 from neffbuild.store.base import BlobSource, Store
 from neffbuild.store.local import LocalStore
 from tests.storekit import this_host
@@ -173,10 +183,10 @@ def test_json_keeps_the_exact_strings(tmp_path: Path) -> None:
 @given(text=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=24))
 def test_views_on_arbitrary_text_hold_no_control_byte(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     from neffbuild.cli import views as output
+    from neffbuild.cli.views import Console
     from neffbuild.inspect.du import disk_usage
     from neffbuild.inspect.ls import list_store, tag_history
     from neffbuild.inspect.show import show
-    from neffbuild.cli.views import Console
 
     work = tmp_path_factory.mktemp("views")
     path_text = "".join(c for c in text if c not in "/\\" and CONTROLS.search(c) is None and c.isprintable()) or "p"

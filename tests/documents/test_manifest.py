@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import tomllib
 from pathlib import Path
 
 import jsonschema
 import pytest
-import tomllib
 
+from neffbuild.documents.manifest import load_manifest, manifest_json_schema
 from neffbuild.errors import ManifestError
 from tests.conftest import write_model_index
-from neffbuild.documents.manifest import load_manifest, manifest_json_schema
 
 GOOD = """
 name = "tiny"

@@ -6,13 +6,21 @@ from pathlib import Path
 
 import pytest
 
+from neffbuild.build.push import push
 from neffbuild.documents.records import BundleRecord, Release, TagRecord
+from neffbuild.documents.refs import (
+    ResolvedBundle,
+    ResolvedRelease,
+    find_doc,
+    load_doc,
+    parse_ref,
+    resolve,
+    resolve_any,
+)
 from neffbuild.errors import InputError, IntegrityError, NotFoundError
 from neffbuild.host.exports import serving_dirs
-from neffbuild.documents.refs import ResolvedBundle, ResolvedRelease, find_doc, load_doc, parse_ref, resolve, resolve_any
 from neffbuild.store import open_store
 from neffbuild.store.base import Store
-from neffbuild.build.push import push
 from tests.storekit import publish_release_of, write_files
 
 

@@ -8,8 +8,8 @@ from typing import BinaryIO
 
 import pytest
 
-from neffbuild.fs.atomic import write_atomic, write_atomic_at
 from neffbuild.errors import DiskError, IntegrityError
+from neffbuild.fs.atomic import write_atomic, write_atomic_at
 
 
 def test_replace_and_keep(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from neffbuild.fs import confined as materialize
 from neffbuild.errors import DiskError, IntegrityError
+from neffbuild.fs import confined as materialize
 from neffbuild.fs.confined import DIRECT_MIN, HASH_CHUNK, BlobTarget, aligned_buffer, write_verified
 from tests.pagecache import direct_io_possible, resident_fraction
 

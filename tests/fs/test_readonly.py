@@ -16,11 +16,12 @@ import pytest
 from neffbuild.backends import get_backend
 from neffbuild.backends.serving import BY_BACKEND
 from neffbuild.host.pull import pull
-from neffbuild.store import open_store
 from neffbuild.host.verify import tree_state
+from neffbuild.store import open_store
 from tests.conftest import write_manifest
 from tests.procs import without_override
 from tests.storekit import publish_release_of, write_files
+
 
 def verify_in_place(manifest: Path, cache: Path, *more: str) -> subprocess.CompletedProcess[str]:
     return without_override([sys.executable, "-m", "neffbuild", "verify", str(manifest), "--cache-dir", str(cache), "--replay", "--in-place", *more])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.documents.records import FileEntry, Release
+from neffbuild.errors import InputError
 from neffbuild.host.doctor import (
     HostView,
     check_free_space,
@@ -22,7 +23,6 @@ from neffbuild.host.doctor import (
     report_lines,
     run_doctor,
 )
-from neffbuild.errors import InputError
 
 CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 HERE_FACTS = {"torch": "2.13.0", "torch-neuronx": "absent", "neuronx-cc": "absent", "diffusers": "0.42.1",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import ctypes
 import glob
 import json
-import shlex
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from neffbuild.backends.serving import BY_BACKEND
 from neffbuild.documents.records import FileEntry, Release, ReleaseUnit
 from neffbuild.errors import InputError, IntegrityError
-from neffbuild.host.exports import env_file_text, exports_for, shell_lines
 from neffbuild.hashing import hash_bytes
+from neffbuild.host.exports import env_file_text, exports_for, shell_lines
 from neffbuild.store import open_store
 from neffbuild.store.local import LocalStore
+from tests.host.test_pull import publish_files
 from tests.storekit import publish_release_of, write_files
 from tests.tcpproxy import TcpProxy
-from tests.host.test_pull import publish_files
 
 HOSTILE_VALUES = {
     "TORCHINDUCTOR_A": "it's $(touch PWNED) `touch PWNED` \"quoted\" \\ back\\slash",

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.documents.records import (
     BundleRecord,
     FileEntry,
@@ -27,9 +28,8 @@ from neffbuild.documents.records import (
 )
 from neffbuild.errors import IntegrityError
 from neffbuild.hashing import hash_bytes, hash_file
-from neffbuild.names import INCOMPLETE_SUFFIX
-from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.host.pull import STATE_DIR, pull, remove_stale_temp_files
+from neffbuild.names import INCOMPLETE_SUFFIX
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
 from tests.procs import wait_for

@@ -22,13 +22,24 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.host.state import STATE_FILE
-from neffbuild.hashing import hash_bytes
 from neffbuild.fs.confined import BlobTarget, write_verified
-from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
+from neffbuild.hashing import hash_bytes
 from neffbuild.host.pull import pull
+from neffbuild.host.state import STATE_FILE
+from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.store import open_store
-from tests.killkit import HEAD_MAX, Scenario, Traffic, assert_installed, concurrent_pulls, fresh_cache, kill_delays, make_scenario, no_flock_env, phases
+from tests.killkit import (
+    HEAD_MAX,
+    Scenario,
+    Traffic,
+    assert_installed,
+    concurrent_pulls,
+    fresh_cache,
+    kill_delays,
+    make_scenario,
+    no_flock_env,
+    phases,
+)
 from tests.s3server import S3Settings
 from tests.tcpproxy import TcpProxy
 

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild import ensure_cache
-from neffbuild.host.state import STATE_FORMAT, parse_state
 from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.host.pull import pull
+from neffbuild.host.state import STATE_FORMAT, parse_state
 from neffbuild.store.local import LocalStore
 from tests.procs import without_override
 from tests.storekit import publish_release_of, write_files
@@ -76,7 +76,7 @@ def test_an_export_name_that_is_a_command_never_runs_under_eval(installed, tmp_p
     doc["installed"]["release"]["env"][name] = "1"
     write_state(cache, doc)
     result = neffbuild("pull", "t", "--store", gone(tmp_path), "--cache-dir", str(cache), "--allow-stale")
-    evaluated = subprocess.run([shell, "-c", f'eval "$1"; echo "rc=$?"', shell, result.stdout], capture_output=True, text=True, check=False)
+    evaluated = subprocess.run([shell, "-c", 'eval "$1"; echo "rc=$?"', shell, result.stdout], capture_output=True, text=True, check=False)
     assert not marker.exists(), evaluated
     assert result.returncode == StateCorrupt.exit_code and result.stdout == ""
     assert f"error: {cache.resolve() / STATE}: installed.exports: " in result.stderr, result.stderr

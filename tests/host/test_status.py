@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
+from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
 from neffbuild.store import open_store
 from neffbuild.store.base import Store
 from tests.storekit import this_host, write_files

@@ -14,8 +14,8 @@ from neffbuild.inspect.diff import FieldChange, diff, diff_host
 from neffbuild.store import open_store
 from neffbuild.store.base import Store
 from tests.conftest import run_cli
-from tests.storekit import this_host
 from tests.inspectkit import CHANGED, FINGERPRINT, Target, Unit, klein_unit, publish_units, target, unit_of  # noqa: F401
+from tests.storekit import this_host
 
 
 def test_a_changed_fingerprint_names_exactly_its_fields(target: Target) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.maint.gc import Policy, plan_gc, reclaimable
 from neffbuild.hashing import hash_bytes
 from neffbuild.inspect.du import Reclaimable, disk_usage
 from neffbuild.inspect.read import Snapshot, snapshot
+from neffbuild.maint.gc import Policy, plan_gc, reclaimable
 from neffbuild.store.base import Store
 from tests.conftest import run_cli
 from tests.inspectkit import Target, klein_unit, publish_units, target  # noqa: F401  (target: a fixture)

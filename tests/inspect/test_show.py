@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from neffbuild.build.publish import publish_bundle
 from neffbuild.documents.records import BundleRecord, Timings
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.inspect.show import BundleView, ReleaseView, show
-from neffbuild.build.publish import publish_bundle
 from neffbuild.store import open_store
 from tests.conftest import run_cli
 from tests.inspectkit import Target, target  # noqa: F401  (target: a fixture)

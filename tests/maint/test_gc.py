@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.store import lease as fence
-from neffbuild.errors import ConflictError
-from neffbuild.maint.gc import Policy, parse_duration, plan_gc, sweep
-from neffbuild.host.prune import prune_cache_dir
 from neffbuild.build.publish import move_tag
+from neffbuild.errors import ConflictError
+from neffbuild.host.prune import prune_cache_dir
 from neffbuild.host.pull import pull
+from neffbuild.maint.gc import Policy, parse_duration, plan_gc, sweep
+from neffbuild.maint.storecheck import check_store
+from neffbuild.store import lease as fence
 from neffbuild.store import open_store
 from neffbuild.store.base import Store, blob_key
-from neffbuild.maint.storecheck import check_store
 from tests.conftest import run_cli
 from tests.gckit import age, publish, referenced, release
 from tests.procs import wait_for

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from neffbuild.documents.manifest import ModelEntry, Shape
 from neffbuild.errors import BuildError, InputError
 from neffbuild.runner.jobs import (
     PARENT_PID_ENV,
@@ -30,7 +31,6 @@ from neffbuild.runner.jobs import (
     remove_tree,
     run_worker,
 )
-from neffbuild.documents.manifest import ModelEntry, Shape
 from tests.procs import gone, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild.errors import IntegrityError
-from neffbuild.hashing import hash_bytes, is_digest
 from neffbuild.fs.confined import BlobTarget
+from neffbuild.hashing import hash_bytes, is_digest
 from neffbuild.store import packs
 from neffbuild.store.base import BlobSource
 

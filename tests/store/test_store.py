@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoundError, StoreError
-from neffbuild.hashing import hash_bytes
 from neffbuild.fs.confined import BlobTarget
+from neffbuild.hashing import hash_bytes
 from neffbuild.store import open_store
 from neffbuild.store.base import (
     MARKER,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from neffbuild.backends.base import Backend, cpu_isa_flags
-from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.documents.manifest import load_manifest
+from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.units.plan import check_buildable, make_plan, plan_document
 from tests.conftest import write_model_index
 

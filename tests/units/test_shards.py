@@ -53,7 +53,7 @@ def test_the_partition_is_the_same_in_other_processes_and_for_any_input_order() 
 @given(st.lists(st.floats(min_value=0.5, max_value=3600), min_size=1, max_size=60), st.integers(1, 8))
 def test_with_recorded_durations_the_longest_shard_exceeds_the_shortest_by_at_most_one_unit(seconds: list[float], count: int) -> None:
     units = [(f"e/{i}", hash_bytes(str(i).encode())) for i in range(len(seconds))]
-    durations = {u: s for (u, _), s in zip(units, seconds)}
+    durations = {u: s for (u, _), s in zip(units, seconds, strict=True)}
     result = assign(units, count, durations)
     loads = [sum(durations[u] for u in shard) for shard in result.shards]
     assert max(loads) - min(loads) <= max(seconds) + 1e-6

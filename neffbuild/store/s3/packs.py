@@ -16,8 +16,8 @@ from pathlib import Path
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import packs
-from neffbuild.store.s3 import dataplane
 from neffbuild.store.base import blob_key
+from neffbuild.store.s3 import dataplane
 
 HEAD_LIMIT = 256  # up to this many blobs to check: HEAD each; more: list their shards
 Where = tuple[packs.PackIndex, packs.PackEntry]  # where a packed blob lies

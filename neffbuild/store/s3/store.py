@@ -33,7 +33,6 @@ from neffbuild import retry
 from neffbuild.errors import IntegrityError, NotFoundError, StoreError
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import packs
-from neffbuild.store.s3 import dataplane, sigv4
 from neffbuild.store.base import (
     DELETE_BATCH,
     DOC_MAX,
@@ -49,6 +48,7 @@ from neffbuild.store.base import (
     deletion_failed,
     doc_key,
 )
+from neffbuild.store.s3 import dataplane, sigv4
 from neffbuild.store.s3.client import S3Location, botocore_client, bucket_region, endpoint_of
 from neffbuild.store.s3.errors import ABSENT_BUCKET, LOST_RACE, client_error, error_code, translated
 from neffbuild.store.s3.packs import PackCatalog

@@ -22,11 +22,11 @@ import xxhash
 
 from neffbuild import retry
 from neffbuild.errors import IntegrityError, StoreError
-from neffbuild.hashing import CHUNK
 from neffbuild.fs.confined import BlobTarget, write_verified
+from neffbuild.hashing import CHUNK
 from neffbuild.store import packs
-from neffbuild.store.s3 import dataplane
 from neffbuild.store.base import BlobSource, blob_key
+from neffbuild.store.s3 import dataplane
 from neffbuild.store.s3.packs import PackCatalog
 
 STREAM_MIN = 4  # with this many large blobs or more, stream each with one GET instead of ranges
