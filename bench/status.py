@@ -39,8 +39,16 @@ def publish(store: Store, src: Path, units: int, files: int, tag: str = "bench")
     refs, entries = [], []
     for n in range(units):
         sources = write_files(src / f"u{n}", {f"{n:02x}/k{i:03d}.so": 2000 + 37 * i for i in range(files)}, seed=n)
-        listed = tuple(FileEntry(path=s.path.relative_to(src / f"u{n}").as_posix(), size=s.size, digest=s.digest) for s in sources)
-        unit = {"model": {"n": str(n)}, "device": "cpu", "tensor_parallel": 1, "env": ENV, "shape": {"height": 64, "width": 64 + n, "batch": 1}}
+        listed = tuple(
+            FileEntry(path=s.path.relative_to(src / f"u{n}").as_posix(), size=s.size, digest=s.digest) for s in sources
+        )
+        unit = {
+            "model": {"n": str(n)},
+            "device": "cpu",
+            "tensor_parallel": 1,
+            "env": ENV,
+            "shape": {"height": 64, "width": 64 + n, "batch": 1},
+        }
         fingerprint = this_host(unit, ENV)
         record = BundleRecord(
             key=unit_key(unit, fingerprint), unit_id=f"m/64x{64 + n}x1", unit=unit, backend="inductor", fingerprint=fingerprint,
@@ -81,7 +89,12 @@ def main() -> None:
         work = Path(tmp)
         publish(open_store(str(work / "store"), create=True, env={}), work / "src", args.units, args.files)
         cache = work / "cache"
-        subprocess.run(neffbuild("pull", "bench", "--store", str(work / "store"), "--cache-dir", str(cache)), env=env, check=True, capture_output=True)
+        subprocess.run(
+            neffbuild("pull", "bench", "--store", str(work / "store"), "--cache-dir", str(cache)),
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         shutil.rmtree(work / "store")  # status reads the cache dir alone
         imports = subprocess.run([sys.executable, "-X", "importtime", "-m", "neffbuild", "status", "--cache-dir", str(cache)],
                                  env=env, capture_output=True, text=True, check=True).stderr  # fmt: skip

@@ -41,13 +41,17 @@ BUCKET = "storm"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hosts", default="16,32,64")
-    p.add_argument("--storm", type=float, default=165.0, help="seconds the throttled storm should last (sets the limit)")
+    p.add_argument(
+        "--storm", type=float, default=165.0, help="seconds the throttled storm should last (sets the limit)"
+    )
     p.add_argument("--limit", type=float, default=None, help="requests/s the store serves (instead of --storm)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--small", type=int, default=294)
     p.add_argument("--large", type=int, default=6)
     p.add_argument("--code", type=Path, default=ROOT, help="the neffbuild checkout the pulls run")
-    p.add_argument("--no-unthrottled", action="store_true", help="skip the unthrottled run (requests per pull: --per-pull)")
+    p.add_argument(
+        "--no-unthrottled", action="store_true", help="skip the unthrottled run (requests per pull: --per-pull)"
+    )
     p.add_argument("--per-pull", type=float, default=None)
     args = p.parse_args()
     shutil.rmtree(WORK, ignore_errors=True)
@@ -56,12 +60,16 @@ def main() -> None:
         client_for(server).create_bucket(Bucket=BUCKET)
         url = f"s3://{BUCKET}/bench"
         env = {**server.env(), "PYTHONPATH": str(args.code.resolve())}
-        files = publish_fleet_release(open_store(url, create=True, env=server.env()), WORK / "src", small=args.small, large=args.large)
+        files = publish_fleet_release(
+            open_store(url, create=True, env=server.env()), WORK / "src", small=args.small, large=args.large
+        )
         size = sum(len(b) for b in files.values())
         del files
         print(f"release: {args.small + args.large} files, {size / 2**20:.1f} MiB; code: {args.code}; timeout {args.timeout:g} s; "
               f"{os.cpu_count()} CPUs; {uptime()}", flush=True)  # fmt: skip
-        print("| hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm |")
+        print(
+            "| hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
         port = int(server.endpoint.rsplit(":", 1)[1])
         for hosts in [int(h) for h in args.hosts.split(",")]:
@@ -83,7 +91,9 @@ def run(proxy: TcpProxy, url: str, env: dict[str, str], hosts: int, timeout: flo
     caches = [WORK / "caches" / f"host{i:02d}" for i in range(hosts)]
     shutil.rmtree(WORK / "caches", ignore_errors=True)
     done = storm(proxy, url, env, caches, timeout=timeout, code=Path(env["PYTHONPATH"]))
-    files = {rel.relative_to(WORK / "src").as_posix(): rel.read_bytes() for rel in (WORK / "src").rglob("*") if rel.is_file()}
+    files = {
+        rel.relative_to(WORK / "src").as_posix(): rel.read_bytes() for rel in (WORK / "src").rglob("*") if rel.is_file()
+    }
     verified = sum(p.code == 0 and holds(c, files) for p, c in zip(done.pulls, caches, strict=True))
     failures = [p.report.get("error", "")[:160] for p in done.pulls if p.code]
     if failures:

@@ -44,7 +44,9 @@ def check_tag(name: str, what: str = "tag") -> str:
 
 def check_digest(value: str, what: str) -> str:
     if not is_digest(value):
-        raise InputError(f"{what}: {value!r} is not a 32-hex-digit id", hint="copy the id from `neffbuild tag` or `build --json`")
+        raise InputError(
+            f"{what}: {value!r} is not a 32-hex-digit id", hint="copy the id from `neffbuild tag` or `build --json`"
+        )
     return value
 
 

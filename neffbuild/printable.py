@@ -15,7 +15,9 @@ import re
 # C0 but tab, DEL, C1; the bidi embeddings, overrides and isolates, marks (LRM, RLM, ALM); and the
 # line and paragraph separators, which some terminals break on.
 # Lone surrogates too: no terminal encoding can write them.
-UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+UNSAFE = re.compile(
+    "[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 
 
 def _escaped(match: re.Match[str]) -> str:

@@ -292,7 +292,9 @@ class Counts:
 
     def summary(self) -> str:
         rate = f", paced down to {self.paced_to:.2g} requests/s" if self.paced_to is not None else ""
-        return f"{self.throttled} answers 503 SlowDown or 429, {self.retries} retries, {self.waited_s:.1f} s waiting{rate}"
+        return (
+            f"{self.throttled} answers 503 SlowDown or 429, {self.retries} retries, {self.waited_s:.1f} s waiting{rate}"
+        )
 
 
 class Operation:

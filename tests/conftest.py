@@ -50,7 +50,9 @@ def cli() -> Callable[..., subprocess.CompletedProcess[str]]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny FLUX.2-klein pipeline, written by the project's own script."""
     out = tmp_path_factory.mktemp("models") / "tiny-flux2-klein"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(out)], check=True, capture_output=True
+    )
     return out
 
 
@@ -63,7 +65,9 @@ def write_manifest(
     text = text.replace('"../.neffbuild/models/tiny-flux2-klein"', f'"{model_dir}"')
     text = text.replace("width = [128, 256]", f"width = [{', '.join(map(str, widths))}]")
     text = text.replace('mode = "full"', f'mode = "{mode}"')
-    assert str(model_dir) in text and f'mode = "{mode}"' in text, "the repo manifest's layout changed; update write_manifest"
+    assert str(model_dir) in text and f'mode = "{mode}"' in text, (
+        "the repo manifest's layout changed; update write_manifest"
+    )
     path.write_text(text + extra)
     return path
 
@@ -127,7 +131,9 @@ SDXL_MANIFEST = ROOT / "manifests" / "tiny-sdxl.toml"
 def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny StableDiffusionXL pipeline, written by the project's script."""
     out = tmp_path_factory.mktemp("models") / "tiny-sdxl"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_sdxl.py"), str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_tiny_sdxl.py"), str(out)], check=True, capture_output=True
+    )
     return out
 
 

@@ -114,7 +114,10 @@ class ThreeReleases:
 def three_releases(store: Store, work: Path) -> ThreeReleases:
     v1_units = [klein_unit(128, 128), klein_unit(128, 256)]
     v2_units = [klein_unit(128, 128), klein_unit(256, 256)]
-    v3_units = [klein_unit(128, 128, {**FINGERPRINT, **CHANGED}, "new"), klein_unit(128, 256, {**FINGERPRINT, **CHANGED}, "new")]
+    v3_units = [
+        klein_unit(128, 128, {**FINGERPRINT, **CHANGED}, "new"),
+        klein_unit(128, 256, {**FINGERPRINT, **CHANGED}, "new"),
+    ]
     v1 = publish_units(store, work, "klein", v1_units, tag="klein", by="ci-a")
     v2 = publish_units(store, work, "klein", v2_units, tag="klein", by="ci-b")
     v3 = publish_units(store, work, "klein", v3_units, tag="klein", by="ci-c")

@@ -102,7 +102,11 @@ def look(cache: Path, new: Files, old: Files, old_state: bytes | None, new_relea
         assert match, f"{path}: {st.st_size} bytes, xxh3 {digest}: neither release's bytes (a partial or mixed file)"
         new_files += rel in new and match[0] is new[rel]
     state = _state(cache, new, old_state, new_release_id, digests)
-    temps = [p for p in (cache / STATE_DIR).glob("*") if p.name.endswith(INCOMPLETE_SUFFIX)] if (cache / STATE_DIR).is_dir() else []
+    temps = (
+        [p for p in (cache / STATE_DIR).glob("*") if p.name.endswith(INCOMPLETE_SUFFIX)]
+        if (cache / STATE_DIR).is_dir()
+        else []
+    )
     return Aftermath(new_files, state, len(temps))
 
 
@@ -136,7 +140,9 @@ def _state(cache: Path, new: Files, old_state: bytes | None, new_release_id: str
     assert set(doc["files"]) == set(new), f"{path}: the new state does not record every file of the release"
     for rel, (size, mtime_ns, digest) in doc["files"].items():  # the commit point: every file is in
         st = os.lstat(cache / rel)
-        assert (st.st_size, st.st_mtime_ns, digests.get(rel)) == (size, mtime_ns, digest), f"{path} points at {rel}, which changed"
+        assert (st.st_size, st.st_mtime_ns, digests.get(rel)) == (size, mtime_ns, digest), (
+            f"{path} points at {rel}, which changed"
+        )
     return "new"
 
 
@@ -186,7 +192,9 @@ class Scenario:
         old_state = state.read_bytes() if state.exists() else None
         code = kill_after(self.command(cache), self.env, delay)
         left = look(cache, self.new, self.old if from_old else {}, old_state, self.new_release_id)
-        rerun = subprocess.run(self.command(cache), env=dict(self.env), capture_output=True, text=True, timeout=300, check=False)
+        rerun = subprocess.run(
+            self.command(cache), env=dict(self.env), capture_output=True, text=True, timeout=300, check=False
+        )
         assert rerun.returncode == 0, f"the rerun after a kill at {delay:.3f} s failed: {rerun.stderr}"
         assert_installed(cache, self.new)
         report = pull(self.store, self.ref, cache, verify="full")
@@ -225,7 +233,15 @@ def make_scenario(store: Store, env: Mapping[str, str], root: Path, *, small: in
     template = root / "template-old"
     pull(store, "old", template)
     new = releases["new"]
-    return Scenario(store, env, "new", files_of(new.release.files), new.release_id, files_of(releases["old"].release.files), template)
+    return Scenario(
+        store,
+        env,
+        "new",
+        files_of(new.release.files),
+        new.release_id,
+        files_of(releases["old"].release.files),
+        template,
+    )
 
 
 def phases(aftermaths: Iterable[tuple[int, Aftermath]], total: int) -> str:
@@ -236,7 +252,9 @@ def phases(aftermaths: Iterable[tuple[int, Aftermath]], total: int) -> str:
 
 def concurrent_pulls(command: Sequence[str], env: Mapping[str, str], count: int) -> list[dict]:
     """count copies of command (a `pull ... --json`) started together; their reports (all must succeed)."""
-    procs = [subprocess.Popen(command, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(count)]
+    procs = [
+        subprocess.Popen(command, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(count)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0] * count, [err.decode()[-2000:] for _, err in outs]
     return [json.loads(out) for out, _ in outs]

@@ -38,7 +38,8 @@ def _documents() -> dict[str, object]:
             "apiVersion": "v1",
             "groupVersion": path.removeprefix("/apis/").removeprefix("/api/") if path.startswith("/apis/") else "v1",
             "resources": [
-                {"name": n, "singularName": "", "namespaced": ns, "kind": k, "verbs": ["create", "get", "list"]} for n, k, ns in resources
+                {"name": n, "singularName": "", "namespaced": ns, "kind": k, "verbs": ["create", "get", "list"]}
+                for n, k, ns in resources
             ],
         }
     return docs

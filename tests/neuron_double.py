@@ -47,9 +47,7 @@ TOTAL, HITS, MISSES = (
 
 
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
-    signature = [
-        (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs
-    ]
+    signature = [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
     return xxhash.xxh3_128_hexdigest(gm.code.encode() + repr(signature).encode())
 
 
@@ -80,7 +78,11 @@ def _specs(value: Any) -> list[tuple[tuple[int, ...], str]]:
         return [spec for item in value for spec in _specs(item)]
     if isinstance(value, dict):
         return [spec for item in value.values() for spec in _specs(item)]
-    return [spec for item in vars(value).values() for spec in _specs(item)] if hasattr(value, "__dataclass_fields__") else []
+    return (
+        [spec for item in vars(value).values() for spec in _specs(item)]
+        if hasattr(value, "__dataclass_fields__")
+        else []
+    )
 
 
 def eager_op(module: torch.nn.Module, args: tuple, output: Any) -> None:

@@ -97,7 +97,9 @@ def wait_until_compiling(cli: subprocess.Popen[bytes], stderr: Path, phase: str,
     return descendants(cli.pid)
 
 
-def assert_all_stopped(cli: subprocess.Popen[bytes], running: set[int], signalled_at: float, code: int, stderr: Path, work: Path) -> None:
+def assert_all_stopped(
+    cli: subprocess.Popen[bytes], running: set[int], signalled_at: float, code: int, stderr: Path, work: Path
+) -> None:
     """After a stopping signal: the CLI exits with code within 10 s, every process it ran (running,
     from wait_until_compiling) is gone, and its scratch in work is removed."""
     assert cli.wait(30) == code, stderr.read_text()

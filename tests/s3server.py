@@ -211,7 +211,11 @@ def _identities() -> dict:
                 "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
             },
-            {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}], "actions": ["Read", "List"]},
+            {
+                "name": "reader",
+                "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+                "actions": ["Read", "List"],
+            },
         ]
     }
 

@@ -50,7 +50,12 @@ def publish_release_of(
     store: Store, root: Path, sources: list[BlobSource], *, name: str = "rel", tag: str | None = None, env: dict[str, str] | None = None
 ) -> str:  # fmt: skip
     """Publish sources as one bundle and one release (as `neffbuild build` would); its id."""
-    files = tuple(sorted((FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest) for s in sources), key=lambda f: f.path))
+    files = tuple(
+        sorted(
+            (FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest) for s in sources),
+            key=lambda f: f.path,
+        )
+    )
     key = hash_bytes(repr((name, files)).encode())
     fingerprint = this_host({"name": name}, {})
     record = BundleRecord(
@@ -85,7 +90,11 @@ def keys_of(store: Store, env: dict[str, str] | None = None) -> set[str]:
         pages = s3_client(env or {}).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         return {o["Key"][len(prefix) :] for page in pages for o in page.get("Contents", ())}
     root = Path(store.url)
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and not p.relative_to(root).as_posix().startswith("locks/")}
+    return {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and not p.relative_to(root).as_posix().startswith("locks/")
+    }
 
 
 def corrupt_blob(store: Store, digest: str, env: dict[str, str] | None = None) -> None:

@@ -25,10 +25,14 @@ from tests.storekit import publish_release_of, write_files
 from tests.tcpproxy import TcpProxy
 
 
-def publish_fleet_release(store: Store, root: Path, *, small: int, large: int, large_size: int = 9 << 20) -> dict[str, bytes]:
+def publish_fleet_release(
+    store: Store, root: Path, *, small: int, large: int, large_size: int = 9 << 20
+) -> dict[str, bytes]:
     """Publish a release tagged "prod": `small` files of up to 200 KiB (packed) and `large` ones
     of large_size (objects of their own); its files' bytes by path."""
-    sizes = {f"small/{i:04d}.bin": 1 + (i * 7919) % 200_000 for i in range(small)} | {f"large/{j}.neff": large_size + j for j in range(large)}
+    sizes = {f"small/{i:04d}.bin": 1 + (i * 7919) % 200_000 for i in range(small)} | {
+        f"large/{j}.neff": large_size + j for j in range(large)
+    }
     publish_release_of(store, root, write_files(root, sizes), name="prod", tag="prod")
     return {rel: (root / rel).read_bytes() for rel in sizes}
 
@@ -75,12 +79,30 @@ def storm(
     """One `neffbuild pull prod --json` per cache dir, all started together through proxy; code:
     the checkout whose neffbuild they run (its root is their working dir: `python -m` puts that
     first on sys.path), default this one."""
-    command = [sys.executable, "-m", "neffbuild", "pull", "prod", "--store", store_url, "--json", "--timeout", f"{timeout:g}", "--no-host-check", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "neffbuild",
+        "pull",
+        "prod",
+        "--store",
+        store_url,
+        "--json",
+        "--timeout",
+        f"{timeout:g}",
+        "--no-host-check",
+        *extra,
+    ]
     full_env = {**os.environ, **env, "AWS_ENDPOINT_URL": proxy.endpoint}
     started = time.monotonic()
     procs = [
         subprocess.Popen(
-            [*command, "--cache-dir", str(c)], env=full_env, cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*command, "--cache-dir", str(c)],
+            env=full_env,
+            cwd=code,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for c in caches
     ]

@@ -135,7 +135,9 @@ class TcpProxy:
             upstream.close()
             client.close()
 
-    def _request(self, client: socket.socket, upstream: socket.socket, cut: threading.Event, endless: threading.Event) -> None:
+    def _request(
+        self, client: socket.socket, upstream: socket.socket, cut: threading.Event, endless: threading.Event
+    ) -> None:
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = client.recv(65536)
@@ -175,7 +177,9 @@ class TcpProxy:
             upstream.sendall(part)
             remaining -= len(part)
 
-    def _responses(self, upstream: socket.socket, client: socket.socket, cut: threading.Event, endless: threading.Event) -> None:
+    def _responses(
+        self, upstream: socket.socket, client: socket.socket, cut: threading.Event, endless: threading.Event
+    ) -> None:
         sent = 0
         try:
             chunk = upstream.recv(65536)  # the response starts after the request was read: events are set
@@ -233,7 +237,13 @@ class TcpProxy:
     def _saw(self, method: bytes, path: bytes, headers: Sequence[bytes]) -> None:
         fields = dict(h.decode(errors="replace").split(":", 1) for h in headers if b":" in h)
         with self._cuts_lock:
-            self.seen.append((method.decode(), path.decode(errors="replace"), {k.strip().lower(): v.strip() for k, v in fields.items()}))
+            self.seen.append(
+                (
+                    method.decode(),
+                    path.decode(errors="replace"),
+                    {k.strip().lower(): v.strip() for k, v in fields.items()},
+                )
+            )
 
     def _misbehave(self, client: socket.socket) -> None:
         """One exchange in the modes of MISBEHAVING, request and response in this thread."""
@@ -246,7 +256,9 @@ class TcpProxy:
             method, path = first.split(b" ")[:2]
             self._saw(method, path, headers)
             matches = any(p in path for p in self.paths)
-            if (self.mode == "slowdown" and matches and self._slow_down(method, path)) or (self.mode == "limit" and not self._admit(method, path)):
+            if (self.mode == "slowdown" and matches and self._slow_down(method, path)) or (
+                self.mode == "limit" and not self._admit(method, path)
+            ):
                 client.sendall(SLOWDOWN)
                 return
             upstream = socket.create_connection(self.upstream, timeout=30)

@@ -25,7 +25,9 @@ def published(tmp_path: Path) -> tuple[str, str]:
     return url, publish_release_of(store, tmp_path / "src", sources, name="prod", tag="prod")
 
 
-def test_ensure_cache_pulls_in_process_silently_and_leaves_the_environment_alone(published, tmp_path: Path, capsys) -> None:
+def test_ensure_cache_pulls_in_process_silently_and_leaves_the_environment_alone(
+    published, tmp_path: Path, capsys
+) -> None:
     url, release_id = published
     cache = tmp_path / "cache"
     environ_before, frozen_before = dict(os.environ), gc.get_freeze_count()
@@ -81,7 +83,9 @@ def test_allow_stale_keeps_the_installed_release_when_the_store_is_gone(publishe
         neffbuild.ensure_cache("other", store=url, cache_dir=cache, allow_stale=True)
     # The host check needs no store, and a mismatch is never booted, stale or not.
     with pytest.raises(EnvironmentMismatch, match="ATEN_CPU_CAPABILITY"):
-        neffbuild.ensure_cache("prod", store=url, cache_dir=cache, allow_stale=True, env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+        neffbuild.ensure_cache(
+            "prod", store=url, cache_dir=cache, allow_stale=True, env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+        )
 
 
 def test_past_the_deadline_falls_back_to_the_installed_release_with_allow_stale(published, tmp_path: Path) -> None:

@@ -38,11 +38,15 @@ def _release(version: str) -> str:
 
 def run_lowest(python: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([str(python), "-m", "neffbuild", *args], capture_output=True, text=True, env=full, check=False)
+    return subprocess.run(
+        [str(python), "-m", "neffbuild", *args], capture_output=True, text=True, env=full, check=False
+    )
 
 
 def test_the_lowest_versions_are_the_declared_floors(lowest: Path) -> None:
-    pins = subprocess.run([str(lowest), str(ROOT / "scripts" / "lower_bounds.py")], capture_output=True, text=True, check=True)
+    pins = subprocess.run(
+        [str(lowest), str(ROOT / "scripts" / "lower_bounds.py")], capture_output=True, text=True, check=True
+    )
     names = [line.split("==")[0] for line in pins.stdout.split()]
     assert {"click", "pydantic", "rich", "xxhash", "botocore", "urllib3", "awscrt"} <= set(names)
     probe = "import sys, importlib.metadata as m; print(' '.join(m.version(n) for n in sys.argv[1:]))"
@@ -61,7 +65,17 @@ def test_schema_and_a_local_pull_run_on_the_floors(lowest: Path, tmp_path: Path)
     sources = small_and_large(tmp_path / "src", small=10)
     release_id = publish_release_of(store, tmp_path / "src", sources, tag="main")
     # --no-host-check: the floors' Python (another prefix, no torch) is not the host the release was built on.
-    pulled = run_lowest(lowest, "pull", "main", "--store", store.url, "--cache-dir", str(tmp_path / "cache"), "--json", "--no-host-check")
+    pulled = run_lowest(
+        lowest,
+        "pull",
+        "main",
+        "--store",
+        store.url,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--json",
+        "--no-host-check",
+    )
     assert pulled.returncode == 0, pulled.stderr
     assert json.loads(pulled.stdout)["release_id"] == release_id
     for s in sources:
@@ -69,7 +83,9 @@ def test_schema_and_a_local_pull_run_on_the_floors(lowest: Path, tmp_path: Path)
 
 
 @pytest.mark.s3
-def test_push_and_pull_through_s3_run_on_the_floors(lowest: Path, tmp_path: Path, s3_url: str, s3_env: dict[str, str]) -> None:
+def test_push_and_pull_through_s3_run_on_the_floors(
+    lowest: Path, tmp_path: Path, s3_url: str, s3_env: dict[str, str]
+) -> None:
     local = open_store(str(tmp_path / "store"), create=True)
     sources = small_and_large(tmp_path / "src", small=10)
     release_id = publish_release_of(local, tmp_path / "src", sources, tag="main")
@@ -77,12 +93,16 @@ def test_push_and_pull_through_s3_run_on_the_floors(lowest: Path, tmp_path: Path
     assert pushed.returncode == 0, pushed.stderr
     assert json.loads(pushed.stdout)["bytes_uploaded"] == sum({s.digest: s.size for s in sources}.values())
     credentials = tmp_path / "credentials"  # a profile: botocore resolves and presigns the reads
-    credentials.write_text(f"[p]\naws_access_key_id = {s3_env['AWS_ACCESS_KEY_ID']}\naws_secret_access_key = {s3_env['AWS_SECRET_ACCESS_KEY']}\n")
+    credentials.write_text(
+        f"[p]\naws_access_key_id = {s3_env['AWS_ACCESS_KEY_ID']}\naws_secret_access_key = {s3_env['AWS_SECRET_ACCESS_KEY']}\n"
+    )
     profile = {**s3_env, "AWS_PROFILE": "p", "AWS_SHARED_CREDENTIALS_FILE": str(credentials)}
     del profile["AWS_ACCESS_KEY_ID"], profile["AWS_SECRET_ACCESS_KEY"]
     for name, env in (("signed-here", s3_env), ("botocore", profile)):
         cache = tmp_path / f"cache-{name}"
-        pulled = run_lowest(lowest, "pull", "main", "--store", s3_url, "--cache-dir", str(cache), "--json", "--no-host-check", env=env)
+        pulled = run_lowest(
+            lowest, "pull", "main", "--store", s3_url, "--cache-dir", str(cache), "--json", "--no-host-check", env=env
+        )
         assert pulled.returncode == 0, (name, pulled.stderr)
         assert json.loads(pulled.stdout)["release_id"] == release_id
         assert (cache / "large.bin").read_bytes() == (tmp_path / "src" / "large.bin").read_bytes()

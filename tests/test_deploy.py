@@ -52,9 +52,17 @@ def test_a_broken_unit_fails_verify(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze is not installed")
     text = (DEPLOY / UNITS[0]).read_text()
     (tmp_path / "missing.service").write_text(text)
-    (tmp_path / "typo.service").write_text(text.replace(VENV_BIN, f"{Path(sys.executable).parent}/").replace("RemainAfterExit=", "RemainAfterExits="))
+    (tmp_path / "typo.service").write_text(
+        text.replace(VENV_BIN, f"{Path(sys.executable).parent}/").replace("RemainAfterExit=", "RemainAfterExits=")
+    )
     for name, expected in (("missing.service", "is not executable"), ("typo.service", "Unknown key")):
-        done = subprocess.run(["systemd-analyze", "verify", "--man=no", "--generators=no", f"./{name}"], cwd=tmp_path, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            ["systemd-analyze", "verify", "--man=no", "--generators=no", f"./{name}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert expected in done.stderr
 
 
@@ -67,7 +75,9 @@ def test_the_pull_unit_runs_once_before_the_server_with_the_store_in_its_own_env
     exec_start = pull["Service"]["ExecStart"].split()
     assert exec_start[:2] == [f"{VENV_BIN}neffbuild", "pull"]
     env_file = exec_start[exec_start.index("--env-file") + 1]
-    assert server["Service"]["EnvironmentFile"] == env_file and env_file.startswith(f"/run/{pull['Service']['RuntimeDirectory']}/")
+    assert server["Service"]["EnvironmentFile"] == env_file and env_file.startswith(
+        f"/run/{pull['Service']['RuntimeDirectory']}/"
+    )
     assert server["Unit"]["Requires"] == server["Unit"]["After"] == "neffbuild-pull.service"
     # Each name the unit expands is one pull.env.example sets.
     example = (DEPLOY / "pull.env.example").read_text()
@@ -90,7 +100,9 @@ def test_a_failed_pull_is_retried_after_a_jittered_bounded_delay_and_exit_3_is_r
     assert "Exit 3:" in (DEPLOY / "neffbuild-pull.service").read_text()  # the comments say what exit 3 means
     command = service["ExecStopPost"]
     assert command.startswith("/bin/sh -c '") and command.endswith("'")
-    script = command.removeprefix("/bin/sh -c '").removesuffix("'").replace("$$", "$")  # systemd's escape of a literal $
+    script = (
+        command.removeprefix("/bin/sh -c '").removesuffix("'").replace("$$", "$")
+    )  # systemd's escape of a literal $
     stand_in = tmp_path / "bin"
     stand_in.mkdir()
     (stand_in / "sleep").write_text('#!/bin/sh\necho "$1"\n')
@@ -98,7 +110,13 @@ def test_a_failed_pull_is_retried_after_a_jittered_bounded_delay_and_exit_3_is_r
     env = {**os.environ, "PATH": f"{stand_in}:{os.environ['PATH']}"}
 
     def after(result: str) -> str:
-        done = subprocess.run(["/bin/sh", "-c", script], env={**env, "SERVICE_RESULT": result}, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            ["/bin/sh", "-c", script],
+            env={**env, "SERVICE_RESULT": result},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -111,7 +129,9 @@ def test_the_server_reads_the_pulled_cache_read_only_but_for_the_dirs_its_compil
     from neffbuild.backends.serving import INDUCTOR
 
     service = unit("image-server.service")["Service"]
-    example = dict(line.split("=", 1) for line in (DEPLOY / "pull.env.example").read_text().splitlines() if line[:1].isalpha())
+    example = dict(
+        line.split("=", 1) for line in (DEPLOY / "pull.env.example").read_text().splitlines() if line[:1].isalpha()
+    )
     cache_dir = example["NEFFBUILD_CACHE_DIR"]
     assert service["ReadOnlyPaths"] == cache_dir
     assert service["ReadWritePaths"].split() == [f"{cache_dir}/{name}" for name in INDUCTOR.writable]
@@ -124,7 +144,9 @@ def test_the_shell_scripts_parse(script: str) -> None:
     assert os.access(DEPLOY / script, os.X_OK)
 
 
-def test_the_entrypoint_pulls_then_execs_the_server_with_the_exports_and_without_the_credentials(tmp_path: Path) -> None:
+def test_the_entrypoint_pulls_then_execs_the_server_with_the_exports_and_without_the_credentials(
+    tmp_path: Path,
+) -> None:
     store = LocalStore(tmp_path / "store", create=True)
     publish_files(store, FILES, tmp_path, tag="prod")
     cache = tmp_path / "cache"
@@ -138,13 +160,23 @@ def test_the_entrypoint_pulls_then_execs_the_server_with_the_exports_and_without
         "AWS_SECRET_ACCESS_KEY": "secret", "OMP_NUM_THREADS": "7",
     }  # fmt: skip
     server = [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
-    done = subprocess.run([str(DEPLOY / "entrypoint.sh"), *server], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [str(DEPLOY / "entrypoint.sh"), *server], env=env, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve()) and seen["OMP_NUM_THREADS"] == "2"  # the release's, not ours
+    assert (
+        seen["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve()) and seen["OMP_NUM_THREADS"] == "2"
+    )  # the release's, not ours
     assert "NEFFBUILD_STORE" not in seen and "AWS_SECRET_ACCESS_KEY" not in seen
     assert all((cache / rel).read_bytes() == data for rel, data in FILES.items())
-    missing = subprocess.run([str(DEPLOY / "entrypoint.sh"), "true"], env={**env, "NEFFBUILD_RELEASE": "nope"}, capture_output=True, text=True, check=False)
+    missing = subprocess.run(
+        [str(DEPLOY / "entrypoint.sh"), "true"],
+        env={**env, "NEFFBUILD_RELEASE": "nope"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert missing.returncode == 8 and "nope" in missing.stderr
 
 
@@ -157,7 +189,9 @@ def test_the_cloud_init_user_data_writes_the_pull_env_and_starts_both_units() ->
     text = (DEPLOY / "cloud-init.yaml").read_text()
     assert text.startswith("#cloud-config\n")  # cloud-init ignores user data without it
     doc = yaml.safe_load(text)
-    (env,) = [f for f in doc["write_files"] if f["path"] == unit("neffbuild-pull.service")["Service"]["EnvironmentFile"]]
+    (env,) = [
+        f for f in doc["write_files"] if f["path"] == unit("neffbuild-pull.service")["Service"]["EnvironmentFile"]
+    ]
     assert env["permissions"] == "0600" and _names(env["content"]) == _names((DEPLOY / "pull.env.example").read_text())
     enable = next(cmd for cmd in doc["runcmd"] if cmd[:2] == ["systemctl", "enable"])
     assert set(UNITS) <= set(enable)

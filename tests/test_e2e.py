@@ -44,7 +44,9 @@ def test_pulled_cache_replays_with_zero_compiles_and_matches_eager(
         assert unit["counters"].get("inductor.fxgraph_cache_hit", 0) > 0, unit
 
     eager_manifest = write_manifest(tmp_path / "eager.toml", tiny_model)
-    eager_manifest.write_text(eager_manifest.read_text().replace('mode = "full"\ncomponents = ["transformer"]\n', 'mode = "eager"\n'))
+    eager_manifest.write_text(
+        eager_manifest.read_text().replace('mode = "full"\ncomponents = ["transformer"]\n', 'mode = "eager"\n')
+    )
     empty = tmp_path / "empty-cache"
     empty.mkdir()
     code, _ = replay(cli, eager_manifest, empty, tmp_path / "eager")
@@ -96,7 +98,9 @@ def test_replay_counts_recompiled_kernels_even_when_counters_say_hit(
     assert not removed.exists()  # rewritten in the replay's private copy, not in the checked dir
 
 
-def test_verify_checks_the_cache_files_against_the_store(tiny_manifest: Path, built_store: Path, pulled: Path, tmp_path: Path, cli) -> None:
+def test_verify_checks_the_cache_files_against_the_store(
+    tiny_manifest: Path, built_store: Path, pulled: Path, tmp_path: Path, cli
+) -> None:
     ok = cli("verify", str(tiny_manifest), "--cache-dir", str(pulled), "--store", str(built_store))
     assert ok.returncode == 0, ok.stderr
     cache = tmp_path / "damaged"

@@ -15,7 +15,20 @@ from neffbuild.store.local import LocalStore
 from tests.fs.test_confined import snapshot
 from tests.host.test_pull import FILES, publish_files
 
-TRAVERSING = ["../../../outside", "../releases/x", "a/b", "/abs", "..", ".hidden", "-flag", "a\nb", "a b", "x" * 129, "\ud800", ""]
+TRAVERSING = [
+    "../../../outside",
+    "../releases/x",
+    "a/b",
+    "/abs",
+    "..",
+    ".hidden",
+    "-flag",
+    "a\nb",
+    "a b",
+    "x" * 129,
+    "\ud800",
+    "",
+]
 
 
 @pytest.mark.parametrize("name", TRAVERSING)
@@ -29,7 +42,11 @@ def test_good_names_pass_and_a_digest_is_not_a_tag() -> None:
     for name in ("prod", "flux2-klein.v3", "A_b-1.2", "x" * 128):
         assert tag_problem(name) is None and doc_key("tags", name) == f"tags/{name}.json"
     digest = "0123456789abcdef" * 2
-    assert tag_problem(digest) is not None and parse_ref(digest).name == digest and doc_key("releases", digest) == f"releases/{digest}.json"
+    assert (
+        tag_problem(digest) is not None
+        and parse_ref(digest).name == digest
+        and doc_key("releases", digest) == f"releases/{digest}.json"
+    )
 
 
 def test_reserved_cache_paths() -> None:
@@ -55,7 +72,10 @@ def test_tag_command_cannot_write_above_the_store_root(store: LocalStore, tmp_pa
 def test_tag_command_checks_the_release_id(store: LocalStore, tmp_path: Path, cli) -> None:
     publish_files(store, FILES, tmp_path)
     result = cli("tag", "prod", "../bundles/x", "--store", str(store.root))
-    assert result.returncode == InputError.exit_code and "release: '../bundles/x' is not a 32-hex-digit id" in result.stderr
+    assert (
+        result.returncode == InputError.exit_code
+        and "release: '../bundles/x' is not a 32-hex-digit id" in result.stderr
+    )
 
 
 @pytest.mark.parametrize("command", ["pull", "env"])

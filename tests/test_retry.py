@@ -96,7 +96,11 @@ def test_transient_failures_are_retried_and_others_are_not() -> None:
 
         with pytest.raises(StoreError) as err:
             retry.retried("s3://b/k", failing)
-    assert calls.count(3) == FAST.attempts and "s3://b/k" in err.value.message and not isinstance(err.value, DeadlineExceeded)
+    assert (
+        calls.count(3) == FAST.attempts
+        and "s3://b/k" in err.value.message
+        and not isinstance(err.value, DeadlineExceeded)
+    )
 
 
 def _failing(counts: dict[bool, int], throttled: bool) -> None:
@@ -119,10 +123,20 @@ def test_under_a_deadline_throttling_is_backed_off_until_the_deadline_and_named_
     with retry.operation(retry.DEFAULT.scaled(0.001)) as op:
         with retry.bounded(1.0, "pulling prod"), pytest.raises(DeadlineExceeded) as err:
             retry.retried("s3://b/k", lambda: _failing(counts, True))
-        with retry.bounded(60, "pulling prod"), pytest.raises(StoreError) as failed:  # a failing store still gets its tries
+        with (
+            retry.bounded(60, "pulling prod"),
+            pytest.raises(StoreError) as failed,
+        ):  # a failing store still gets its tries
             retry.retried("s3://b/k", lambda: _failing(counts, False))
-    assert counts[True] > 4 * FAST.throttled_attempts and counts[False] == FAST.attempts and not isinstance(failed.value, DeadlineExceeded)
-    assert "the store throttled it: " in err.value.message and f"{counts[True]} answers 503 SlowDown or 429" in err.value.message
+    assert (
+        counts[True] > 4 * FAST.throttled_attempts
+        and counts[False] == FAST.attempts
+        and not isinstance(failed.value, DeadlineExceeded)
+    )
+    assert (
+        "the store throttled it: " in err.value.message
+        and f"{counts[True]} answers 503 SlowDown or 429" in err.value.message
+    )
     assert err.value.hint == retry.THROTTLED_HINT and op.counts().throttled == counts[True] + 0
 
 
@@ -135,9 +149,17 @@ def test_throttled_tries_do_not_spend_the_tries_of_a_failure() -> None:
         seen.append(kind)
         raise retry.Transient(kind, throttled=kind == "throttled")
 
-    with retry.operation(retry.DEFAULT.scaled(0.0001)), retry.bounded(30, "pulling prod"), pytest.raises(StoreError) as err:
+    with (
+        retry.operation(retry.DEFAULT.scaled(0.0001)),
+        retry.bounded(30, "pulling prod"),
+        pytest.raises(StoreError) as err,
+    ):
         retry.retried("s3://b/k", attempt)
-    assert seen.count("throttled") == 20 and seen.count("failed") == FAST.attempts and not isinstance(err.value, DeadlineExceeded)
+    assert (
+        seen.count("throttled") == 20
+        and seen.count("failed") == FAST.attempts
+        and not isinstance(err.value, DeadlineExceeded)
+    )
 
 
 class Clock:
@@ -227,7 +249,9 @@ def test_a_stopped_operation_wakes_its_waits_and_raises_abandoned() -> None:
     assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], Abandoned), errors
 
 
-@pytest.mark.parametrize(("status", "code", "throttled"), [(503, b"SlowDown", True), (429, b"", True), (500, b"InternalError", False)])
+@pytest.mark.parametrize(
+    ("status", "code", "throttled"), [(503, b"SlowDown", True), (429, b"", True), (500, b"InternalError", False)]
+)
 def test_throttling_is_told_apart_from_failing(status: int, code: bytes, throttled: bool) -> None:
     answer = http_error("s3://b/p", "blobs/ab/cd", status, b"<Error><Code>" + code + b"</Code></Error>", None)
     assert isinstance(answer, retry.Transient) and answer.throttled is throttled
@@ -273,6 +297,7 @@ def test_pool_threads_carry_the_deadline() -> None:
 
 # ---- against the real S3 server ------------------------------------------------------------------
 
+
 def _port(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
@@ -291,10 +316,25 @@ def _assert_cache_holds(cache: Path, files: dict[str, bytes]) -> None:
 
 @pytest.mark.s3
 def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, s3_server, tmp_path: Path, cli) -> None:
-    _, files = _published(s3_url, s3_env, tmp_path / "src", {f"f{i}.bin": 3000 + i for i in range(6)} | {"big.bin": 9 << 20})
-    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=retry.DEFAULT.attempts - 1) as proxy:
+    _, files = _published(
+        s3_url, s3_env, tmp_path / "src", {f"f{i}.bin": 3000 + i for i in range(6)} | {"big.bin": 9 << 20}
+    )
+    with TcpProxy(
+        _port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=retry.DEFAULT.attempts - 1
+    ) as proxy:
         env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
-        done = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "cache"), "--json", "--timeout", "60", env=env)
+        done = cli(
+            "pull",
+            "prod",
+            "--store",
+            s3_url,
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--json",
+            "--timeout",
+            "60",
+            env=env,
+        )
     assert done.returncode == 0, done.stderr
     assert len(proxy.slowed) == retry.DEFAULT.attempts - 1  # every 503 was answered and retried past
     report = json.loads(done.stdout)
@@ -302,9 +342,15 @@ def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, 
     _assert_cache_holds(tmp_path / "cache", files)
     # What the store put it through is counted, and said in one line on stderr.
     throttles = retry.DEFAULT.attempts - 1
-    assert (report["throttled"], report["retries"]) == (throttles, throttles) and report["waited_s"] > 0 and report["paced_to"] > 0
+    assert (
+        (report["throttled"], report["retries"]) == (throttles, throttles)
+        and report["waited_s"] > 0
+        and report["paced_to"] > 0
+    )
     (note,) = [line for line in done.stderr.splitlines() if "throttled" in line]
-    assert note.startswith(f"note: the store throttled this pull: {throttles} answers 503 SlowDown or 429, {throttles} retries, ")
+    assert note.startswith(
+        f"note: the store throttled this pull: {throttles} answers 503 SlowDown or 429, {throttles} retries, "
+    )
     quiet = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "again"), "--json", env=s3_env)
     again = json.loads(quiet.stdout)
     assert (again["throttled"], again["retries"], again["waited_s"], again["paced_to"]) == (0, 0, 0.0, None)
@@ -320,7 +366,13 @@ def test_throttling_that_outlasts_the_tries_of_a_failure_is_still_backed_off(
     with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=slowdowns) as proxy:
         env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
         report = ensure_cache(
-            "prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=60, policy=retry.DEFAULT.scaled(0.05)
+            "prod",
+            store=s3_url,
+            cache_dir=tmp_path / "cache",
+            env=env,
+            host_check=False,
+            timeout=60,
+            policy=retry.DEFAULT.scaled(0.05),
         )
     assert len(proxy.slowed) == slowdowns and report.files_fetched == len(files)
     assert report.throttled == slowdowns and report.retries == slowdowns and report.waited_s > 0
@@ -328,7 +380,9 @@ def test_throttling_that_outlasts_the_tries_of_a_failure_is_still_backed_off(
 
 
 @pytest.mark.s3
-def test_a_fatal_error_stops_the_pulls_other_requests_and_keeps_what_landed(s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+def test_a_fatal_error_stops_the_pulls_other_requests_and_keeps_what_landed(
+    s3_url, s3_env, s3_server, tmp_path: Path
+) -> None:
     """One file's blob is gone (404: fatal) while the store throttles the others, whose backoff
     would last minutes (and, under a deadline, goes on until it): the pull fails on the 404
     without waiting for them, and the files already landed stay."""
@@ -340,11 +394,15 @@ def test_a_fatal_error_stops_the_pulls_other_requests_and_keeps_what_landed(s3_u
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
     client_for(s3_server).delete_object(Bucket=bucket, Key=f"{prefix}/{blob_key(digests['large0.bin'])}")
     throttled = [blob_key(digests[rel]) for rel in large if rel != "large0.bin"]
-    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=throttled, methods=("GET",), slowdowns=1_000_000) as proxy:
+    with TcpProxy(
+        _port(s3_server.endpoint), mode="slowdown", paths=throttled, methods=("GET",), slowdowns=1_000_000
+    ) as proxy:
         env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
         slow = retry.DEFAULT.scaled(100)  # a throttled request would back off for up to 10 s, then 20, 40...
         with pytest.raises(NotFoundError) as err:
-            ensure_cache("prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=600, policy=slow)
+            ensure_cache(
+                "prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=600, policy=slow
+            )
     assert "large0.bin" in err.value.message
     sent = [(m, p) for m, p, _ in proxy.seen]
     # A throttled request may have come back once before the 404 (its first backoff is drawn from
@@ -360,7 +418,9 @@ def test_a_fatal_error_stops_the_pulls_other_requests_and_keeps_what_landed(s3_u
 def test_throttled_writes_are_retried_too(s3_url, s3_env, s3_server, tmp_path: Path) -> None:
     sources = write_files(tmp_path / "src", {"a.bin": 9 << 20, "b.bin": 5000})
     open_store(s3_url, create=True, env=s3_env)
-    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/blobs/", "/packs/"), methods=("PUT",), slowdowns=3) as proxy:
+    with TcpProxy(
+        _port(s3_server.endpoint), mode="slowdown", paths=("/blobs/", "/packs/"), methods=("PUT",), slowdowns=3
+    ) as proxy:
         store = open_store(s3_url, env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint})
         store.put_blobs(sources, jobs=2)
     assert len(proxy.slowed) == 3
@@ -379,7 +439,9 @@ def test_missing_and_denied_objects_are_not_retried(s3_url, s3_env, s3_server, t
         digest = "0" * 32
         with pytest.raises(NotFoundError):
             store.download_blobs([BlobTarget(digest, PART + 1, tmp_path / "x")], jobs=1)
-        gets = [(path, h.get("range")) for method, path, h in proxy.seen if method == "GET" and blob_key(digest) in path]
+        gets = [
+            (path, h.get("range")) for method, path, h in proxy.seen if method == "GET" and blob_key(digest) in path
+        ]
         assert gets and len(set(gets)) == len(gets), gets  # a 404 is an answer, not a failure: each range asked once
         proxy.seen.clear()
         with pytest.raises(StoreError) as err:
@@ -399,19 +461,39 @@ def test_a_trickling_or_stalled_body_ends_at_the_deadline(mode: str, s3_url, s3_
         took = time.monotonic() - started
     assert took <= 4 + 2, took
     message = err.value.message
-    assert err.value.exit_code == 3 and message.startswith(f"{s3_url}") and "4 s deadline while fetching 2 of 2 files" in message
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and ".neffbuild" not in p.parts]  # nothing half-landed
+    assert (
+        err.value.exit_code == 3
+        and message.startswith(f"{s3_url}")
+        and "4 s deadline while fetching 2 of 2 files" in message
+    )
+    assert not [
+        p for p in (tmp_path / "cache").rglob("*") if p.is_file() and ".neffbuild" not in p.parts
+    ]  # nothing half-landed
 
 
 @pytest.mark.s3
-def test_allow_stale_boots_the_installed_release_when_the_store_stalls(s3_url, s3_env, s3_server, tmp_path: Path, cli) -> None:
+def test_allow_stale_boots_the_installed_release_when_the_store_stalls(
+    s3_url, s3_env, s3_server, tmp_path: Path, cli
+) -> None:
     release_id, _ = _published(s3_url, s3_env, tmp_path / "src", {"a.bin": 4000})
     cache = tmp_path / "cache"
     assert cli("pull", "prod", "--store", s3_url, "--cache-dir", str(cache), env=s3_env).returncode == 0
     with TcpProxy(_port(s3_server.endpoint), mode="stall", paths=("/",)) as proxy:
         env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
         refused = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(cache), "--timeout", "2", "--json", env=env)
-        stale = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(cache), "--timeout", "2", "--json", "--allow-stale", env=env)
+        stale = cli(
+            "pull",
+            "prod",
+            "--store",
+            s3_url,
+            "--cache-dir",
+            str(cache),
+            "--timeout",
+            "2",
+            "--json",
+            "--allow-stale",
+            env=env,
+        )
     assert refused.returncode == 3 and json.loads(refused.stdout)["kind"] == "DeadlineExceeded", refused.stderr
     assert stale.returncode == 0, stale.stderr
     report = json.loads(stale.stdout)
@@ -420,7 +502,9 @@ def test_allow_stale_boots_the_installed_release_when_the_store_stalls(s3_url, s
 
 @pytest.mark.s3
 @pytest.mark.parametrize("large", [1, 4], ids=["ranges", "streamed"])
-def test_a_cut_large_download_resumes_from_the_bytes_received(large: int, s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+def test_a_cut_large_download_resumes_from_the_bytes_received(
+    large: int, s3_url, s3_env, s3_server, tmp_path: Path
+) -> None:
     # Every GET (a blob's last range included) answers more than the 64 KiB the proxy lets through,
     # so the one it cuts is cut whichever of the concurrent GETs it is.
     sizes = {f"big{i}.bin": PART + (128 << 10) + i for i in range(large)}
@@ -434,7 +518,11 @@ def test_a_cut_large_download_resumes_from_the_bytes_received(large: int, s3_url
     assert proxy.cuts == 0
     for s, t in zip(sources, targets, strict=True):
         assert t.dest.read_bytes() == s.path.read_bytes(), t.dest
-    starts = [int(h["range"].removeprefix("bytes=").split("-")[0]) for m, p, h in proxy.seen if m == "GET" and "/blobs/" in p and "range" in h]
+    starts = [
+        int(h["range"].removeprefix("bytes=").split("-")[0])
+        for m, p, h in proxy.seen
+        if m == "GET" and "/blobs/" in p and "range" in h
+    ]
     # The proxy cut the body after 64 KiB of response (head included): the retry asks for the rest.
     resumed = [s % PART for s in starts if s % PART]
     assert len(resumed) == 1 and 64 * 1024 - 2048 < resumed[0] < 64 * 1024, starts
@@ -446,7 +534,9 @@ def test_a_cut_large_download_resumes_from_the_bytes_received(large: int, s3_url
 
 
 @pytest.mark.s3
-def test_a_server_killed_mid_pull_fails_within_the_deadline_and_the_next_pull_fetches_the_rest(tmp_path: Path, cli) -> None:
+def test_a_server_killed_mid_pull_fails_within_the_deadline_and_the_next_pull_fetches_the_rest(
+    tmp_path: Path, cli
+) -> None:
     server = S3Server(tmp_path / "weed")
     settings = server.start()
     try:
@@ -476,7 +566,9 @@ def test_a_server_killed_mid_pull_fails_within_the_deadline_and_the_next_pull_fe
         assert took <= timeout + 2 and url in stderr and "pulling prod: fetching 8 of 8 files" in stderr, (took, stderr)
         landed = [rel for rel in sizes if (cache / rel).exists()]
         assert 1 <= len(landed) < len(sizes), landed
-        print(f"killed after {killed_at - started:.1f} s; pull exited 3 {time.monotonic() - killed_at:.1f} s later: {stderr.strip()}")
+        print(
+            f"killed after {killed_at - started:.1f} s; pull exited 3 {time.monotonic() - killed_at:.1f} s later: {stderr.strip()}"
+        )
 
         settings = server.start()  # the same data dir
         done = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), "--json", env=settings.env())

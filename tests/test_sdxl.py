@@ -35,22 +35,52 @@ def plan_error(path: Path) -> ManifestError:
 @pytest.mark.parametrize(
     "old, new, expected",
     [
-        ("num_inference_steps = 2", "num_inference_step = 2", ["call.num_inference_step", "did you mean 'num_inference_steps'"]),
-        ("num_inference_steps = 2", "num_inference_steps = 2\nmax_sequence_length = 64", ["call.max_sequence_length", "no parameter 'max_sequence_length'"]),
-        ("num_inference_steps = 2", "num_inference_steps = 2\ntext_encoder_out_layers = [1]", ["call.text_encoder_out_layers"]),
-        ('components = ["unet", "vae.decode"]', 'components = ["unet", "vae"]', ["never calls vae.forward", "'vae.decode'"]),
-        ('components = ["unet", "vae.decode"]', 'components = ["unet", "vae.encode"]', ["never calls vae.encode", "'vae.decode'"]),
-        ('prompt = "a photo of a cat"', 'prompt = "a photo of a cat"\nprompt_2 = ["a", "b"]', ["call.prompt_2 has 2 entries for 1 prompts"]),
+        (
+            "num_inference_steps = 2",
+            "num_inference_step = 2",
+            ["call.num_inference_step", "did you mean 'num_inference_steps'"],
+        ),
+        (
+            "num_inference_steps = 2",
+            "num_inference_steps = 2\nmax_sequence_length = 64",
+            ["call.max_sequence_length", "no parameter 'max_sequence_length'"],
+        ),
+        (
+            "num_inference_steps = 2",
+            "num_inference_steps = 2\ntext_encoder_out_layers = [1]",
+            ["call.text_encoder_out_layers"],
+        ),
+        (
+            'components = ["unet", "vae.decode"]',
+            'components = ["unet", "vae"]',
+            ["never calls vae.forward", "'vae.decode'"],
+        ),
+        (
+            'components = ["unet", "vae.decode"]',
+            'components = ["unet", "vae.encode"]',
+            ["never calls vae.encode", "'vae.decode'"],
+        ),
+        (
+            'prompt = "a photo of a cat"',
+            'prompt = "a photo of a cat"\nprompt_2 = ["a", "b"]',
+            ["call.prompt_2 has 2 entries for 1 prompts"],
+        ),
         (
             'prompt = "a photo of a cat"',
             'prompt = ["a cat", "a dog"]\nnegative_prompt_2 = ["blurry"]',
             ["call.negative_prompt_2 has 1 entries for 2 prompts"],
         ),
         ("original_size = [64, 64]", "original_size = [64, 64, 3]", ["call.original_size", "2-tuple, got 3 items"]),
-        ('mode = "full"', 'mode = "regional"', ["'vae.decode' names a method", "second [[model]] entry", "mode = 'full'"]),
+        (
+            'mode = "full"',
+            'mode = "regional"',
+            ["'vae.decode' names a method", "second [[model]] entry", "mode = 'full'"],
+        ),
     ],
 )
-def test_sdxl_mistakes_exit_2_at_plan_naming_the_argument(tiny_sdxl: Path, tmp_path: Path, old: str, new: str, expected: list[str]) -> None:
+def test_sdxl_mistakes_exit_2_at_plan_naming_the_argument(
+    tiny_sdxl: Path, tmp_path: Path, old: str, new: str, expected: list[str]
+) -> None:
     manifest = write_sdxl_manifest(tmp_path / "m.toml", tiny_sdxl, replace=((old, new),))
     if "regional" in new or "entries for" in expected[0]:
         with pytest.raises(ManifestError) as err:
@@ -63,12 +93,18 @@ def test_sdxl_mistakes_exit_2_at_plan_naming_the_argument(tiny_sdxl: Path, tmp_p
 
 
 def test_deprecated_pass_through_arguments_of_kwargs_are_accepted(tiny_sdxl: Path, tmp_path: Path) -> None:
-    manifest = write_sdxl_manifest(tmp_path / "m.toml", tiny_sdxl, replace=(("num_inference_steps = 2", "num_inference_steps = 2\ncallback_steps = 1"),))
+    manifest = write_sdxl_manifest(
+        tmp_path / "m.toml",
+        tiny_sdxl,
+        replace=(("num_inference_steps = 2", "num_inference_steps = 2\ncallback_steps = 1"),),
+    )
     assert len(plan_keys(manifest)) == 2
 
 
 def test_the_typo_exits_2_from_the_cli_before_any_worker(tiny_sdxl: Path, tmp_path: Path, cli) -> None:
-    manifest = write_sdxl_manifest(tmp_path / "m.toml", tiny_sdxl, replace=(("num_inference_steps = 2", "num_inference_step = 2"),))
+    manifest = write_sdxl_manifest(
+        tmp_path / "m.toml", tiny_sdxl, replace=(("num_inference_steps = 2", "num_inference_step = 2"),)
+    )
     result = cli("build", str(manifest), "--store", str(tmp_path / "store"))
     assert result.returncode == 2 and "num_inference_step" in result.stderr, result.stderr
     assert not (tmp_path / "store").exists()
@@ -86,7 +122,10 @@ SAME_GRAPHS = {
 }
 OTHER_GRAPHS = {
     "guidance 1.0": ("guidance_scale = 5.0", "guidance_scale = 1.0"),  # no CFG: the UNet batch halves
-    "original size": ("original_size = [64, 64]", "original_size = [128, 128]"),  # conservative: a plain value stays keyed
+    "original size": (
+        "original_size = [64, 64]",
+        "original_size = [128, 128]",
+    ),  # conservative: a plain value stays keyed
     "two prompts": ('prompt = "a photo of a cat"', 'prompt = ["a cat", "a dog"]'),
 }
 
@@ -110,7 +149,9 @@ def test_plan_shows_the_batch_the_graphs_see(tiny_sdxl: Path, tmp_path: Path, cl
     units = json.loads(cfg.stdout)["units"]
     assert [u["graph_batch"] for u in units] == [2, 2]
     assert units[0]["reduced_in_key"] == {"guidance_scale": "guidance_scale > 1 (do_classifier_free_guidance)"}
-    no_cfg = write_sdxl_manifest(tmp_path / "b.toml", tiny_sdxl, replace=(("guidance_scale = 5.0", "guidance_scale = 1.0"),))
+    no_cfg = write_sdxl_manifest(
+        tmp_path / "b.toml", tiny_sdxl, replace=(("guidance_scale = 5.0", "guidance_scale = 1.0"),)
+    )
     plan = make_plan(load_manifest(no_cfg), {}, facts_provider())
     assert [u.graph_batch for u in plan.units] == [1, 1]
     assert plan.units[0].normalized["call"]["guidance_scale"] == {"> 1": False}
@@ -118,7 +159,9 @@ def test_plan_shows_the_batch_the_graphs_see(tiny_sdxl: Path, tmp_path: Path, cl
     assert "keyed only as guidance_scale > 1 (do_classifier_free_guidance)" in table.stdout, table.stdout
     assert "the graphs see batch" not in table.stdout
     doubled = cli("plan", str(tmp_path / "a.toml"))
-    assert "sdxl/64x64x1: the graphs see batch 2 (classifier-free guidance doubles it)" in doubled.stdout, doubled.stdout
+    assert "sdxl/64x64x1: the graphs see batch 2 (classifier-free guidance doubles it)" in doubled.stdout, (
+        doubled.stdout
+    )
 
 
 def test_the_plans_claims_hold_for_what_the_components_receive(tiny_sdxl: Path) -> None:
@@ -131,7 +174,9 @@ def test_the_plans_claims_hold_for_what_the_components_receive(tiny_sdxl: Path) 
 
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl, torch_dtype=torch.float32, local_files_only=True)
     seen: list[str] = []
-    pipe.unet.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(describe_input((args, kwargs))), with_kwargs=True)
+    pipe.unet.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(describe_input((args, kwargs))), with_kwargs=True
+    )
     decode = pipe.vae.decode
     pipe.vae.decode = lambda *a, **k: (seen.append(describe_input((a, k))), decode(*a, **k))[1]
 
@@ -142,7 +187,12 @@ def test_the_plans_claims_hold_for_what_the_components_receive(tiny_sdxl: Path) 
 
     base = received(prompt="a photo of a cat", negative_prompt="blurry", guidance_scale=5.0)
     assert any("float32[2, 4, 8, 8]" in s for s in base)  # CFG: the UNet sees batch 2
-    assert received(prompt="an oil painting of a lighthouse in a storm, at night", negative_prompt="blurry", guidance_scale=5.0) == base
+    assert (
+        received(
+            prompt="an oil painting of a lighthouse in a storm, at night", negative_prompt="blurry", guidance_scale=5.0
+        )
+        == base
+    )
     assert received(prompt="a photo of a cat", negative_prompt="low quality, watermark", guidance_scale=7.5) == base
     assert received(prompt="a photo of a cat", guidance_scale=1.0) != base
 
@@ -173,7 +223,13 @@ def sd15(tiny_sdxl: Path, tmp_path: Path) -> Path:
 def test_sd15_plans_checks_and_keys_from_its_own_code(sd15: Path) -> None:
     base = plan_keys(sd15)
     text = sd15.read_text()
-    for old, new in (('prompt = "a cat"\nnegative_prompt = "blurry"', 'prompt = "a dog on a skateboard"\nnegative_prompt = "watermark, text"'), ("num_inference_steps = 2", "guidance_scale = 7.5")):
+    for old, new in (
+        (
+            'prompt = "a cat"\nnegative_prompt = "blurry"',
+            'prompt = "a dog on a skateboard"\nnegative_prompt = "watermark, text"',
+        ),
+        ("num_inference_steps = 2", "guidance_scale = 7.5"),
+    ):
         assert old in text
         sd15.write_text(text.replace(old, new))
         assert plan_keys(sd15) == base, new
@@ -193,7 +249,11 @@ def test_sd15_plans_checks_and_keys_from_its_own_code(sd15: Path) -> None:
 def test_the_worker_passes_tuple_arguments_as_tuples(tiny_sdxl: Path, tmp_path: Path) -> None:
     from neffbuild.backends.worker import call_kwargs
 
-    manifest = write_sdxl_manifest(tmp_path / "m.toml", tiny_sdxl, replace=(("num_inference_steps = 2", "num_inference_steps = 2\ntarget_size = [64, 64]"),))
+    manifest = write_sdxl_manifest(
+        tmp_path / "m.toml",
+        tiny_sdxl,
+        replace=(("num_inference_steps = 2", "num_inference_steps = 2\ntarget_size = [64, 64]"),),
+    )
     entry = load_manifest(manifest).manifest.models[0]
     kwargs = call_kwargs(entry, entry.expanded_shapes()[0])
     assert kwargs["original_size"] == (64, 64) and kwargs["target_size"] == (64, 64)
@@ -244,12 +304,18 @@ def test_sdxl_builds_records_what_graphs_saw_and_replays_pulled_with_zero_compil
 def test_status_hits_for_what_no_graph_sees_and_names_the_manifest_field_otherwise(
     built_sdxl: BuiltSdxl, pulled_sdxl: Path, tmp_path: Path, cli
 ) -> None:
-    model = Path(load_manifest(built_sdxl.manifest).resolve_model(load_manifest(built_sdxl.manifest).manifest.models[0]))
-    same = write_sdxl_manifest(tmp_path / "same.toml", model, replace=(("guidance_scale = 5.0", "guidance_scale = 7.5"),))
+    model = Path(
+        load_manifest(built_sdxl.manifest).resolve_model(load_manifest(built_sdxl.manifest).manifest.models[0])
+    )
+    same = write_sdxl_manifest(
+        tmp_path / "same.toml", model, replace=(("guidance_scale = 5.0", "guidance_scale = 7.5"),)
+    )
     ok = cli("status", str(same), "--cache-dir", str(pulled_sdxl), "--json")
     assert ok.returncode == 0, ok.stderr
     assert {u["state"] for u in json.loads(ok.stdout)["units"]} == {"hit"}
-    other = write_sdxl_manifest(tmp_path / "other.toml", model, replace=(("guidance_scale = 5.0", "guidance_scale = 1.0"),))
+    other = write_sdxl_manifest(
+        tmp_path / "other.toml", model, replace=(("guidance_scale = 5.0", "guidance_scale = 1.0"),)
+    )
     miss = cli("status", str(other), "--cache-dir", str(pulled_sdxl))
     assert miss.returncode == 12, miss.stderr
     assert "model[sdxl].call.guidance_scale" in miss.stderr and "host's environment" not in miss.stderr, miss.stderr

@@ -106,7 +106,9 @@ class Backend(ABC):
 
     def scope(self, entry: ModelEntry) -> Scope:
         """The scope plan and worker key an entry's units in; what a bundle's unit records."""
-        return Scope(device=entry.device, tensor_parallel=entry.tensor_parallel, env={**self.runtime_env(), **entry.env})
+        return Scope(
+            device=entry.device, tensor_parallel=entry.tensor_parallel, env={**self.runtime_env(), **entry.env}
+        )
 
     def is_breaking(self, name: str) -> bool:
         if any(fnmatchcase(name, p) for p in self.breaking_fields):
@@ -239,13 +241,11 @@ def cpu_isa_flags(cpuinfo: str) -> str:
     return ""
 
 
-def relevant_env(env: Mapping[str, str], names: tuple[str, ...], prefixes: tuple[str, ...], skip: set[str]) -> dict[str, str]:
+def relevant_env(
+    env: Mapping[str, str], names: tuple[str, ...], prefixes: tuple[str, ...], skip: set[str]
+) -> dict[str, str]:
     """`env.NAME` fingerprint fields for the variables that influence a compiler."""
-    return {
-        f"env.{k}": v
-        for k, v in sorted(env.items())
-        if k not in skip and (k in names or k.startswith(prefixes))
-    }
+    return {f"env.{k}": v for k, v in sorted(env.items()) if k not in skip and (k in names or k.startswith(prefixes))}
 
 
 class GraphCounter:
@@ -290,7 +290,9 @@ def compile_components(pipe: Any, entry: ModelEntry, compiler: Any, compiler_nam
             raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
         else:
             component.compile_repeated_blocks(**options)
-            component.register_forward_pre_hook(lambda _m, args, kwargs, spec=spec: _record(spec, args, kwargs), with_kwargs=True)
+            component.register_forward_pre_hook(
+                lambda _m, args, kwargs, spec=spec: _record(spec, args, kwargs), with_kwargs=True
+            )
 
 
 _INPUTS: dict[str, dict[str, None]] = {}  # component -> its distinct input signatures, in call order
@@ -324,7 +326,11 @@ def describe_input(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "(" + ", ".join(describe_input(v) for v in value) + ")"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {describe_input(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+        return (
+            "{"
+            + ", ".join(f"{k}: {describe_input(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+            + "}"
+        )
     return type(value).__name__
 
 

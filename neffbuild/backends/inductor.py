@@ -42,7 +42,9 @@ _CONTENT_KEYED = re.compile(
     r"|[0-9a-z]{2}/[0-9a-zA-Z_]+(\.[a-z]+)*"
     r"|triton/\d+/[^/]+/[^/]+)$"
 )
-_NEVER_BUNDLED = re.compile(r"^\.neffbuild/|(^|/)(locks|precompiled_headers|torch_compile_debug)(/|$)|\.(lock|tmp)$|(^|/)tmp[^/]*$")
+_NEVER_BUNDLED = re.compile(
+    r"^\.neffbuild/|(^|/)(locks|precompiled_headers|torch_compile_debug)(/|$)|\.(lock|tmp)$|(^|/)tmp[^/]*$"
+)
 _ENV_NAMES = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "TORCH_COMPILE_CACHE_KEY_TAG", "CXX", "CC", "MKL_NUM_THREADS")
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 _ENV_SKIP = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_COMPILE_DEBUG_DIR"}
@@ -124,7 +126,9 @@ class InductorBackend(Backend):
 
     def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
         if importlib.util.find_spec("torch") is None:
-            return [Problem("backend", f"torch is not importable in {sys.executable}", "pip install 'neffbuild[compile]'")]
+            return [
+                Problem("backend", f"torch is not importable in {sys.executable}", "pip install 'neffbuild[compile]'")
+            ]
         if entry.device == "cuda" and not declared:
             import torch
 

@@ -61,7 +61,9 @@ def zero_compile_times() -> bool:
         AOTAutogradCache.save = staticmethod(_save)  # type: ignore[method-assign]
         patched += 1
     if patched < 2:
-        log.warning("this torch lacks an Inductor cache writer neffbuild knows: entries will differ from build to build")
+        log.warning(
+            "this torch lacks an Inductor cache writer neffbuild knows: entries will differ from build to build"
+        )
     return patched == 2
 
 

@@ -80,7 +80,12 @@ _MODULE_KEEP = frozenset(
 # Transformers whose class declares a `_tp_plan` in diffusers 0.42 (a test checks this list
 # against the installed diffusers); planning must not import torch, so it is a table.
 TP_TRANSFORMERS = frozenset(
-    {"FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel", "QwenImage21Transformer2DModel"}
+    {
+        "FluxTransformer2DModel",
+        "Flux2Transformer2DModel",
+        "QwenImageTransformer2DModel",
+        "QwenImage21Transformer2DModel",
+    }
 )
 _TP_PIPELINES = re.compile(r"^(Flux|Flux2|QwenImage)\w*Pipeline$")
 
@@ -260,7 +265,9 @@ class NeuronBackend(Backend):
             "neuron.target": target,
             # Set but empty is not unset: upstream passes "" on (PlatformUtils.cpp:86-88,
             # KernelExecution.cpp:70-82), which changes its key.
-            "neuron.lnc": _DEFAULT_LNC.get(target, "unknown") if (lnc := env.get("NEURON_LOGICAL_NC_CONFIG")) is None else lnc,
+            "neuron.lnc": _DEFAULT_LNC.get(target, "unknown")
+            if (lnc := env.get("NEURON_LOGICAL_NC_CONFIG")) is None
+            else lnc,
             "neuron.opt_level": env.get("NEURON_COMPILER_OPT_LEVEL", UNSET),
             "neuron.cc_flags": env.get("NEURON_CC_FLAGS", UNSET),
             "neuron.sync": sync_mode(facts, env),
@@ -458,7 +465,11 @@ class NeuronBackend(Backend):
         if not raw:
             return 0
         root = Path(raw)
-        return sum(1 for p in root.glob("*/*.neff") if _SUBPROCESS_ENTRY.match(p.relative_to(root).as_posix()) and _is_plain_file(p))
+        return sum(
+            1
+            for p in root.glob("*/*.neff")
+            if _SUBPROCESS_ENTRY.match(p.relative_to(root).as_posix()) and _is_plain_file(p)
+        )
 
 
 def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:

@@ -21,7 +21,7 @@ from neffbuild.backends.neuron import NeuronBackend
 
 PROBE_MODULE = "neffbuild_probe_model"
 # Identical text at two paths: only the source locations differ between the two compiles.
-PROBE_SOURCE = '''import torch
+PROBE_SOURCE = """import torch
 
 
 class Probe(torch.nn.Module):
@@ -32,7 +32,7 @@ class Probe(torch.nn.Module):
 
     def forward(self, x):
         return self.b(torch.nn.functional.gelu(self.a(x)))
-'''
+"""
 
 
 def defaults(names: list[str]) -> dict[str, str | None]:
@@ -58,7 +58,9 @@ def compile_probe(source_dir: Path) -> dict[str, object]:
     model = importlib.import_module(PROBE_MODULE).Probe().to("neuron")
     model.compile(backend="neuron", fullgraph=True, dynamic=False)
     cache = Path(os.environ[backend.cache_env])
-    before_files = {p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in map(cache.joinpath, backend.select_files(cache))}
+    before_files = {
+        p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in map(cache.joinpath, backend.select_files(cache))
+    }
     before = backend.counters()
     torch.manual_seed(0)
     model(torch.randn(4, 16).to("neuron"))

@@ -211,7 +211,9 @@ def _component_uses(trees: Any) -> dict[str, frozenset[str]]:
     return {k: frozenset(v) for k, v in uses.items()}
 
 
-def _predicates(cls: type, trees: Mapping[str, ast.AST], named: set[str], uses: Mapping[str, frozenset[str]]) -> dict[str, Predicate]:
+def _predicates(
+    cls: type, trees: Mapping[str, ast.AST], named: set[str], uses: Mapping[str, frozenset[str]]
+) -> dict[str, Predicate]:
     """Arguments whose every use by a property is one comparison with a constant, stored as
     self._<arg> in __call__ and never handed to a component by name."""
     call_tree = trees.get("__call__")
@@ -275,7 +277,9 @@ def _passed_to_components(trees: Mapping[str, ast.AST], arg: str, uses: Mapping[
                 continue
             for value in [*node.args, *(k.value for k in node.keywords)]:
                 for inner in ast.walk(value):
-                    if (isinstance(inner, ast.Name) and inner.id in names) or (_is_self_attr(inner) and inner.attr in names):  # type: ignore[union-attr]
+                    if (isinstance(inner, ast.Name) and inner.id in names) or (
+                        _is_self_attr(inner) and inner.attr in names
+                    ):  # type: ignore[union-attr]
                         return True
     return False
 

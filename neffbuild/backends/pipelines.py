@@ -98,15 +98,25 @@ def _pipeline_class(diffusers: Any, name: str, problems: list[Problem]) -> Any:
     try:
         cls = getattr(diffusers, name)
     except Exception as exc:  # noqa: BLE001 - an optional dependency of that pipeline is missing
-        problems.append(Problem("pipeline", f"{name} cannot be imported here ({type(exc).__name__}: {exc})", "install what it needs"))
+        problems.append(
+            Problem(
+                "pipeline", f"{name} cannot be imported here ({type(exc).__name__}: {exc})", "install what it needs"
+            )
+        )
         return None
     if type(cls).__name__ == "DummyObject":
         needs = ", ".join(getattr(cls, "_backends", ()))
-        problems.append(Problem("pipeline", f"{name} needs packages that are not installed ({needs})", f"pip install {needs}"))
+        problems.append(
+            Problem("pipeline", f"{name} needs packages that are not installed ({needs})", f"pip install {needs}")
+        )
         return None
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
         problems.append(
-            Problem("pipeline", f"{name} is not a pipeline class{_did_you_mean(name, known)}", "name a diffusers *Pipeline class")
+            Problem(
+                "pipeline",
+                f"{name} is not a pipeline class{_did_you_mean(name, known)}",
+                "name a diffusers *Pipeline class",
+            )
         )
         return None
     return cls
@@ -148,7 +158,9 @@ def _call_problems(pipeline: type, entry: ModelEntry) -> list[Problem]:
                         f"write {name} = [{', '.join(['…'] * length)}] (passed to the pipeline as a tuple)")
             )  # fmt: skip
         elif value is not None and not isinstance(value, list):
-            problems.append(Problem(f"call.{name}", f"{pipeline.__name__} takes a tuple, got {value!r}", f"write {name} = [...]"))
+            problems.append(
+                Problem(f"call.{name}", f"{pipeline.__name__} takes a tuple, got {value!r}", f"write {name} = [...]")
+            )
     return problems
 
 
@@ -165,7 +177,9 @@ def _component_problems(entry: ModelEntry, index: Mapping[str, Any], unchecked: 
             continue
         library, class_name = listed[name]
         if not isinstance(library, str) or not isinstance(class_name, str):
-            problems.append(Problem("components", f"{name!r} is empty in this model (null in model_index.json)", "remove it"))
+            problems.append(
+                Problem("components", f"{name!r} is empty in this model (null in model_index.json)", "remove it")
+            )
             continue
         cls = _component_class(library, class_name)
         if cls is None:
@@ -179,7 +193,9 @@ def _class_problems(entry: ModelEntry, spec: str, name: str, method: str | None,
     import torch
 
     if not issubclass(cls, torch.nn.Module):
-        return [Problem("components", f"{name!r} is a {cls.__name__}, not a torch module: nothing to compile", "remove it")]
+        return [
+            Problem("components", f"{name!r} is a {cls.__name__}, not a torch module: nothing to compile", "remove it")
+        ]
     if method is not None:
         if callable(getattr(cls, method, None)) and not method.startswith("_"):
             return []
@@ -264,7 +280,9 @@ class _ConfigView:
         self._guidance_scale = guidance
         self._root = root
         index = read_json_object(root / "model_index.json")
-        self.config = SimpleNamespace(**{k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)})
+        self.config = SimpleNamespace(
+            **{k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
+        )
 
     def __getattr__(self, name: str) -> Any:
         from types import SimpleNamespace

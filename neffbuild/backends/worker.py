@@ -42,7 +42,9 @@ def call_kwargs(entry: ModelEntry, shape: Shape) -> dict[str, Any]:
     facts = pipeline_facts(entry)
     tuples = facts.tuples if facts else {}
     # TOML has no tuples; SDXL's size conditioning concatenates them (original_size + crops...).
-    kwargs: dict[str, Any] = {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in entry.call_arguments().items()}
+    kwargs: dict[str, Any] = {
+        k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in entry.call_arguments().items()
+    }
     kwargs.update(
         height=shape.height,
         width=shape.width,
@@ -63,7 +65,10 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
     pipe = backend.load_pipeline(job.entry, job.model_ref)
     runner = backend.apply_mode(pipe, job.entry)
     load_s = time.perf_counter() - started
-    runs = [_run_shape(job, backend, runner, unit_id, shape) for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)]
+    runs = [
+        _run_shape(job, backend, runner, unit_id, shape)
+        for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)
+    ]
     return WorkerResult(fingerprint=fingerprint, load_s=load_s, runs=tuple(runs))
 
 
@@ -112,7 +117,9 @@ def _snapshot(backend: Backend, cache_dir: Path | None) -> dict[str, tuple[int, 
     return snapshot
 
 
-def _changes(before: Mapping[str, tuple[int, int, int]], after: Mapping[str, tuple[int, int, int]]) -> tuple[WrittenFile, ...]:
+def _changes(
+    before: Mapping[str, tuple[int, int, int]], after: Mapping[str, tuple[int, int, int]]
+) -> tuple[WrittenFile, ...]:
     changed = [
         WrittenFile(path=p, size=st[0], change="new" if p not in before else "modified")
         for p, st in after.items()
@@ -152,7 +159,9 @@ def peak_rss() -> int:
     compiler runs as one); Linux reports kilobytes."""
     import resource
 
-    kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    kib = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    )
     return kib * 1024
 
 

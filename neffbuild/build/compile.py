@@ -186,14 +186,19 @@ def build(
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
     if report.failed or not report.complete:
         return report
-    records = [load_doc(store, BundleRecord, u.key, hint=f"{u.unit_id}: it vanished during the build; rerun it") for u in plan.units]
+    records = [
+        load_doc(store, BundleRecord, u.key, hint=f"{u.unit_id}: it vanished during the build; rerun it")
+        for u in plan.units
+    ]
     release = make_release(plan, records, backend)
     release_id = publish_release(store, release)
     move_tag(store, name, release_id)
     return replace(report, release_id=release_id, tag=name)
 
 
-def _in_parallel(do: Callable[[BuildUnit], UnitOutcome], units: Sequence[BuildUnit], jobs: int, workers: Workers) -> list[UnitOutcome]:
+def _in_parallel(
+    do: Callable[[BuildUnit], UnitOutcome], units: Sequence[BuildUnit], jobs: int, workers: Workers
+) -> list[UnitOutcome]:
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
     try:
         futures = [pool.submit(do, u) for u in units]
@@ -224,10 +229,15 @@ def _attempt(unit: BuildUnit, run: _Run, started: float) -> UnitOutcome:
     # The same dir for the same unit on every build: the compiled bytes name it (unitdir.py).
     with unit_scratch(run.units_root, unit.key, run.work_root, keep=run.keep_work) as scratch:
         try:
-            outcome = build_unit(unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify)
+            outcome = build_unit(
+                unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify
+            )
         except Interrupted:
             raise
-        except (NeffbuildError, OSError) as exc:  # an OSError here is this unit's (its scratch, its files), not the build's
+        except (
+            NeffbuildError,
+            OSError,
+        ) as exc:  # an OSError here is this unit's (its scratch, its files), not the build's
             return _failed(unit, run, scratch, exc, started)
     run.notify(unit.unit_id, "built")
     return replace(outcome, seconds=time.monotonic() - started)
@@ -275,7 +285,9 @@ def build_unit(
     cache_dir.mkdir(parents=True)
     worker_env = {**env, **unit.env, **backend.worker_env(cache_dir, scratch)}
     require_scratch(backend.scratch_dirs(scratch, worker_env), backend.scratch_min_free)
-    job = WorkerJob(purpose="build", entry=unit.entry, model_ref=unit.model_ref, unit_ids=(unit.unit_id,), shapes=(unit.shape,))
+    job = WorkerJob(
+        purpose="build", entry=unit.entry, model_ref=unit.model_ref, unit_ids=(unit.unit_id,), shapes=(unit.shape,)
+    )
     launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
     result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)
     if on_phase:
@@ -284,10 +296,14 @@ def build_unit(
     run = result.runs[0]
     silent = components_without_graphs(unit.entry, run.counters)
     if silent:
-        compiled = sorted({k.removeprefix(GRAPH_PREFIX) for k, v in run.counters.items() if k.startswith(GRAPH_PREFIX) and v > 0})
+        compiled = sorted(
+            {k.removeprefix(GRAPH_PREFIX) for k, v in run.counters.items() if k.startswith(GRAPH_PREFIX) and v > 0}
+        )
         also = f" (compiled: {', '.join(compiled)})" if compiled else ""
         raise PartlyCompiledError(
-            f"{unit.unit_id}: component {silent[0]!r} produced no graph{also}", hint=no_graph_hint(silent[0]), compiles=run.compiles
+            f"{unit.unit_id}: component {silent[0]!r} produced no graph{also}",
+            hint=no_graph_hint(silent[0]),
+            compiles=run.compiles,
         )
     files = _hash_outputs(backend, cache_dir)
     if unit.entry.mode != "eager" and not files:
@@ -333,13 +349,18 @@ def _check_fingerprint(unit: BuildUnit, seen: Mapping[str, str]) -> None:
     differing = sorted(k for k in set(seen) | set(unit.fingerprint) if seen.get(k) != unit.fingerprint.get(k))
     if differing:
         detail = ", ".join(f"{k}: planned {unit.fingerprint.get(k)!r}, worker {seen.get(k)!r}" for k in differing[:4])
-        raise BuildError(f"{unit.unit_id}: worker environment differs from the plan ({detail})", hint="do not change the environment during a build")
+        raise BuildError(
+            f"{unit.unit_id}: worker environment differs from the plan ({detail})",
+            hint="do not change the environment during a build",
+        )
 
 
 def make_release(plan: Plan, records: Sequence[BundleRecord], backend: Backend) -> Release:
     """Merge the bundles' files into one cache-dir listing; clashing paths go to the backend."""
     units = [(u.unit_id, u.key) for u in plan.units]
-    return assemble_release(plan.loaded.manifest.name, plan.loaded.source_digest, plan.runtime_env, units, records, backend)
+    return assemble_release(
+        plan.loaded.manifest.name, plan.loaded.source_digest, plan.runtime_env, units, records, backend
+    )
 
 
 def failure(report: BuildReport) -> BuildError:

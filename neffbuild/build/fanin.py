@@ -87,7 +87,14 @@ def release_and_report(
     reports = read_reports(shard_reports)
     result = release_manifest(manifest, store, env=env, tag=tag, plan_file=plan_file)
     if reports or report_file is not None:
-        merged_report = merged(reports, result.units, store=result.store, name=result.name, release_id=result.release_id or "", tag=result.tag or "")
+        merged_report = merged(
+            reports,
+            result.units,
+            store=result.store,
+            name=result.name,
+            release_id=result.release_id or "",
+            tag=result.tag or "",
+        )
         emit(merged_report, report_file, env)
     return result
 
@@ -143,7 +150,9 @@ def assemble_release(
         fingerprint=_common_fields([r.fingerprint for r in records]),
         units=tuple(ReleaseUnit(unit_id=unit_id, key=key) for unit_id, key in units),
         files=tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path)),
-        shared=tuple(SharedPath(path=p, kept=chosen[p][0].digest, dropped=tuple(sorted(d))) for p, d in sorted(dropped.items())),
+        shared=tuple(
+            SharedPath(path=p, kept=chosen[p][0].digest, dropped=tuple(sorted(d))) for p, d in sorted(dropped.items())
+        ),
     )
 
 

@@ -125,7 +125,13 @@ class FleetPlan:
 
 
 def plan_fleet(
-    manifest: Path, store: StoreChoice, *, env: Mapping[str, str], shards: int | None, out: Path | None, tag: str | None = None
+    manifest: Path,
+    store: StoreChoice,
+    *,
+    env: Mapping[str, str],
+    shards: int | None,
+    out: Path | None,
+    tag: str | None = None,
 ) -> FleetPlan:
     """Plan MANIFEST on this host; with a reachable store, read the durations that balance shards
     (a store that cannot be read only costs the balance, with a warning); write --out."""

@@ -46,7 +46,10 @@ def _settle_bundle(store: Store, record: BundleRecord, sources: Sequence[BlobSou
             return uploaded
         uploaded += store.put_blobs([s for s in sources if s.digest in missing], jobs)
         store.put_doc("bundles", record.key, dump(record))
-    raise ConflictError(f"bundle {record.unit_id}: a gc kept deleting its blobs from {store.url}", hint="retry the publish once gc is done")
+    raise ConflictError(
+        f"bundle {record.unit_id}: a gc kept deleting its blobs from {store.url}",
+        hint="retry the publish once gc is done",
+    )
 
 
 def publish_release(store: Store, release: Release) -> str:
@@ -108,4 +111,3 @@ def _settle_tag(store: Store, record: TagRecord, before: tuple[bytes, str] | Non
         f"tag {record.name}: a gc deleted release {record.release} while the tag moved to it",
         hint="publish the release again (rebuild or push it), then move the tag",
     )
-

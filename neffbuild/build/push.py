@@ -42,7 +42,9 @@ def push_between(ref: str, src: StoreChoice, dst: StoreChoice, *, env: Mapping[s
     return push(ref, source, dst.open(env, create=True), jobs=jobs)
 
 
-def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path | None = None, by: str | None = None) -> PushResult:
+def push(
+    ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path | None = None, by: str | None = None
+) -> PushResult:
     """Copy the release `ref` (see neffbuild.documents.refs) from src to dst; move the tag there too if ref
     is a tag (TAG@N names an old release: it is copied, the tag is not moved)."""
     resolved = resolve(src, ref)
@@ -70,7 +72,9 @@ def push(ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path 
     return PushResult(resolved.release_id, resolved.tag, src.url, dst.url, copied, blobs, uploaded, moved)
 
 
-def _stage_missing(files: Iterable[FileEntry], src: Store, dst: Store, staging: Path, jobs: int, release_id: str) -> list[BlobSource]:
+def _stage_missing(
+    files: Iterable[FileEntry], src: Store, dst: Store, staging: Path, jobs: int, release_id: str
+) -> list[BlobSource]:
     """Bring the blobs dst lacks from src into staging (verified); the sources to upload."""
     sizes = {f.digest: f.size for f in files}
     missing = sorted(dst.missing_blobs(sizes))

@@ -77,7 +77,15 @@ def _unit(o: UnitOutcome, shard: str) -> ReportUnit:
     )  # fmt: skip
 
 
-def merged(reports: Sequence[Report], units: Sequence[tuple[str, str]], *, store: str, name: str, release_id: str = "", tag: str = "") -> Report:
+def merged(
+    reports: Sequence[Report],
+    units: Sequence[tuple[str, str]],
+    *,
+    store: str,
+    name: str,
+    release_id: str = "",
+    tag: str = "",
+) -> Report:
     """One report of the manifest's units from the shards' reports: per unit, the report of the
     build that made its bundle (built beats present beats failed: a rerun shard's report wins
     over the one that failed); units no report names are "missing"."""
@@ -104,7 +112,10 @@ def read_reports(paths: Iterable[Path]) -> list[Report]:
             with path.open("rb") as f:
                 data = f.read(MAX_REPORT_BYTES + 1)
         except OSError as exc:
-            raise InputError(f"--shard-report {path}: cannot read it ({exc.strerror or exc})", hint="pass the files `build --report` wrote") from None
+            raise InputError(
+                f"--shard-report {path}: cannot read it ({exc.strerror or exc})",
+                hint="pass the files `build --report` wrote",
+            ) from None
         try:
             out.append(parse(Report, data[:MAX_REPORT_BYTES], f"report {path}"))
         except NeffbuildError as exc:
@@ -120,10 +131,18 @@ def markdown(report: Report) -> str:
     head = f"### neffbuild: {_cell(report.name)}"
     if report.shards:
         head += f" (shards {', '.join(report.shards)})"
-    lines = [head, "", ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) + f" of {len(report.units)} units", ""]
+    lines = [
+        head,
+        "",
+        ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) + f" of {len(report.units)} units",
+        "",
+    ]
     if report.release_id:
         lines += [f"release `{report.release_id}`, tag `{_cell(report.tag)}`", ""]
-    lines += ["| unit | status | shard | time | peak memory | files | bytes | compiles | attempts |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "| unit | status | shard | time | peak memory | files | bytes | compiles | attempts |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for u in report.units:
         status = u.status + (f": {u.killed}" if u.killed else "")
         time = f"{u.seconds:.1f} s" if u.status in ("built", "failed") else "-"

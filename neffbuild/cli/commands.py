@@ -71,12 +71,24 @@ _plan_file_option = click.option(
 
 @cli.command()
 @click.argument("manifest", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", help="Write the plan document (units, keys, fingerprint, manifest digest, durations) for `build --plan` and `release --plan`.")
-@click.option("--shards", type=click.IntRange(1, 4096), metavar="N", help="Show which units each of N shards builds and its predicted time (durations from the store's tag).")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="FILE",
+    help="Write the plan document (units, keys, fingerprint, manifest digest, durations) for `build --plan` and `release --plan`.",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(1, 4096),
+    metavar="N",
+    help="Show which units each of N shards builds and its predicted time (durations from the store's tag).",
+)
 @click.option("--tag", help="Tag whose release holds the durations to balance by [default: the manifest's name].")
 @store_option
 @json_option
-def plan(manifest: Path, out: Path | None, shards: int | None, tag: str | None, store: StoreChoice, as_json: bool) -> None:
+def plan(
+    manifest: Path, out: Path | None, shards: int | None, tag: str | None, store: StoreChoice, as_json: bool
+) -> None:
     """Show the build units of MANIFEST and their keys, without compiling."""
     if out is None and shards is None:
         from neffbuild.documents.manifest import load_manifest
@@ -101,14 +113,37 @@ def plan(manifest: Path, out: Path | None, shards: int | None, tag: str | None, 
     help="Scratch space for compiles (created if absent); failed units' logs go to its logs/ [default: temp dir; logs in .neffbuild/logs].",
 )
 @click.option("--keep-work", is_flag=True, help="Keep each unit's scratch dir (cache, job, log).")
-@click.option("--shard", "shard_text", metavar="I/N", help="Build only shard I (from 0) of N; the release is left to `neffbuild release` [default: from JOB_COMPLETION_INDEX or AWS_BATCH_JOB_ARRAY_INDEX].")
-@click.option("--shards", "shard_count", type=click.IntRange(1, 4096), metavar="N", help="The shard count, with the index from the engine's environment (JOB_COMPLETION_INDEX) [default: NEFFBUILD_SHARDS, AWS_BATCH_JOB_ARRAY_SIZE, or --plan's].")
+@click.option(
+    "--shard",
+    "shard_text",
+    metavar="I/N",
+    help="Build only shard I (from 0) of N; the release is left to `neffbuild release` [default: from JOB_COMPLETION_INDEX or AWS_BATCH_JOB_ARRAY_INDEX].",
+)
+@click.option(
+    "--shards",
+    "shard_count",
+    type=click.IntRange(1, 4096),
+    metavar="N",
+    help="The shard count, with the index from the engine's environment (JOB_COMPLETION_INDEX) [default: NEFFBUILD_SHARDS, AWS_BATCH_JOB_ARRAY_SIZE, or --plan's].",
+)
 @click.option(
     "--plan", "plan_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
     help="The fleet's plan document (`neffbuild plan --out`): this host must give its keys (exit 7 naming the facts that differ); its durations balance the shards.",
 )  # fmt: skip
-@click.option("--retries", type=click.IntRange(0, 100), default=0, show_default=True, help="Build a failing unit again up to this many times.")
-@click.option("--report", "report_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", help="Write a JSON report of every unit (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).")
+@click.option(
+    "--retries",
+    type=click.IntRange(0, 100),
+    default=0,
+    show_default=True,
+    help="Build a failing unit again up to this many times.",
+)
+@click.option(
+    "--report",
+    "report_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="FILE",
+    help="Write a JSON report of every unit (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).",
+)
 @json_option
 def build(
     manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool,
@@ -145,17 +180,44 @@ def build(
 @store_option
 @click.option("--tag", help="Tag to move [default: the manifest's name].")
 @_plan_file_option
-@click.option("--shard-report", "shard_reports", type=click.Path(path_type=Path, dir_okay=False), multiple=True, metavar="FILE", help="A shard's `build --report` (repeatable): merged into --report and the step summary.")
-@click.option("--report", "report_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE", help="Write the merged JSON report (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).")
+@click.option(
+    "--shard-report",
+    "shard_reports",
+    type=click.Path(path_type=Path, dir_okay=False),
+    multiple=True,
+    metavar="FILE",
+    help="A shard's `build --report` (repeatable): merged into --report and the step summary.",
+)
+@click.option(
+    "--report",
+    "report_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="FILE",
+    help="Write the merged JSON report (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).",
+)
 @json_option
 def release_command(
-    manifest: Path, store: StoreChoice, tag: str | None, plan_file: Path | None, shard_reports: tuple[Path, ...], report_file: Path | None, as_json: bool
+    manifest: Path,
+    store: StoreChoice,
+    tag: str | None,
+    plan_file: Path | None,
+    shard_reports: tuple[Path, ...],
+    report_file: Path | None,
+    as_json: bool,
 ) -> None:
     """Fan-in: once every unit of MANIFEST has a bundle in the store (from any shard), publish the
     release and move the tag; otherwise name the units still missing (exit 14), releasing nothing."""
     from neffbuild.build.fanin import incomplete, release_and_report
 
-    result = release_and_report(manifest, store, env=os.environ, tag=tag, plan_file=plan_file, shard_reports=shard_reports, report_file=report_file)
+    result = release_and_report(
+        manifest,
+        store,
+        env=os.environ,
+        tag=tag,
+        plan_file=plan_file,
+        shard_reports=shard_reports,
+        report_file=report_file,
+    )
     if result.missing:
         Console(as_json).release(result)
         raise incomplete(result)
@@ -179,13 +241,21 @@ _env_file_option = click.option(
 @jobs_option
 @_allow_env_option
 @_env_file_option
-@click.option("--no-host-check", is_flag=True, help="Pull even if this host's environment differs from the build's in a field that changes kernels.")
+@click.option(
+    "--no-host-check",
+    is_flag=True,
+    help="Pull even if this host's environment differs from the build's in a field that changes kernels.",
+)
 @click.option(
     "--lock-timeout", type=click.FloatRange(min=0), default=300.0, show_default=True, metavar="SECONDS",
     help="Give up (exit 9) if another pull holds the cache dir's lock this long; 0: at once. A dead holder's lock is dropped by the kernel.",
 )  # fmt: skip
 @click.option(
-    "--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, metavar="SECONDS",
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    metavar="SECONDS",
     help="Give up (exit 3, saying what it was doing) once the whole pull has taken this long: every request, retry and stalled read counts.",
 )
 @click.option(
@@ -243,9 +313,13 @@ def retry_policy(env: Mapping[str, str]) -> Policy | None:
 @click.argument("manifest", type=click.Path(path_type=Path), required=False)
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Cache dir to check.")
 @click.option("--replay", is_flag=True, help="Run every unit's warmup in a fresh process; fail on any compile.")
-@click.option("--deep", is_flag=True, help="Without MANIFEST: also read back and hash every referenced blob of --store.")
+@click.option(
+    "--deep", is_flag=True, help="Without MANIFEST: also read back and hash every referenced blob of --store."
+)
 @store_option
-@click.option("--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here.")
+@click.option(
+    "--outputs", type=click.Path(path_type=Path, file_okay=False), help="Replay: save each output tensor here."
+)
 @click.option(
     "--in-place",
     is_flag=True,
@@ -284,11 +358,19 @@ def verify(
         print_store_check(console, result)
         error = store_error(result)
     elif cache_dir is None:
-        raise InputError("verify MANIFEST needs --cache-dir", hint="or give no MANIFEST and a --store to check the store itself")
+        raise InputError(
+            "verify MANIFEST needs --cache-dir", hint="or give no MANIFEST and a --store to check the store itself"
+        )
     elif replay:
         progress = lambda total: console.units_progress("replaying", total)  # noqa: E731
         report = verify_replay(
-            manifest, cache_dir, env=os.environ, work_dir=work_dir, outputs_dir=outputs, progress=progress, in_place=in_place
+            manifest,
+            cache_dir,
+            env=os.environ,
+            work_dir=work_dir,
+            outputs_dir=outputs,
+            progress=progress,
+            in_place=in_place,
         )
         console.replay(report)
         error = miss_error(report)
@@ -307,7 +389,14 @@ def verify(
 @_allow_env_option
 @_env_file_option
 @json_option
-def env_command(ref: str | None, cache_dir: Path, store: StoreChoice, allow_env: tuple[str, ...], env_file: Path | None, as_json: bool) -> None:
+def env_command(
+    ref: str | None,
+    cache_dir: Path,
+    store: StoreChoice,
+    allow_env: tuple[str, ...],
+    env_file: Path | None,
+    as_json: bool,
+) -> None:
     """Print the environment a serving process needs for the release installed in --cache-dir
     (shell `export` lines), read from the cache dir: no store needed. REF, if given, must be it."""
     from neffbuild.host.exports import host_allow
@@ -315,13 +404,28 @@ def env_command(ref: str | None, cache_dir: Path, store: StoreChoice, allow_env:
 
     # The store is opened only for a cache dir that recorded no release (older pulls).
     allowed = host_allow(allow_env, os.environ)
-    Console(as_json).exports(serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file))
+    Console(as_json).exports(
+        serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file)
+    )
 
 
 @cli.command()
-@click.option("--cache-dir", type=click.Path(path_type=Path), help="Cache dir the server will use [default: the backend's variable, else the compiler's default].")
-@click.option("--backend", type=click.Choice(["neuron", "inductor"]), help="Backend to check for [default: the release's, else neuron where torch_neuronx is installed, else inductor].")
-@click.option("--release", "release_ref", metavar="FILE|TAG", help="Compare with a release: its JSON file, or a tag or release id in --store.")
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path),
+    help="Cache dir the server will use [default: the backend's variable, else the compiler's default].",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["neuron", "inductor"]),
+    help="Backend to check for [default: the release's, else neuron where torch_neuronx is installed, else inductor].",
+)
+@click.option(
+    "--release",
+    "release_ref",
+    metavar="FILE|TAG",
+    help="Compare with a release: its JSON file, or a tag or release id in --store.",
+)
 @click.option(
     "--neuron-selfcheck",
     is_flag=True,
@@ -330,7 +434,14 @@ def env_command(ref: str | None, cache_dir: Path, store: StoreChoice, allow_env:
 )
 @store_option
 @json_option
-def doctor(cache_dir: Path | None, backend: str | None, release_ref: str | None, neuron_selfcheck: bool, store: StoreChoice, as_json: bool) -> None:
+def doctor(
+    cache_dir: Path | None,
+    backend: str | None,
+    release_ref: str | None,
+    neuron_selfcheck: bool,
+    store: StoreChoice,
+    as_json: bool,
+) -> None:
     """Check this host before it serves: backend, devices, versions, cache dir, lock dir; exit 11 if any check fails."""
     from neffbuild.host.doctor import doctor as run_doctor
     from neffbuild.host.doctor import not_ready
@@ -358,7 +469,9 @@ def push(ref: str, from_url: str, to_url: str, endpoint_url: str | None, jobs: i
     from neffbuild.build.push import push_between
     from neffbuild.store import StoreChoice
 
-    result = push_between(ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16)
+    result = push_between(
+        ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16
+    )
     _report_after_change(lambda: Console(as_json).push(result), f"pushed release {result.release_id}")
 
 
@@ -388,12 +501,24 @@ def schema() -> None:
 
 @cli.command()
 @click.argument("ref", metavar="[MANIFEST|TAG|RELEASE]", required=False)
-@click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir the server will use.")
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Cache dir the server will use.",
+)
 @store_option
 @click.option("--verify", "verify_digests", is_flag=True, help="Also hash every file (default: sizes only).")
 @_allow_env_option
 @json_option
-def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests: bool, allow_env: tuple[str, ...], as_json: bool) -> None:
+def status(
+    ref: str | None,
+    cache_dir: Path,
+    store: StoreChoice,
+    verify_digests: bool,
+    allow_env: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
     hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
     Reads the cache dir; the store only for a release other than the installed one."""
@@ -401,10 +526,13 @@ def status(ref: str | None, cache_dir: Path, store: StoreChoice, verify_digests:
     from neffbuild.host.exports import host_allow
     from neffbuild.host.status import status_error, status_of
 
-    report = status_of(ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ))
+    report = status_of(
+        ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ)
+    )
     print_status(Console(as_json), report)
     if error := status_error(report):
         raise error
+
 
 # ---- inspection: ls, show, diff, du (neffbuild/inspect/) -----------------------------------------
 
@@ -440,10 +568,17 @@ def show_command(ref: str, store: StoreChoice, as_json: bool) -> None:
 @cli.command("diff")
 @click.argument("old_ref", metavar="A", required=False)
 @click.argument("new_ref", metavar="B", required=False)
-@click.option("--host", "host_ref", metavar="REF", help="Compare release REF with this host instead (as `status` judges it), no A and B.")
+@click.option(
+    "--host",
+    "host_ref",
+    metavar="REF",
+    help="Compare release REF with this host instead (as `status` judges it), no A and B.",
+)
 @store_option
 @json_option
-def diff_command(old_ref: str | None, new_ref: str | None, host_ref: str | None, store: StoreChoice, as_json: bool) -> None:
+def diff_command(
+    old_ref: str | None, new_ref: str | None, host_ref: str | None, store: StoreChoice, as_json: bool
+) -> None:
     """What changed from release A to release B (or bundle to bundle): units, the fields behind each
     changed key (old -> new), files. With --host REF: each unit's fingerprint fields that differ
     between REF's build and this host (with the release's exports applied), breaking or not."""
@@ -452,20 +587,34 @@ def diff_command(old_ref: str | None, new_ref: str | None, host_ref: str | None,
 
     if host_ref is not None:
         if old_ref is not None:
-            raise InputError(f"diff --host {host_ref} takes no A or B (got {old_ref!r})", hint="neffbuild diff --host REF, or neffbuild diff A B")
+            raise InputError(
+                f"diff --host {host_ref} takes no A or B (got {old_ref!r})",
+                hint="neffbuild diff --host REF, or neffbuild diff A B",
+            )
         output.host_differences(Console(as_json), diff_host(store.open(os.environ), host_ref, os.environ))
         return
     if old_ref is None or new_ref is None:
-        raise InputError("diff needs two references A and B, or --host REF", hint="e.g. neffbuild diff klein@1 klein, or neffbuild diff --host klein")
+        raise InputError(
+            "diff needs two references A and B, or --host REF",
+            hint="e.g. neffbuild diff klein@1 klein, or neffbuild diff --host klein",
+        )
     output.differences(Console(as_json), diff(store.open(os.environ), old_ref, new_ref))
 
 
 # gc's policy: `du` reports what `gc` would free under the same flags, defaults included.
 _keep_option = click.option(
-    "--keep", type=click.IntRange(0, 10**6), default=3, show_default=True, help="Releases of each tag's history kept besides its current one."
+    "--keep",
+    type=click.IntRange(0, 10**6),
+    default=3,
+    show_default=True,
+    help="Releases of each tag's history kept besides its current one.",
 )
 _grace_option = click.option(
-    "--grace", default="24h", show_default=True, metavar="DURATION", help="Objects younger than this are kept (a publish may be in flight): 24h, 30m, 90s, 0."
+    "--grace",
+    default="24h",
+    show_default=True,
+    metavar="DURATION",
+    help="Objects younger than this are kept (a publish may be in flight): 24h, 30m, 90s, 0.",
 )
 
 
@@ -484,6 +633,7 @@ def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None
     policy = Policy(keep=keep, grace_s=parse_duration(grace))
     output.usage(Console(as_json), disk_usage(store.open(os.environ), reclaim=reclaimable(policy)))
 
+
 # ---- gc and verify --store (issue 11) ------------------------------------------------------
 
 
@@ -491,23 +641,39 @@ def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None
 @store_option
 @_keep_option
 @_grace_option
-@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), help="Prune this host cache dir to its installed release instead of a store.")
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Prune this host cache dir to its installed release instead of a store.",
+)
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking (required without a terminal).")
 @jobs_option
 @json_option
 def gc_command(
-    store: StoreChoice, keep: int, grace: str, cache_dir: Path | None, dry_run: bool, yes: bool, jobs: int | None, as_json: bool
+    store: StoreChoice,
+    keep: int,
+    grace: str,
+    cache_dir: Path | None,
+    dry_run: bool,
+    yes: bool,
+    jobs: int | None,
+    as_json: bool,
 ) -> None:
     """Delete what no tag reaches (mark and sweep), or prune a host's --cache-dir."""
     from neffbuild.cli.views import print_cache_prune, print_gc_plan, print_gc_result
+
     console = Console(as_json)
     if cache_dir is not None:
         from neffbuild.host.prune import prune_cache_dir
 
         opened = store.open(os.environ) if store.url else None
         planned = prune_cache_dir(cache_dir, store=opened, dry_run=True)
-        if not dry_run and planned.remove and _confirmed(yes, f"delete {len(planned.remove)} files from {planned.cache_dir}?"):
+        if (
+            not dry_run
+            and planned.remove
+            and _confirmed(yes, f"delete {len(planned.remove)} files from {planned.cache_dir}?")
+        ):
             planned = prune_cache_dir(cache_dir, store=opened)
         _report_after_change(lambda: print_cache_prune(console, planned), f"pruned {planned.cache_dir}")
         return
@@ -523,7 +689,9 @@ def gc_command(
         print_gc_plan(console, plan)
     if _confirmed(yes, f"delete {plan.delete_objects} objects from {plan.store}?"):
         result = sweep(opened, plan, policy, jobs=jobs or 32)
-        _report_after_change(lambda: print_gc_result(console, result), f"deleted {len(result.deleted)} objects from {plan.store}")
+        _report_after_change(
+            lambda: print_gc_result(console, result), f"deleted {len(result.deleted)} objects from {plan.store}"
+        )
 
 
 def _confirmed(yes: bool, question: str) -> bool:
@@ -531,7 +699,10 @@ def _confirmed(yes: bool, question: str) -> bool:
     if yes:
         return True
     if not sys.stdin.isatty():
-        raise InputError("refusing to delete without confirmation: no terminal to ask on", hint="pass --yes, or --dry-run to see the plan")
+        raise InputError(
+            "refusing to delete without confirmation: no terminal to ask on",
+            hint="pass --yes, or --dry-run to see the plan",
+        )
     return click.confirm(printable(question), default=False, err=True)
 
 
@@ -584,7 +755,9 @@ def _report_after_change(show: Callable[[], None], done: str) -> None:
             traceback.print_exc()
         _stdout_to_devnull()
         try:
-            why = "BrokenPipeError: stdout was closed" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+            why = (
+                "BrokenPipeError: stdout was closed" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+            )
             sys.stderr.write(printable(f"warning: {done}, but its report could not be printed: {why}") + "\n")
         except Exception:  # noqa: BLE001, S110 - stderr is gone too: the exit code is all that is left
             pass
@@ -606,7 +779,9 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
         return 0
     except NeffbuildError as exc:
         _print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
-        if as_json and not printed_document():  # machines read stdout: the failure as a document too (the lines above stay for logs)
+        if (
+            as_json and not printed_document()
+        ):  # machines read stdout: the failure as a document too (the lines above stay for logs)
             error = {"error": exc.message, "kind": type(exc).__name__, "exit_code": exc.exit_code, "hint": exc.hint}
             sys.stdout.write(json.dumps(error, indent=2) + "\n")
         return exc.exit_code
@@ -620,11 +795,15 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
         click.echo("interrupted", err=True)
         return 130
     except Exception as exc:  # noqa: BLE001 - the last resort keeps output to one line
-        _print_error(f"internal error: {type(exc).__name__}: {exc}", "rerun with --debug for a traceback, and report it")
+        _print_error(
+            f"internal error: {type(exc).__name__}: {exc}", "rerun with --debug for a traceback, and report it"
+        )
         return 1
 
 
-def _print_error(message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None) -> None:
+def _print_error(
+    message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None
+) -> None:
     if _DEBUG["on"]:
         traceback.print_exc()
         if debug_detail:

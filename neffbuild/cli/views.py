@@ -125,7 +125,9 @@ class Console:
         _DOCUMENTS["printed"] = True
 
     @contextmanager
-    def units_progress(self, verb: str, total: int, *, heartbeat_s: float = HEARTBEAT_S) -> Iterator[Callable[[str, str], None]]:
+    def units_progress(
+        self, verb: str, total: int, *, heartbeat_s: float = HEARTBEAT_S
+    ) -> Iterator[Callable[[str, str], None]]:
         """A notify(unit_id, status) callback, on stderr. On a terminal: a live line per running
         unit (its phase and elapsed time) under a done/total count. Without one (CI logs, pipes):
         a plain line per phase change, and one per unit still in a phase every heartbeat_s."""
@@ -182,9 +184,15 @@ class Console:
             [("unit", True), ("key", True), ("mode", False), ("dtype", False), ("device", False)],
             [(u.unit_id, u.key, u.entry.mode, u.entry.dtype, u.entry.device) for u in plan.units],
         )
-        doubled = [u for u in plan.units if u.graph_batch is not None and u.graph_batch != u.shape.batch * u.entry.prompts_per_call]
+        doubled = [
+            u
+            for u in plan.units
+            if u.graph_batch is not None and u.graph_batch != u.shape.batch * u.entry.prompts_per_call
+        ]
         for u in doubled:  # beside the label, which counts images: the graphs see more
-            self.out.print(f"{u.unit_id}: the graphs see batch {u.graph_batch} (classifier-free guidance doubles it)", markup=False)
+            self.out.print(
+                f"{u.unit_id}: the graphs see batch {u.graph_batch} (classifier-free guidance doubles it)", markup=False
+            )
         if plan.units:
             self.out.print("fingerprint:")
             for k, v in plan.units[0].fingerprint.items():
@@ -194,7 +202,9 @@ class Console:
                 self.out.print(f"left out of the keys (warmup only): {', '.join(left_out)}")
             reduced = dict(sorted({k: v for u in plan.units for k, v in u.reduced.items()}.items()))
             for name, why in reduced.items():
-                self.out.print(f"keyed only as {why}: {name} values with one outcome build the same graphs", markup=False)
+                self.out.print(
+                    f"keyed only as {why}: {name} values with one outcome build the same graphs", markup=False
+                )
 
     def build(self, report: BuildReport) -> None:
         if self.as_json:
@@ -207,7 +217,9 @@ class Console:
             built = o.status == "built"
             first = f"{o.first_call_s:.1f} s" if built else "-"
             took = f"{o.seconds:.1f} s" if o.status != "present" else "-"
-            rows.append((o.unit_id, o.status, took, str(o.compiles), first, str(o.files), _size(o.size), _size(o.uploaded)))
+            rows.append(
+                (o.unit_id, o.status, took, str(o.compiles), first, str(o.files), _size(o.size), _size(o.uploaded))
+            )
         # A failed unit's error, log and its last lines are the command's error, printed once.
         self._table(f"{report.name} -> {report.store}", columns, rows)
         if report.release_id:
@@ -228,7 +240,9 @@ class Console:
             self.out.print(f"{result.name}: {len(result.units)} units from {source}, every bundle in {result.store}")
             self.out.print(f"release {result.release_id}; tag {result.tag} -> it")
         else:
-            self.out.print(f"{result.name}: {len(result.missing)} of {len(result.units)} units from {source} have no bundle in {result.store}:")
+            self.out.print(
+                f"{result.name}: {len(result.missing)} of {len(result.units)} units from {source} have no bundle in {result.store}:"
+            )
             for unit_id in result.missing:
                 self.out.print(f"  missing  {unit_id}")
 
@@ -253,13 +267,19 @@ class Console:
             })  # fmt: skip
             return
         if report.state_replaced:
-            say_err(f"warning: the cache dir's state file was corrupt ({report.state_replaced}): every file was verified, and it was rewritten")
+            say_err(
+                f"warning: the cache dir's state file was corrupt ({report.state_replaced}): every file was verified, and it was rewritten"
+            )
         for warning in report.host_warnings:
             say_err(f"warning: {warning} (informational: kernels are unaffected)")
         say_err(
             f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
             f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s"
-            + (f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired" if report.files_rehashed or report.files_repaired else "")
+            + (
+                f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired"
+                if report.files_rehashed or report.files_repaired
+                else ""
+            )
         )
         self.exports(report.exports)
 
@@ -267,7 +287,11 @@ class Console:
         if self.as_json:
             self._json(result)
             return
-        moved = f"; tag {result.tag} -> it" if result.tag_moved else (f"; tag {result.tag} already there" if result.tag else "")
+        moved = (
+            f"; tag {result.tag} -> it"
+            if result.tag_moved
+            else (f"; tag {result.tag} already there" if result.tag else "")
+        )
         self.out.print(
             f"pushed release {result.release_id} to {result.destination}: {result.bundles_copied} bundles, "
             f"{result.blobs_uploaded} blobs ({_size(result.bytes_uploaded)}) uploaded{moved}"
@@ -292,14 +316,26 @@ class Console:
     def replay(self, report: ReplayReport) -> None:
         if self.as_json:
             self._json(
-                {"cache_dir": report.cache_dir, "misses": len(report.misses), "units": report.units, "view": report.view, "in_place": report.in_place}
+                {
+                    "cache_dir": report.cache_dir,
+                    "misses": len(report.misses),
+                    "units": report.units,
+                    "view": report.view,
+                    "in_place": report.in_place,
+                }
             )
             return
         self._table(
             f"replay of {report.cache_dir}",
             [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)],
             [
-                (u.unit_id, "hit" if u.hit else "MISS", f"{u.first_call_s:.2f} s", str(u.compiles), _files(len(u.written), u.written_bytes))
+                (
+                    u.unit_id,
+                    "hit" if u.hit else "MISS",
+                    f"{u.first_call_s:.2f} s",
+                    str(u.compiles),
+                    _files(len(u.written), u.written_bytes),
+                )
                 for u in report.units
             ],
         )
@@ -349,7 +385,15 @@ class Console:
             self._json(results)
             return
         for r in results:
-            state = "ok" if r.ok else ("not built (no bundle in the store)" if not r.built else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt")
+            state = (
+                "ok"
+                if r.ok
+                else (
+                    "not built (no bundle in the store)"
+                    if not r.built
+                    else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt"
+                )
+            )
             self.out.print(f"{r.unit_id}: {state}", markup=False)
 
     def doctor(self, report: DoctorReport) -> None:
@@ -363,7 +407,9 @@ class Console:
         colors = {"pass": "green", "fail": "red", "skip": "yellow"}
         self.out.print(f"backend {report.backend}, cache dir {report.cache_dir}")
         for c in report.checks:
-            self.out.print(Text.assemble((f"{c.status.upper():4}", colors[c.status]), printable(f"  {c.name:10}  {c.detail}")))
+            self.out.print(
+                Text.assemble((f"{c.status.upper():4}", colors[c.status]), printable(f"  {c.name:10}  {c.detail}"))
+            )
             if c.status == "fail" and c.fix:
                 self.out.print(f"      {'':10}  fix: {c.fix}")
         failed = sum(c.status == "fail" for c in report.checks)
@@ -374,7 +420,9 @@ def _files(count: int, size: int) -> str:
     return f"{count} file{'s' if count != 1 else ''} ({_size(size)})" if count else "-"
 
 
-def fit_table(title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[Sequence[str]], width: int) -> Table | None:
+def fit_table(
+    title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[Sequence[str]], width: int
+) -> Table | None:
     """A rich table at most width wide whose cells are never cut or wrapped: the (name, True)
     columns (unit ids, keys, statuses) are always there; the others, in order, while they fit,
     and the table's caption names those left out. None if the kept columns alone do not fit."""
@@ -393,7 +441,10 @@ def fit_table(title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[Se
             used += natural(i) + 3
     chosen.sort()
     left_out = [name for i, (name, _) in enumerate(columns) if i not in chosen]
-    table = Table(title=_cell(title), caption=f"left out at {width} columns: {', '.join(left_out)} (--json has all)" if left_out else None)
+    table = Table(
+        title=_cell(title),
+        caption=f"left out at {width} columns: {', '.join(left_out)} (--json has all)" if left_out else None,
+    )
     for i in chosen:
         table.add_column(_cell(columns[i][0]), no_wrap=True, min_width=natural(i))
     for row in rows:
@@ -477,16 +528,25 @@ def print_status(self: Console, report: StatusReport) -> None:
     say_err(f"release {name}, read from {report.source}")
     say_err(f"cache dir {report.cache_dir} holds: {installed}")
     rows = [(u.unit_id, u.state, _files(u.files, u.bytes), u.key) for u in report.units]
-    self._table(f"status of {report.release_name} on this host", [("unit", True), ("status", True), ("files", False), ("key", False)], rows)
+    self._table(
+        f"status of {report.release_name} on this host",
+        [("unit", True), ("status", True), ("files", False), ("key", False)],
+        rows,
+    )
     for u in report.units:  # why each miss, whole lines whatever the width
         if u.state == "mismatch":
             for change in u.changes:
                 self.out.print(f"{u.unit_id}: mismatch: {change.line()}", markup=False)
         elif u.state == "missing":
             corrupt = f", {u.corrupt_files} with other bytes" if u.corrupt_files else ""
-            self.out.print(f"{u.unit_id}: missing: {u.missing_files} of {u.files} files ({_size(u.missing_bytes)}){corrupt}", markup=False)
+            self.out.print(
+                f"{u.unit_id}: missing: {u.missing_files} of {u.files} files ({_size(u.missing_bytes)}){corrupt}",
+                markup=False,
+            )
         elif u.state == "stale":
-            self.out.print(f"{u.unit_id}: stale: its files are present, the cache dir holds another release", markup=False)
+            self.out.print(
+                f"{u.unit_id}: stale: its files are present, the cache dir holds another release", markup=False
+            )
         elif u.state == "absent":
             self.out.print(f"{u.unit_id}: absent: the manifest declares it, the release does not have it", markup=False)
     notes = sorted({c.line() for u in report.units if u.state != "mismatch" for c in u.changes})
@@ -514,14 +574,27 @@ def listing(console: Console, listing: Listing) -> None:
     console._table(
         f"tags in {listing.store}",
         [("tag", True), ("release", True), ("name", False), ("moved", False), ("by", False), ("moves", False)],
-        [(t.name, t.release, t.release_name or "(missing)", _when(t.moved_at), t.by, str(t.history)) for t in listing.tags],
+        [
+            (t.name, t.release, t.release_name or "(missing)", _when(t.moved_at), t.by, str(t.history))
+            for t in listing.tags
+        ],
     )
     console._table(
         f"releases in {listing.store}, newest first",
         [("release", True), ("created", False), ("size", False), ("units", False), ("files", False), ("tags", False)]
         + [("name", False), ("backend", False), ("toolchain", False)],
         [
-            (r.release_id, _when(r.created), _size(r.bytes), str(r.units), str(r.files), ",".join(r.tags) or "-", r.name, r.backend, r.toolchain)
+            (
+                r.release_id,
+                _when(r.created),
+                _size(r.bytes),
+                str(r.units),
+                str(r.files),
+                ",".join(r.tags) or "-",
+                r.name,
+                r.backend,
+                r.toolchain,
+            )
             for r in listing.releases
         ],
     )
@@ -550,22 +623,44 @@ def shown_ref(console: Console, view: ReleaseView | BundleView) -> None:
         _unit_header(console, u, f"bundle {u.key} ({u.unit_id}): {u.files} files, {_size(u.bytes)}")
         console.out.print(f"  toolchain: {toolchain(u.fingerprint)}", markup=False)
         console._table(
-            f"files of {u.unit_id}", [("path", True), ("size", False), ("digest", False)], [(f.path, _size(f.size), f.digest) for f in view.files]
+            f"files of {u.unit_id}",
+            [("path", True), ("size", False), ("digest", False)],
+            [(f.path, _size(f.size), f.digest) for f in view.files],
         )
         return
     tagged = f" (tag {view.tag})" if view.tag else ""
-    console.out.print(f"release {view.release_id}{tagged}: {view.name}, {view.backend}, {len(view.units)} units, {view.files} files, {_size(view.bytes)}", markup=False)
+    console.out.print(
+        f"release {view.release_id}{tagged}: {view.name}, {view.backend}, {len(view.units)} units, {view.files} files, {_size(view.bytes)}",
+        markup=False,
+    )
     console.out.print(f"  toolchain: {toolchain(view.fingerprint)}", markup=False)
     if view.env:
         console.out.print(f"  env: {' '.join(f'{k}={v}' for k, v in view.env.items())}", markup=False)
     if view.shared:
-        console.out.print(f"  {len(view.shared)} paths built differently by several units, one kept (content-keyed)", markup=False)
+        console.out.print(
+            f"  {len(view.shared)} paths built differently by several units, one kept (content-keyed)", markup=False
+        )
     console._table(
         "units",
         [("unit", True), ("key", True), ("build", False), ("size", False), ("files", False), ("first call", False)]
-        + [("graphs", False), ("mode", False), ("dtype", False), ("pipeline", False), ("components", False), ("model", False)],
+        + [
+            ("graphs", False),
+            ("mode", False),
+            ("dtype", False),
+            ("pipeline", False),
+            ("components", False),
+            ("model", False),
+        ],
         [
-            (u.unit_id, u.key, f"{u.timings.total_s:.1f} s", _size(u.bytes), str(u.files), f"{u.timings.first_call_s:.1f} s", str(_graphs(u.counters)))
+            (
+                u.unit_id,
+                u.key,
+                f"{u.timings.total_s:.1f} s",
+                _size(u.bytes),
+                str(u.files),
+                f"{u.timings.first_call_s:.1f} s",
+                str(_graphs(u.counters)),
+            )
             + (u.mode, u.dtype, u.pipeline, ",".join(u.components) or "-", u.model)
             for u in view.units
         ],
@@ -578,7 +673,10 @@ def shown_ref(console: Console, view: ReleaseView | BundleView) -> None:
 def _unit_header(console: Console, u: UnitView, title: str) -> None:
     shape = "x".join(str(u.shape.get(k, "?")) for k in ("height", "width", "batch")) if u.shape else "-"
     console.out.print(title, markup=False)
-    console.out.print(f"  {u.model} {u.pipeline} {u.dtype} mode {u.mode}, shape {shape}, components {','.join(u.components) or '-'}", markup=False)
+    console.out.print(
+        f"  {u.model} {u.pipeline} {u.dtype} mode {u.mode}, shape {shape}, components {','.join(u.components) or '-'}",
+        markup=False,
+    )
     console.out.print(
         f"  built {_when(u.created_at)}: load {u.timings.load_s:.1f} s, first call {u.timings.first_call_s:.1f} s, {_graphs(u.counters)} graphs",
         markup=False,
@@ -607,7 +705,9 @@ def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
         say(f"  {change.path} {_change(change.path, change.old, change.new)}")
     for unit in diff.changed:
         renamed = f" (was {unit.old_unit_id})" if unit.old_unit_id != unit.unit_id else ""
-        graphs = {True: " (same graphs: every component received the same inputs)", False: "", None: ""}[unit.same_graphs]
+        graphs = {True: " (same graphs: every component received the same inputs)", False: "", None: ""}[
+            unit.same_graphs
+        ]
         say(f"changed  {unit.unit_id}{renamed}: key {unit.old_key} -> {unit.new_key}{graphs}")
         for change in unit.fields:
             say(f"  {change.path} {_change(change.path, change.old, change.new)}")
@@ -620,10 +720,18 @@ def differences(console: Console, diff: Diff, *, shown: int = 20) -> None:
     if not files:
         return
     added, removed = sum(f.new_size or 0 for f in diff.files_added), sum(f.old_size or 0 for f in diff.files_removed)
-    say(f"files: {len(diff.files_added)} added ({_size(added)}), {len(diff.files_removed)} removed ({_size(removed)}), {len(diff.files_changed)} changed")
+    say(
+        f"files: {len(diff.files_added)} added ({_size(added)}), {len(diff.files_removed)} removed ({_size(removed)}), {len(diff.files_changed)} changed"
+    )
     for f in files[:shown]:
         status = "added" if f.old_size is None else "removed" if f.new_size is None else "changed"
-        sizes = _size(f.new_size or 0) if status == "added" else _size(f.old_size or 0) if status == "removed" else f"{_size(f.old_size or 0)} -> {_size(f.new_size or 0)}"
+        sizes = (
+            _size(f.new_size or 0)
+            if status == "added"
+            else _size(f.old_size or 0)
+            if status == "removed"
+            else f"{_size(f.old_size or 0)} -> {_size(f.new_size or 0)}"
+        )
         say(f"  {status:8} {sizes:>20}  {f.path}")
     if len(files) > shown:
         say(f"  ... and {len(files) - shown} more (--json lists every file)")
@@ -660,7 +768,9 @@ def _change(path: str, old: Any, new: Any) -> str:
     if path in FLAG_LISTS and isinstance(old, str) and isinstance(new, str):
         before, after = re.split(r"[\s,]+", old.strip()), re.split(r"[\s,]+", new.strip())
         if len(set(before)) == len(before) > 2 and len(set(after)) == len(after) > 2:
-            return " ".join([*(f"-{w}" for w in before if w not in after), *(f"+{w}" for w in after if w not in before)])
+            return " ".join(
+                [*(f"-{w}" for w in before if w not in after), *(f"+{w}" for w in after if w not in before)]
+            )
 
     def text(v: Any) -> str:
         return "(absent)" if v is None else v if isinstance(v, str) else json.dumps(v)
@@ -680,16 +790,25 @@ def usage(console: Console, usage: Usage) -> None:
         f"{usage.shared_blobs} blobs, {_size(usage.shared_bytes)}, shared between releases)"
     )
     r = usage.reclaimable
-    say(f"reclaimable by gc ({r.policy}): {r.objects} objects, {_size(r.bytes)}" if r else "reclaimable by gc: see `neffbuild gc --dry-run`")
+    say(
+        f"reclaimable by gc ({r.policy}): {r.objects} objects, {_size(r.bytes)}"
+        if r
+        else "reclaimable by gc: see `neffbuild gc --dry-run`"
+    )
     for title, shares in (("tag", usage.by_tag), ("model entry", usage.by_entry), ("toolchain", usage.by_toolchain)):
         members = "releases" if title == "tag" else "bundles"
         console._table(
-            f"by {title}", [(title, True), ("size", True), ("blobs", False), (members, False)], [(s.name, _size(s.bytes), str(s.blobs), str(s.members)) for s in shares]
+            f"by {title}",
+            [(title, True), ("size", True), ("blobs", False), (members, False)],
+            [(s.name, _size(s.bytes), str(s.blobs), str(s.members)) for s in shares],
         )
     console._table(
         "by release",
         [("release", True), ("size", True), ("unique", False), ("shared", False), ("files", False), ("name", False)],
-        [(u.release_id, _size(u.bytes), _size(u.unique_bytes), _size(u.shared_bytes), str(u.files), u.name) for u in usage.by_release],
+        [
+            (u.release_id, _size(u.bytes), _size(u.unique_bytes), _size(u.shared_bytes), str(u.files), u.name)
+            for u in usage.by_release
+        ],
     )
 
 
@@ -705,24 +824,40 @@ def print_gc_plan(console: Console, plan: Any) -> None:
     console._table(
         f"gc {plan.store}: keep {plan.keep} earlier releases per tag, grace {grace}",
         [("delete", True), ("objects", False), ("bytes", False)],
-        [(c.kind, str(c.objects), _size(c.bytes)) for c in plan.by_kind] + [("total", str(plan.delete_objects), _size(plan.delete_bytes))],
+        [(c.kind, str(c.objects), _size(c.bytes)) for c in plan.by_kind]
+        + [("total", str(plan.delete_objects), _size(plan.delete_bytes))],
     )
-    console.out.print(f"frees {_size(plan.delete_bytes)}; keeps {plan.kept_objects} objects ({_size(plan.kept_bytes)}) of {len(plan.live_releases)} live releases")
+    console.out.print(
+        f"frees {_size(plan.delete_bytes)}; keeps {plan.kept_objects} objects ({_size(plan.kept_bytes)}) of {len(plan.live_releases)} live releases"
+    )
     if plan.spared_objects:
-        console.out.print(f"spared, younger than the grace period: {plan.spared_objects} objects ({_size(plan.spared_bytes)})")
+        console.out.print(
+            f"spared, younger than the grace period: {plan.spared_objects} objects ({_size(plan.spared_bytes)})"
+        )
     if plan.partly_live_packs:
-        console.out.print(f"kept whole: {plan.partly_live_packs} partly live packs holding {_size(plan.dead_bytes_in_live_packs)} of garbage")
+        console.out.print(
+            f"kept whole: {plan.partly_live_packs} partly live packs holding {_size(plan.dead_bytes_in_live_packs)} of garbage"
+        )
     for pack_id in plan.damaged_packs:
         say_err(f"warning: pack {pack_id} has a damaged index: kept (run `neffbuild verify --store`)")
 
 
 def print_gc_result(console: Console, result: Any) -> None:
     if console.as_json:
-        console._json({"store": result.plan.store, "deleted": len(result.deleted), "deleted_bytes": result.deleted_bytes, "seconds": result.seconds})
+        console._json(
+            {
+                "store": result.plan.store,
+                "deleted": len(result.deleted),
+                "deleted_bytes": result.deleted_bytes,
+                "seconds": result.seconds,
+            }
+        )
         return
     skipped = result.plan.delete_objects - len(result.deleted)
     tail = f"; {skipped} planned objects were no longer garbage and stay" if skipped else ""
-    console.out.print(f"deleted {len(result.deleted)} objects ({_size(result.deleted_bytes)}) from {result.plan.store} in {result.seconds:.1f} s{tail}")
+    console.out.print(
+        f"deleted {len(result.deleted)} objects ({_size(result.deleted_bytes)}) from {result.plan.store} in {result.seconds:.1f} s{tail}"
+    )
 
 
 def print_cache_prune(console: Console, prune: Any) -> None:
@@ -740,7 +875,9 @@ def print_cache_prune(console: Console, prune: Any) -> None:
 
 def print_store_check(console: Console, check: Any) -> None:
     if check.orphans:  # on stderr, with --json too
-        say_err(f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period")
+        say_err(
+            f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period"
+        )
     if console.as_json:
         console._json({**jsonable(check), "clean": check.clean})
         return
@@ -772,7 +909,11 @@ def print_fleet_plan(console: Console, fleet: FleetPlan) -> None:
     if assignment is None:
         return
     known = len(assignment.known)
-    source = f"durations of {known} of {len(fleet.plan.units)} units from {fleet.durations_from}" if known else "no durations recorded: balanced by unit count"
+    source = (
+        f"durations of {known} of {len(fleet.plan.units)} units from {fleet.durations_from}"
+        if known
+        else "no durations recorded: balanced by unit count"
+    )
     console.out.print(f"{len(assignment.shards)} shards ({source}):")
     for i, ids in enumerate(assignment.shards):
         predicted = f"{assignment.predicted_s[i]:.0f} s" if known else f"{len(ids)} units"

@@ -104,14 +104,21 @@ def _default_device(data: dict[str, Any]) -> str:
 class ModelEntry(_Strict):
     """One model to compile: where it comes from, how it is compiled and for which shapes."""
 
-    id: str = Field(max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Entry name, unique in the manifest.")
+    id: str = Field(
+        max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Entry name, unique in the manifest."
+    )
     model: str = Field(
         min_length=1, max_length=MAX_PATH, description="Local directory (relative to the manifest) or hub id."
     )
     revision: str | None = Field(
-        default=None, max_length=200, pattern=r"^[A-Za-z0-9._/-]+$", description="Hub revision; a commit sha keeps keys stable."
+        default=None,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9._/-]+$",
+        description="Hub revision; a commit sha keeps keys stable.",
     )
-    pipeline: str = Field(max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="diffusers pipeline class name.")
+    pipeline: str = Field(
+        max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="diffusers pipeline class name."
+    )
     dtype: Dtype = "bfloat16"
     backend: BackendName = "inductor"
     device: Literal["cpu", "cuda", "neuron"] = Field(
@@ -324,7 +331,10 @@ def load_manifest(path: Path) -> LoadedManifest:
     loaded = LoadedManifest(manifest=manifest, path=path.resolve(), source_digest=_digest(data))
     problems = _cross_checks(loaded)
     if problems:
-        raise ManifestError(join_problems(path, [p for p, _ in problems]), hint=problems[0][1] if len(problems) == 1 else "fix the entries named above")
+        raise ManifestError(
+            join_problems(path, [p for p, _ in problems]),
+            hint=problems[0][1] if len(problems) == 1 else "fix the entries named above",
+        )
     return loaded
 
 
@@ -394,7 +404,10 @@ def _cross_checks(loaded: LoadedManifest) -> list[Problem]:
                 continue
         elif entry.revision is None:
             problems.append(
-                (f"{where}.revision: hub model {entry.model!r} needs a revision (a commit sha)", "pin it: revision = \"<sha>\"")
+                (
+                    f"{where}.revision: hub model {entry.model!r} needs a revision (a commit sha)",
+                    'pin it: revision = "<sha>"',
+                )
             )
         try:
             multiple = entry.shape_multiple or shape_multiple(entry, loaded)
@@ -408,7 +421,10 @@ def _cross_checks(loaded: LoadedManifest) -> list[Problem]:
 def _local_model_problem(loaded: LoadedManifest, entry: ModelEntry) -> Problem | None:
     where = f"model[{entry.id}].model"
     if any(len(part.encode()) > MAX_NAME_PART for part in Path(entry.model).parts):
-        return (f"{where}: a path component of {_short(entry.model)} is longer than {MAX_NAME_PART} bytes", "check the path")
+        return (
+            f"{where}: a path component of {_short(entry.model)} is longer than {MAX_NAME_PART} bytes",
+            "check the path",
+        )
     local = Path(loaded.resolve_model(entry))
     try:
         index_found = (local / "model_index.json").is_file()
@@ -455,10 +471,13 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise ManifestError(f"{path}: cannot read ({exc.strerror or exc})", hint="check the model directory") from None
     except (ValueError, RecursionError) as exc:
         reason = str(exc).splitlines()[0][:120] if not isinstance(exc, RecursionError) else "nested too deeply"
-        raise ManifestError(f"{path}: not valid JSON ({reason})", hint="the model directory is damaged: save it again") from None
+        raise ManifestError(
+            f"{path}: not valid JSON ({reason})", hint="the model directory is damaged: save it again"
+        ) from None
     if not isinstance(data, dict):
         raise ManifestError(
-            f"{path}: not a JSON object (found {type(data).__name__})", hint="the model directory is damaged: save it again"
+            f"{path}: not a JSON object (found {type(data).__name__})",
+            hint="the model directory is damaged: save it again",
         )
     return data
 
@@ -484,7 +503,9 @@ def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     """Drop pydantic's union branch tags (`str`, `list[int]`, `ShapeSet`): not TOML keys."""
     tags = ("str", "int", "float", "bool", "ShapeSet")
     return tuple(
-        p for p in loc if not (isinstance(p, str) and (p in tags or p.startswith(("list[", "constrained-", "function-"))))
+        p
+        for p in loc
+        if not (isinstance(p, str) and (p in tags or p.startswith(("list[", "constrained-", "function-"))))
     )
 
 
@@ -493,8 +514,11 @@ def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
     errors = [{**e, "loc": _clean_loc(e["loc"])} for e in exc.errors() if e["type"] != "default_factory_not_called"]
     # A union reports every branch; where one branch got further, the others are noise.
     errors = [
-        e for e in errors
-        if not any(o is not e and len(o["loc"]) > len(e["loc"]) and o["loc"][: len(e["loc"])] == e["loc"] for o in errors)
+        e
+        for e in errors
+        if not any(
+            o is not e and len(o["loc"]) > len(e["loc"]) and o["loc"][: len(e["loc"])] == e["loc"] for o in errors
+        )
     ]
     problems = []
     for err in _merge_union_branches(errors):
@@ -587,9 +611,7 @@ def _did_you_mean(loc: tuple[int | str, ...]) -> str:
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        field = owner.model_fields.get(part) or next(
-            (f for f in owner.model_fields.values() if f.alias == part), None
-        )
+        field = owner.model_fields.get(part) or next((f for f in owner.model_fields.values() if f.alias == part), None)
         inner = _model_in(field.annotation) if field else None
         if inner is None:
             return ""
@@ -614,7 +636,7 @@ def _hint(exc: ValidationError) -> str:
     if any(e["type"] == "extra_forbidden" for e in exc.errors()):
         return "unknown keys are rejected so a typo cannot silently change a build; `neffbuild schema` prints every key"
     if any(e["type"].endswith("_type") and isinstance(e.get("input"), (str, float, bool)) for e in exc.errors()):
-        return "types are exact: write 128, not \"128\" or 128.0, and true/false only where a switch is expected"
+        return 'types are exact: write 128, not "128" or 128.0, and true/false only where a switch is expected'
     return "`neffbuild schema` prints every key with its type and limits"
 
 

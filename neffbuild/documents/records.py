@@ -47,7 +47,15 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def path_problem(path: str) -> str | None:
     # A bundle is input from the network: it must not write outside the cache dir.
     parts = path.split("/")
-    if not path or path[0] == "/" or "\\" in path or _CONTROL.search(path) or "" in parts or "." in parts or ".." in parts:
+    if (
+        not path
+        or path[0] == "/"
+        or "\\" in path
+        or _CONTROL.search(path)
+        or "" in parts
+        or "." in parts
+        or ".." in parts
+    ):
         return f"unsafe path {path!r}: must be relative, normalised, inside the cache dir, without control characters"
     size = len(path) if path.isascii() else len(path.encode())
     if size > PATH_MAX or (size > NAME_MAX and any(len(p.encode()) > NAME_MAX for p in parts)):
@@ -259,9 +267,13 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
     try:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{where}: not valid JSON ({exc})", hint="the object is corrupt; rebuild or re-push it") from None
+        raise IntegrityError(
+            f"{where}: not valid JSON ({exc})", hint="the object is corrupt; rebuild or re-push it"
+        ) from None
     except RecursionError:
-        raise IntegrityError(f"{where}: nested too deeply", hint="the object is corrupt or forged; rebuild or re-push it") from None
+        raise IntegrityError(
+            f"{where}: nested too deeply", hint="the object is corrupt or forged; rebuild or re-push it"
+        ) from None
     expected = _fields(kind)["format"].default
     if isinstance(raw, dict) and raw.get("format") != expected:
         found = raw.get("format")

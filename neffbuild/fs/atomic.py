@@ -25,7 +25,9 @@ def write_atomic(path: Path, content: Content, *, mode: int = 0o644, replace: bo
         return write_atomic_at(parent, path.name, content, shown=path, mode=mode, replace=replace)
 
 
-def write_atomic_at(dir_fd: int, name: str, content: Content, *, shown: Path, mode: int = 0o644, replace: bool = True) -> bool:
+def write_atomic_at(
+    dir_fd: int, name: str, content: Content, *, shown: Path, mode: int = 0o644, replace: bool = True
+) -> bool:
     """Put content at name in the directory dir_fd: temp file, write, fsync, rename, fsync dir.
 
     replace=False links instead of renaming, so an existing name is kept: returns False then

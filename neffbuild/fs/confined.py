@@ -130,7 +130,9 @@ def _bounded(chunks: Iterable[bytes | memoryview], target: BlobTarget, origin: s
         except StopIteration:
             return
         except OSError as exc:  # the source's failure, not the target's: a store read, not the disk
-            raise StoreError(f"{origin}: read failed ({exc.strerror or exc})", hint="check the store's filesystem or connection") from None
+            raise StoreError(
+                f"{origin}: read failed ({exc.strerror or exc})", hint="check the store's filesystem or connection"
+            ) from None
         size += len(chunk)
         if size > target.size:  # checked before it is written: nothing past the size is kept
             raise IntegrityError(

@@ -34,7 +34,13 @@ def exclusive(path: Path, *, timeout: float | None = None, what: str = "lock") -
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def acquire(fd: int, path: Path, timeout: float | None, what: str, hint: str = "another neffbuild is working on the same thing; wait for it or retry") -> None:
+def acquire(
+    fd: int,
+    path: Path,
+    timeout: float | None,
+    what: str,
+    hint: str = "another neffbuild is working on the same thing; wait for it or retry",
+) -> None:
     """Lock fd exclusively (path names it in the error); None waits for ever, 0 tries once."""
     if timeout is None:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -44,7 +44,9 @@ def room_for(cache_dir: Path, sizes: Iterable[int]) -> Room:
     try:
         fs = os.statvfs(where)
     except OSError as exc:
-        raise DiskError(f"{where}: cannot read its free space: {exc.strerror or exc}", hint="check the filesystem") from None
+        raise DiskError(
+            f"{where}: cannot read its free space: {exc.strerror or exc}", hint="check the filesystem"
+        ) from None
     block = fs.f_frsize or fs.f_bsize or 4096
     data = sum(-(-size // block) * block for size in sizes)
     return Room(where, data + min(int(data * MARGIN_FRACTION), MARGIN_CAP), fs.f_bavail * block)
@@ -68,7 +70,9 @@ def require_scratch(dirs: Mapping[str, Path], min_free: int) -> None:
     for what, path in dirs.items():
         where = nearest_existing(path)
         if not where.is_dir():
-            raise DiskError(f"{path} ({what}): {where} is not a directory", hint="remove it or point the compiler elsewhere")
+            raise DiskError(
+                f"{path} ({what}): {where} is not a directory", hint="remove it or point the compiler elsewhere"
+            )
         try:
             fd, probe = tempfile.mkstemp(prefix=".neffbuild-probe-", dir=where)
         except OSError as exc:

@@ -50,7 +50,6 @@ class DoctorReport:
         return all(c.status != "fail" for c in self.checks)
 
 
-
 @dataclass(frozen=True, slots=True)
 class BackendHost:
     """What doctor needs to know about a backend's runtime on a host."""
@@ -229,7 +228,9 @@ def check_writable(cache_dir: Path) -> Check:
     target = nearest_existing(cache_dir)
     fix = f"make {target} writable by the serving user (e.g. `sudo install -d -o $USER {cache_dir}`) or choose another"
     if cache_dir.exists() and not cache_dir.is_dir():
-        return Check("writable", "fail", f"{cache_dir} exists and is not a directory", "remove it or choose another path")
+        return Check(
+            "writable", "fail", f"{cache_dir} exists and is not a directory", "remove it or choose another path"
+        )
     try:
         fd, probe = tempfile.mkstemp(prefix=".neffbuild-doctor-", dir=target)
     except OSError as exc:

@@ -50,7 +50,13 @@ def _unfit_for_env_file(value: str) -> str | None:
         return None
     for ch in value:
         code = ord(ch)
-        if (code < 0x20 and ch != "\t") or code == 0x7F or 0xFDD0 <= code <= 0xFDEF or code & 0xFFFE == 0xFFFE or code == 0xFEFF:
+        if (
+            (code < 0x20 and ch != "\t")
+            or code == 0x7F
+            or 0xFDD0 <= code <= 0xFDEF
+            or code & 0xFFFE == 0xFFFE
+            or code == 0xFEFF
+        ):
             return ch
     return None
 
@@ -68,14 +74,20 @@ def check_allowed_names(names: Collection[str], source: str = "--allow-env") -> 
     """--allow-env values: each must be a variable name."""
     for name in names:
         if not is_env_name(name):
-            raise InputError(f"{source} {name!r}: not an environment variable name", hint="give a name like NEURON_RT_VISIBLE_CORES")
+            raise InputError(
+                f"{source} {name!r}: not an environment variable name", hint="give a name like NEURON_RT_VISIBLE_CORES"
+            )
     return tuple(names)
 
 
 def host_allow(flags: Collection[str], env: Mapping[str, str]) -> tuple[str, ...]:
     """The names this host accepts beyond its backend's: --allow-env, then NEFFBUILD_ALLOW_ENV
     (set by the deploy env file, or the unit); each checked."""
-    configured = tuple(re.split(r"[\s,]+", env.get(ALLOW_ENV_VARIABLE, "").strip())) if env.get(ALLOW_ENV_VARIABLE, "").strip() else ()
+    configured = (
+        tuple(re.split(r"[\s,]+", env.get(ALLOW_ENV_VARIABLE, "").strip()))
+        if env.get(ALLOW_ENV_VARIABLE, "").strip()
+        else ()
+    )
     return (*check_allowed_names(flags), *check_allowed_names(configured, ALLOW_ENV_VARIABLE))
 
 
@@ -86,7 +98,10 @@ def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection
     backend, cache_env, env = release.backend, release.cache_env, release.env
     serving = BY_BACKEND.get(backend)
     if serving is None:
-        raise IntegrityError(f"{where}: backend {backend!r} is not one this neffbuild knows", hint=f"known: {', '.join(sorted(BY_BACKEND))}; upgrade neffbuild?")
+        raise IntegrityError(
+            f"{where}: backend {backend!r} is not one this neffbuild knows",
+            hint=f"known: {', '.join(sorted(BY_BACKEND))}; upgrade neffbuild?",
+        )
     if cache_env != serving.cache_env:
         raise IntegrityError(
             f"{where}: cache_env {cache_env!r} is not the {backend} backend's cache variable {serving.cache_env}",
@@ -94,17 +109,29 @@ def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection
         )
     for name, value in env.items():
         if not is_env_name(name):
-            raise IntegrityError(f"{where}: env name {name!r} is not a variable name", hint="the release is corrupt or forged; rebuild it")
+            raise IntegrityError(
+                f"{where}: env name {name!r} is not a variable name",
+                hint="the release is corrupt or forged; rebuild it",
+            )
         if name == serving.cache_env:
-            raise IntegrityError(f"{where}: env sets {name}, which pull sets to the pulled dir", hint="the release is corrupt or forged; rebuild it")
+            raise IntegrityError(
+                f"{where}: env sets {name}, which pull sets to the pulled dir",
+                hint="the release is corrupt or forged; rebuild it",
+            )
         if name not in allow and (runs_code(name) or not serving.declares(name)):
-            what = f"which the {backend} backend does not declare as a compiler setting" if not serving.declares(name) else "which decides what code runs"
+            what = (
+                f"which the {backend} backend does not declare as a compiler setting"
+                if not serving.declares(name)
+                else "which decides what code runs"
+            )
             raise IntegrityError(
                 f"{where}: env sets {name}, {what}",
                 hint=f"if this host accepts it, pass --allow-env {name} (or list it in {ALLOW_ENV_VARIABLE})",
             )
         if "\x00" in value:
-            raise IntegrityError(f"{where}: env.{name} holds a NUL character", hint="the release is corrupt or forged; rebuild it")
+            raise IntegrityError(
+                f"{where}: env.{name} holds a NUL character", hint="the release is corrupt or forged; rebuild it"
+            )
     return {serving.cache_env: str(cache_dir), **env}
 
 
@@ -117,7 +144,10 @@ def check_exports(exports: Mapping[str, str], allowed: Collection[str]) -> dict[
         if "\x00" in value:
             raise IntegrityError(f"{name}: the value holds a NUL character")
         if runs_code(name) and name not in allowed:
-            raise IntegrityError(f"{name} decides what code runs, and this host did not allow it", hint=f"pass allow_env=[{name!r}] to ensure_cache")
+            raise IntegrityError(
+                f"{name} decides what code runs, and this host did not allow it",
+                hint=f"pass allow_env=[{name!r}] to ensure_cache",
+            )
     return dict(exports)
 
 

@@ -49,7 +49,15 @@ def pull_or_stale(
     with operation(policy, f"pulling {ref}") as op:
         try:
             with bounded(timeout, f"pulling {ref}"):
-                return pull(open_store(), ref, cache_dir, env_file=env_file, host_env=host_env, allow_env=allow_env, **pull_options)  # type: ignore[arg-type]
+                return pull(
+                    open_store(),
+                    ref,
+                    cache_dir,
+                    env_file=env_file,
+                    host_env=host_env,
+                    allow_env=allow_env,
+                    **pull_options,
+                )  # type: ignore[arg-type]
         except StoreError as exc:
             counts = op.counts()
             failure = exc
@@ -97,4 +105,8 @@ def fully_installed(cache_dir: Path, ref: str | None = None) -> Installed | None
 
 def _as_recorded(tree: Beneath, entry: FileEntry, state: CacheState) -> bool:
     st = tree.lstat(entry.path)
-    return st is not None and stat.S_ISREG(st.st_mode) and state.files.get(entry.path) == (entry.size, st.st_mtime_ns, entry.digest)
+    return (
+        st is not None
+        and stat.S_ISREG(st.st_mode)
+        and state.files.get(entry.path) == (entry.size, st.st_mtime_ns, entry.digest)
+    )

@@ -93,7 +93,9 @@ def serving_env(release: Release, env: Mapping[str, str]) -> dict[str, str]:
     return {**env, **release.env}
 
 
-def host_fingerprint(backend: Backend, scope: Scope, env: Mapping[str, str], facts: Facts = read_facts) -> dict[str, str]:
+def host_fingerprint(
+    backend: Backend, scope: Scope, env: Mapping[str, str], facts: Facts = read_facts
+) -> dict[str, str]:
     """This host's fingerprint for a unit of that scope, run with env; no manifest, no compile."""
     return backend.fingerprint(facts(backend, env, scope.device), env, scope)
 
@@ -113,7 +115,12 @@ class KeyedUnit(Protocol):
     def fingerprint(self) -> Mapping[str, str]: ...
 
 
-def check_host(subject: Release | Sequence[BundleRecord] | Sequence[KeyedUnit], env: Mapping[str, str], *, facts: Facts = read_facts) -> HostReport:
+def check_host(
+    subject: Release | Sequence[BundleRecord] | Sequence[KeyedUnit],
+    env: Mapping[str, str],
+    *,
+    facts: Facts = read_facts,
+) -> HostReport:
     """Compare this host (run with env, the release's exports applied) with a release's common
     fingerprint, or with each bundle's fingerprint and key."""
     if isinstance(subject, Release):
@@ -123,7 +130,8 @@ def check_host(subject: Release | Sequence[BundleRecord] | Sequence[KeyedUnit], 
     backends = sorted({r.backend for r in records})
     if len(backends) != 1:
         raise InputError(
-            f"bundles of {len(backends)} backends ({', '.join(backends)}) given to one host check", hint="check one release at a time"
+            f"bundles of {len(backends)} backends ({', '.join(backends)}) given to one host check",
+            hint="check one release at a time",
         )
     backend = get_backend(backends[0])
     units = []
@@ -133,7 +141,9 @@ def check_host(subject: Release | Sequence[BundleRecord] | Sequence[KeyedUnit], 
         diffs = _diffs(backend, record.fingerprint, here, complete=True)
         units.append(UnitCheck(record.unit_id, record.key, unit_key(record.unit, here), diffs))
     unique = {d: None for u in units for d in u.diffs}
-    return HostReport(backend.name, tuple(units), tuple(sorted(unique, key=lambda d: (d.name, d.built or "", d.here or ""))))
+    return HostReport(
+        backend.name, tuple(units), tuple(sorted(unique, key=lambda d: (d.name, d.built or "", d.here or "")))
+    )
 
 
 def _once(facts: Facts) -> Facts:
@@ -160,7 +170,9 @@ def _check_release(release: Release, env: Mapping[str, str], facts: Facts) -> Ho
     return HostReport(backend.name, tuple(UnitCheck(u.unit_id, u.key, "", diffs) for u in release.units), diffs)
 
 
-def _diffs(backend: Backend, built: Mapping[str, str], here: Mapping[str, str], *, complete: bool) -> tuple[FieldDiff, ...]:
+def _diffs(
+    backend: Backend, built: Mapping[str, str], here: Mapping[str, str], *, complete: bool
+) -> tuple[FieldDiff, ...]:
     """Field by field. A release's common fingerprint leaves out fields its units differ in, so
     there only a compiler variable this host sets and the build did not counts as extra."""
     names = set(built) | {k for k in here if complete or k.startswith("env.")}

@@ -36,7 +36,9 @@ class CachePrune:
 
 def prune_cache_dir(cache_dir: Path, *, store: Store | None = None, dry_run: bool = False) -> CachePrune:
     cache_dir = cache_dir.expanduser().resolve()
-    not_pulled = NotFoundError(f"{cache_dir}: no release installed (no pull state)", hint="pull a release into it first")
+    not_pulled = NotFoundError(
+        f"{cache_dir}: no release installed (no pull state)", hint="pull a release into it first"
+    )
     if not cache_dir.is_dir():
         raise not_pulled
     with open_root(cache_dir) as root:

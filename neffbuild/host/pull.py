@@ -107,7 +107,9 @@ class PullReport:
     files_rehashed: int = 0  # installed files read back and hashed (all of them with verify="full")
     files_repaired: int = 0  # files fetched again because the cache held wrong bytes at their path
     allowed: tuple[str, ...] = ()  # the names this host allowed beyond its backend's (host_allow)
-    state_replaced: str | None = None  # why the state file found was corrupt (it was read as nothing known, and rewritten)
+    state_replaced: str | None = (
+        None  # why the state file found was corrupt (it was read as nothing known, and rewritten)
+    )
     # What the store put this pull through (retry.Counts): tries after a request's first, answers
     # that throttled it (503 SlowDown, 429), seconds its requests waited (backoff and pacing,
     # summed over parallel requests), and the rate it was paced down to (None: never throttled).
@@ -117,7 +119,9 @@ class PullReport:
     paced_to: float | None = None
 
     def with_counts(self, counts: retry.Counts) -> PullReport:
-        return replace(self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to)
+        return replace(
+            self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to
+        )
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:
@@ -205,7 +209,9 @@ def pull(
         retry.doing(f"resolving {ref}")
         cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
         _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
-        resolved = resolve(store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None)
+        resolved = resolve(
+            store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None
+        )
         retry.check(store.url)
         exports = release_exports(resolved, cache_dir, allow_env)
         env_text = env_file_text(exports) if env_file is not None else ""
@@ -223,9 +229,13 @@ def pull(
                 root = _open_dir(cache_dir)
             if missing or not _recorded(old, installed, scan.found):
                 retry.check(store.url)
-                retry.doing(f"fetching {len(missing)} of {len(installed.release.files)} files ({sum(f.size for f in missing)} bytes)")
+                retry.doing(
+                    f"fetching {len(missing)} of {len(installed.release.files)} files ({sum(f.size for f in missing)} bytes)"
+                )
                 with _repairing(old, cache_dir):
-                    missing = _complete(store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes)
+                    missing = _complete(
+                        store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes
+                    )
         finally:
             if root is not None:
                 os.close(root)
@@ -272,13 +282,24 @@ def _trusted(state: State, verify: str) -> State:
 
 
 def _missing_that_fits(
-    root: int | None, cache_dir: Path, installed: Installed, state: State, lock_timeout: float | None, jobs: int, verify: str
+    root: int | None,
+    cache_dir: Path,
+    installed: Installed,
+    state: State,
+    lock_timeout: float | None,
+    jobs: int,
+    verify: str,
 ) -> tuple[Scan, list[FileEntry]]:
     """(what the cache holds, the files to fetch), once its filesystem has room for them: else
     DiskError, with nothing written. Short of room while another pull holds the lock, whatever
     that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
     scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(state, verify), jobs)
-    if missing and root is not None and not room_for(cache_dir, sizes).fits and _wait_for_other_pull(root, cache_dir, lock_timeout):
+    if (
+        missing
+        and root is not None
+        and not room_for(cache_dir, sizes).fits
+        and _wait_for_other_pull(root, cache_dir, lock_timeout)
+    ):
         fresh = read_state(root, cache_dir)[1].files
         scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(fresh, verify), jobs)
     if missing:
@@ -291,9 +312,15 @@ def _missing(
 ) -> tuple[Scan, list[FileEntry], list[int]]:
     """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
     files = installed.release.files
-    scan = _scan(root, cache_dir, files, state, jobs) if root is not None else Scan(dict.fromkeys(f.path for f in files))
+    scan = (
+        _scan(root, cache_dir, files, state, jobs) if root is not None else Scan(dict.fromkeys(f.path for f in files))
+    )
     missing = [f for f in files if scan.found[f.path] is None]
-    return scan, missing, [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
+    return (
+        scan,
+        missing,
+        [*(f.size for f in missing), _state_size(installed)] if missing else [],
+    )  # a no-op pull encodes nothing
 
 
 def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> bool:
@@ -364,7 +391,10 @@ def _complete(
             # state file was being written (all files in: the next pull fetches nothing).
             remove_stale_temp_files(cache_dir if missing else cache_dir / STATE_DIR)
             if missing:
-                targets = [BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir, direct=direct_writes) for f in missing]
+                targets = [
+                    BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir, direct=direct_writes)
+                    for f in missing
+                ]
                 store.download_blobs(targets, jobs, release=resolved.release_id)
                 with Beneath(root, cache_dir) as tree:
                     found.update({f.path: _stat(tree, f.path, cache_dir) for f in missing})
@@ -418,7 +448,9 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
     return Scan(found, hashed, frozenset(damaged))
 
 
-def _look_all(root: int, cache_dir: Path, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, str | None] | None]:
+def _look_all(
+    root: int, cache_dir: Path, files: list[FileEntry], jobs: int
+) -> list[tuple[os.stat_result, str | None] | None]:
     """Beneath.look of each file, in runs of neighbouring files (their directories stay open)
     spread over up to jobs threads, each with its own Beneath."""
 
@@ -565,7 +597,9 @@ def _state_size(installed: Installed) -> int:
     return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
 
 
-def _installed(store: Store, resolved: ResolvedRelease, exports: Mapping[str, str], old: CacheState, jobs: int) -> Installed:
+def _installed(
+    store: Store, resolved: ResolvedRelease, exports: Mapping[str, str], old: CacheState, jobs: int
+) -> Installed:
     """What the state will record for this pull. The units and the install time carry over from
     the state when it already holds this release, so a no-op pull reads no bundle and writes nothing."""
     same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None

@@ -37,7 +37,9 @@ Run = Callable[[Sequence[str], Mapping[str, str]], subprocess.CompletedProcess[s
 
 
 def run_probe(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), env=dict(env), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
+    return subprocess.run(
+        list(argv), env=dict(env), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
+    )
 
 
 def neuron_selfcheck(
@@ -46,7 +48,9 @@ def neuron_selfcheck(
     backend = backend or NeuronBackend(env=env)
     if backend.package_dir_of("torch_neuronx") is None:
         why = f"torch_neuronx is not importable in {sys.executable}: run this on a Trainium host (docs/trainium.md)"
-        return DoctorReport("neuron", Path(work_dir or tempfile.gettempdir()), tuple(Check(n, "skip", why) for n in NAMES))
+        return DoctorReport(
+            "neuron", Path(work_dir or tempfile.gettempdir()), tuple(Check(n, "skip", why) for n in NAMES)
+        )
     root = Path(tempfile.mkdtemp(prefix="neffbuild-selfcheck-", dir=work_dir))
     try:
         checks = (
@@ -79,7 +83,8 @@ def check_import_defaults(backend: NeuronBackend, env: Mapping[str, str], run: R
             "import defaults",
             "fail",
             f"the wheel ({BUILD_FACT} {facts.get(BUILD_FACT)}) writes {written}; the backend expects "
-            f"NEURON_LAUNCH_BLOCKING={expected}" + (f" and {', '.join(f'{k}={IMPORT_DEFAULTS[k]}' for k in wrong)}" if wrong else ""),
+            f"NEURON_LAUNCH_BLOCKING={expected}"
+            + (f" and {', '.join(f'{k}={IMPORT_DEFAULTS[k]}' for k in wrong)}" if wrong else ""),
             "update sync_mode/IMPORT_DEFAULTS in neffbuild/backends/neuron.py to this wheel, then re-plan",
         )
     layout = "<64 hex>/<64 hex>.neff (synchronous)" if got == "1" else "ab/cd/<32 hex>.neff (asynchronous)"
@@ -104,7 +109,12 @@ def check_venv_paths(root: Path, env: Mapping[str, str], run: Run) -> Check:
         results.append(found)
     first, second = results
     if int(first.get("compiles", 0)) < 1:
-        return Check("venv paths", "fail", f"the first compile counted {first.get('compiles')} compiles", "the compile counters are wrong for this wheel: fix compiler_counters")
+        return Check(
+            "venv paths",
+            "fail",
+            f"the first compile counted {first.get('compiles')} compiles",
+            "the compile counters are wrong for this wheel: fix compiler_counters",
+        )
     if int(second.get("compiles", 0)) > 0:
         detail = f"the same code at another path compiled again ({second['compiles']} compiles): source paths are in the key; venv, python, diffusers, transformers stay breaking"
     else:
@@ -115,13 +125,27 @@ def check_venv_paths(root: Path, env: Mapping[str, str], run: Run) -> Check:
 def check_tp_keys(backend: NeuronBackend, env: Mapping[str, str], run: Run, tensor_parallel: int = 2) -> Check:
     """A TP unit's planned fingerprint (before the import) against each rank's (after it)."""
     planned_env = {k: v for k, v in env.items() if k not in WATCHED}
-    planned = backend.fingerprint(backend.collect_facts(planned_env, "neuron"), planned_env, Scope("neuron", tensor_parallel))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tensor_parallel}", "-m", PROBE, "fingerprint", str(tensor_parallel)]
+    planned = backend.fingerprint(
+        backend.collect_facts(planned_env, "neuron"), planned_env, Scope("neuron", tensor_parallel)
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={tensor_parallel}",
+        "-m",
+        PROBE,
+        "fingerprint",
+        str(tensor_parallel),
+    ]
     done = run(command, planned_env)
     ranks = [line for line in _json_lines(done) if isinstance(line, dict) and "fingerprint" in line]
     if done.returncode != 0 or len(ranks) != tensor_parallel:
         return _broken("tp keys", done)
-    differing = sorted({k for r in ranks for k in set(r["fingerprint"]) | set(planned) if r["fingerprint"].get(k) != planned.get(k)})
+    differing = sorted(
+        {k for r in ranks for k in set(r["fingerprint"]) | set(planned) if r["fingerprint"].get(k) != planned.get(k)}
+    )
     if differing:
         first = differing[0]
         seen = {r["rank"]: r["fingerprint"].get(first) for r in sorted(ranks, key=lambda r: r["rank"])}
@@ -141,22 +165,39 @@ def check_read_only(root: Path, env: Mapping[str, str], run: Run) -> Check:
     source, cache = root / "src", root / "cache"
     source.mkdir(parents=True)
     (source / f"{PROBE_MODULE}.py").write_text(PROBE_SOURCE)
-    warm = run([sys.executable, "-m", PROBE, "compile", str(source)], {**env, **NeuronBackend().worker_env(cache, root / "s1")})
+    warm = run(
+        [sys.executable, "-m", PROBE, "compile", str(source)], {**env, **NeuronBackend().worker_env(cache, root / "s1")}
+    )
     if not isinstance(_json_line(warm), dict):
         return _broken("read-only", warm)
     _make_read_only(cache)
     serving = {k: v for k, v in env.items() if k != "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"}
     serving = {**serving, "TORCH_NEURONX_NEFF_CACHE_DIR": str(cache), "TORCH_NEURONX_METRICS_ENABLED": "1"}
-    hit = run([sys.executable, "-m", PROBE, "compile", str(source)], {**serving, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(root / "locks")})
+    hit = run(
+        [sys.executable, "-m", PROBE, "compile", str(source)],
+        {**serving, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(root / "locks")},
+    )
     found = _json_line(hit)
     if not isinstance(found, dict):
         return _broken("read-only", hit)
     # /proc refuses new dirs even to root: the lock dir cannot be made.
-    refused = run([sys.executable, "-m", PROBE, "compile", str(source)], {**serving, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/proc/neffbuild-locks"})
+    refused = run(
+        [sys.executable, "-m", PROBE, "compile", str(source)],
+        {**serving, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/proc/neffbuild-locks"},
+    )
     starts = "starts anyway" if refused.returncode == 0 else "fails to start"
     if found.get("compiles") or found.get("written"):
-        return Check("read-only", "fail", f"a hit over a read-only dir compiled {found.get('compiles')} and wrote {found.get('written')}", "do not serve this wheel from a read-only NEFF dir")
-    return Check("read-only", "pass", f"a read-only NEFF dir served with 0 compiles and no writes; with an unwritable lock dir the server {starts}")
+        return Check(
+            "read-only",
+            "fail",
+            f"a hit over a read-only dir compiled {found.get('compiles')} and wrote {found.get('written')}",
+            "do not serve this wheel from a read-only NEFF dir",
+        )
+    return Check(
+        "read-only",
+        "pass",
+        f"a read-only NEFF dir served with 0 compiles and no writes; with an unwritable lock dir the server {starts}",
+    )
 
 
 def _make_read_only(root: Path) -> None:
@@ -188,5 +229,9 @@ def _json_line(done: subprocess.CompletedProcess[str]) -> object:
 def _broken(name: str, done: subprocess.CompletedProcess[str]) -> Check:
     tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
     log.debug("probe %s failed:\n%s", " ".join(done.args), done.stderr)
-    return Check(name, "fail", f"the probe exited {done.returncode}: {tail[0]}", "run it again with --debug; the probe is neffbuild.backends.neuron_probe")
-
+    return Check(
+        name,
+        "fail",
+        f"the probe exited {done.returncode}: {tail[0]}",
+        "run it again with --debug; the probe is neffbuild.backends.neuron_probe",
+    )

@@ -316,20 +316,26 @@ def find_target(
     installed one (a tag only while no store is named: it may have moved), else from the store."""
     installed = state.installed
     if installed is not None and ref in (None, installed.release_id, *(() if store_named else (installed.tag,))):
-        return Target(installed.release_id, installed.release, installed.tag or None, installed.units, str(state_path(cache_dir)))
+        return Target(
+            installed.release_id, installed.release, installed.tag or None, installed.units, str(state_path(cache_dir))
+        )
     if ref is None:
         raise NotFoundError(
             f"{cache_dir}: no installed release recorded (never pulled, or pulled by an older neffbuild)",
             hint="pull it (a complete cache fetches nothing and records it), or name the release and its store: TAG --store S",
         )
     if open_store is None:
-        raise InputError(f"{ref}: not the release installed in {cache_dir}", hint="pass --store to read it from the store")
+        raise InputError(
+            f"{ref}: not the release installed in {cache_dir}", hint="pass --store to read it from the store"
+        )
     from neffbuild.documents.refs import resolve
 
     store = open_store()
     resolved = resolve(store, ref)
     if installed is not None and installed.release_id == resolved.release_id:
-        return Target(installed.release_id, installed.release, resolved.tag, installed.units, str(state_path(cache_dir)))
+        return Target(
+            installed.release_id, installed.release, resolved.tag, installed.units, str(state_path(cache_dir))
+        )
     units = release_units(store, resolved, 16) if with_units else ()
     return Target(resolved.release_id, resolved.release, resolved.tag, units, store.url)
 
@@ -344,9 +350,13 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
 
     def load(unit: ReleaseUnit) -> InstalledUnit:
         record = release_bundle(store, resolved, unit)
-        return InstalledUnit(unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files))
+        return InstalledUnit(
+            unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files)
+        )
 
     units = resolved.release.units
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles"
+    ) as pool:
         loads = [pool.submit(carried(lambda u=u: load(u))) for u in units]  # under the pull's deadline
         return tuple(f.result() for f in loads)

@@ -109,7 +109,13 @@ def status(
 
 
 def status_of(
-    ref: str | None, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str], verify: bool = False, allow_env: Collection[str] = ()
+    ref: str | None,
+    cache_dir: Path,
+    store: StoreChoice,
+    *,
+    env: Mapping[str, str],
+    verify: bool = False,
+    allow_env: Collection[str] = (),
 ) -> StatusReport:
     """`status` as the CLI names it: REF is a manifest (a .toml file or a path: its tag and its
     units), a tag, a release, or nothing (the installed release); the store opens only if needed."""
@@ -129,7 +135,9 @@ def status_of(
     )  # fmt: skip
 
 
-def _manifest_changes(plan: Plan, target: Target, changes: dict[str, Sequence[FieldDiff]]) -> dict[str, Sequence[FieldDiff]]:
+def _manifest_changes(
+    plan: Plan, target: Target, changes: dict[str, Sequence[FieldDiff]]
+) -> dict[str, Sequence[FieldDiff]]:
     """Add, for each unit the manifest now describes otherwise than the release built it, the
     unit fields that differ (`unit.shape`, `unit.call`, ...): its key would differ anywhere."""
     planned = {u.unit_id: u for u in plan.units}
@@ -264,11 +272,22 @@ def status_error(report: StatusReport) -> StatusMiss | None:
     named = f" ({', '.join(fields[:6])})" if fields else ""
     hints = []
     if report.count("missing") or report.count("stale"):
-        hints.append(f"`neffbuild pull {report.tag or report.release_id} --cache-dir {report.cache_dir}` fetches what is missing")
+        hints.append(
+            f"`neffbuild pull {report.tag or report.release_id} --cache-dir {report.cache_dir}` fetches what is missing"
+        )
     mismatched = [u for u in report.units if u.state == "mismatch"]
-    edited = sorted({f"model[{u.unit_id.rpartition('/')[0] or u.unit_id}].{c.name.removeprefix('unit.')}" for u in mismatched for c in u.changes if c.name.startswith("unit.")})
+    edited = sorted(
+        {
+            f"model[{u.unit_id.rpartition('/')[0] or u.unit_id}].{c.name.removeprefix('unit.')}"
+            for u in mismatched
+            for c in u.changes
+            if c.name.startswith("unit.")
+        }
+    )
     if edited:  # the manifest, not the host: the same manifest would hit
-        hints.append(f"the manifest differs from what the release built ({', '.join(edited[:4])}): build it, or undo that change")
+        hints.append(
+            f"the manifest differs from what the release built ({', '.join(edited[:4])}): build it, or undo that change"
+        )
     if any(not c.name.startswith("unit.") for u in mismatched for c in u.changes):
         hints.append("a mismatch needs this host's environment to match the build's, or a build on this host")
     if report.count("absent"):

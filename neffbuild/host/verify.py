@@ -258,7 +258,9 @@ def _with_kept_log(exc: NeffbuildError, scratch: Path, dest: Path) -> BuildError
         details = [f"  log: not kept ({kept.filename or dest}: {kept.strerror or kept})"]
     else:
         details = [f"  log: {log}", *(f"  | {line}" for line in log_tail(log))] if log else []
-    return BuildError(exc.message, hint="--debug shows the worker's traceback", details=details, debug_detail=exc.debug_detail)
+    return BuildError(
+        exc.message, hint="--debug shows the worker's traceback", details=details, debug_detail=exc.debug_detail
+    )
 
 
 def miss_error(report: ReplayReport) -> ReplayMissError | None:
@@ -415,7 +417,8 @@ def files_error(check: FilesCheck) -> NeffbuildError | None:
     bad = [r for r in results if not r.ok]
     if bad:
         return IntegrityError(
-            f"{len(bad)} of {len(results)} units are not fully in {check.cache_dir}: " + ", ".join(r.unit_id for r in bad),
+            f"{len(bad)} of {len(results)} units are not fully in {check.cache_dir}: "
+            + ", ".join(r.unit_id for r in bad),
             hint="run `neffbuild pull` again",
         )
     return None

@@ -79,7 +79,15 @@ class Diff:
 
     @property
     def identical(self) -> bool:
-        return not (self.release or self.added or self.removed or self.changed or self.files_added or self.files_removed or self.files_changed)
+        return not (
+            self.release
+            or self.added
+            or self.removed
+            or self.changed
+            or self.files_added
+            or self.files_removed
+            or self.files_changed
+        )
 
 
 @dataclass(frozen=True)
@@ -96,14 +104,18 @@ class HostDiff:
         return not self.host.diffs
 
 
-def diff_host(store: Store, ref: str, env: Mapping[str, str], *, facts: Facts = read_facts, jobs: int = DOC_JOBS) -> HostDiff:
+def diff_host(
+    store: Store, ref: str, env: Mapping[str, str], *, facts: Facts = read_facts, jobs: int = DOC_JOBS
+) -> HostDiff:
     """REF's release (TAG, TAG@N, release id or prefix) against this host as the server will run
     it: env with the release's exports over it. Nothing is compiled."""
     resolved = resolve(store, ref)
     records = release_bundles(store, resolved.release_id, resolved.release, jobs)
     units = [records[u.key] for u in resolved.release.units]
     if not units:  # nothing was built: nothing to compare
-        return HostDiff(resolved.release_id, resolved.release.name, resolved.tag, HostReport(resolved.release.backend, (), ()))
+        return HostDiff(
+            resolved.release_id, resolved.release.name, resolved.tag, HostReport(resolved.release.backend, (), ())
+        )
     report = check_host(units, serving_env(resolved.release, env), facts=facts)
     return HostDiff(resolved.release_id, resolved.release.name, resolved.tag, report)
 
@@ -114,7 +126,10 @@ def diff(store: Store, old_ref: str, new_ref: str, *, jobs: int = DOC_JOBS) -> D
         return _diff_bundles(old.record, new.record)
     if isinstance(old, ResolvedRelease) and isinstance(new, ResolvedRelease):
         return _diff_releases(store, old, new, jobs)
-    raise InputError(f"{old_ref!r} and {new_ref!r}: one is a release, the other a bundle", hint="diff two releases, or two bundle keys")
+    raise InputError(
+        f"{old_ref!r} and {new_ref!r}: one is a release, the other a bundle",
+        hint="diff two releases, or two bundle keys",
+    )
 
 
 def _diff_bundles(old: BundleRecord, new: BundleRecord) -> Diff:
@@ -127,7 +142,10 @@ def _diff_bundles(old: BundleRecord, new: BundleRecord) -> Diff:
 
 
 def _diff_releases(store: Store, old: ResolvedRelease, new: ResolvedRelease, jobs: int) -> Diff:
-    records = {**release_bundles(store, old.release_id, old.release, jobs), **release_bundles(store, new.release_id, new.release, jobs)}
+    records = {
+        **release_bundles(store, old.release_id, old.release, jobs),
+        **release_bundles(store, new.release_id, new.release, jobs),
+    }
     olds = [records[u.key] for u in old.release.units]
     news = [records[u.key] for u in new.release.units]
     pairs, removed, added = pair_units(olds, news)
@@ -174,7 +192,16 @@ def release_changes(old: Release, new: Release) -> tuple[FieldChange, ...]:
     """Release fields that no unit carries (the fingerprint is the units' common part: not here)."""
 
     def own(r: Release) -> dict[str, Any]:
-        return flatten({"name": r.name, "backend": r.backend, "cache_env": r.cache_env, "manifest_digest": r.manifest_digest, "env": r.env}, "release.")
+        return flatten(
+            {
+                "name": r.name,
+                "backend": r.backend,
+                "cache_env": r.cache_env,
+                "manifest_digest": r.manifest_digest,
+                "env": r.env,
+            },
+            "release.",
+        )
 
     return tuple(field_changes(own(old), own(new)))
 
@@ -191,15 +218,23 @@ def flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def field_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
-    return [FieldChange(p, old.get(p, ABSENT), new.get(p, ABSENT)) for p in sorted(old.keys() | new.keys()) if old.get(p, ABSENT) != new.get(p, ABSENT)]
+    return [
+        FieldChange(p, old.get(p, ABSENT), new.get(p, ABSENT))
+        for p in sorted(old.keys() | new.keys())
+        if old.get(p, ABSENT) != new.get(p, ABSENT)
+    ]
 
 
-def file_changes(old: Sequence[FileEntry], new: Sequence[FileEntry]) -> tuple[tuple[FileChange, ...], tuple[FileChange, ...], tuple[FileChange, ...]]:
+def file_changes(
+    old: Sequence[FileEntry], new: Sequence[FileEntry]
+) -> tuple[tuple[FileChange, ...], tuple[FileChange, ...], tuple[FileChange, ...]]:
     """(added, removed, changed) by path."""
     before, after = {f.path: f for f in old}, {f.path: f for f in new}
     added = tuple(FileChange(p, None, f.size, None, f.digest) for p, f in after.items() if p not in before)
     removed = tuple(FileChange(p, f.size, None, f.digest, None) for p, f in before.items() if p not in after)
     changed = tuple(
-        FileChange(p, f.size, after[p].size, f.digest, after[p].digest) for p, f in before.items() if p in after and after[p].digest != f.digest
+        FileChange(p, f.size, after[p].size, f.digest, after[p].digest)
+        for p, f in before.items()
+        if p in after and after[p].digest != f.digest
     )
     return added, removed, changed

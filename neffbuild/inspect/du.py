@@ -116,7 +116,9 @@ def usage_of(snap: Snapshot, reclaimable: Reclaimable | None = None) -> Usage:
     )
 
 
-def _grouped(snap: Snapshot, group_of: Callable[[str, Mapping[str, str]], str], share: Callable[..., Share]) -> tuple[Share, ...]:
+def _grouped(
+    snap: Snapshot, group_of: Callable[[str, Mapping[str, str]], str], share: Callable[..., Share]
+) -> tuple[Share, ...]:
     groups: dict[str, list[FileEntry]] = {}
     members: Counter[str] = Counter()
     for record in snap.bundles.values():

@@ -135,7 +135,9 @@ def creation_times(store: Store, snap: Snapshot, jobs: int = DOC_JOBS) -> dict[s
                 seen.add(event.release)
                 first[event.release] = min(first.get(event.release, event.at), event.at)
                 rank[event.release] = max(rank.get(event.release, i), i)
-    times: dict[str, tuple[str | None, str, int]] = {rid: (at, "tag", rank[rid]) for rid, at in first.items() if rid in snap.releases}
+    times: dict[str, tuple[str | None, str, int]] = {
+        rid: (at, "tag", rank[rid]) for rid, at in first.items() if rid in snap.releases
+    }
     untagged = [r for rid, r in snap.releases.items() if rid not in times]
     keys = (u.key for r in untagged for u in r.units if u.key not in snap.bundles)
     records = {**snap.bundles, **fetch(store, BundleRecord, keys, jobs)}

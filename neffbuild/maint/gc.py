@@ -140,7 +140,9 @@ def plan_of(view: StoreView, policy: Policy) -> GcPlan:
     live_bundles |= {_doc_name(k) for k in young if k.startswith("bundles/")}
     live_blobs = {f.digest for rid in live_releases if rid in view.releases for f in view.releases[rid].files}
     live_blobs |= {f.digest for k in live_bundles if k in view.bundles for f in view.bundles[k].files}
-    live_packs = set(view.damaged_packs) | {p for p, i in view.indexes.items() if any(e.digest in live_blobs for e in i.entries)}
+    live_packs = set(view.damaged_packs) | {
+        p for p, i in view.indexes.items() if any(e.digest in live_blobs for e in i.entries)
+    }
 
     def live(key: str, kind: str) -> bool:
         name = _doc_name(key)
@@ -164,7 +166,9 @@ def plan_of(view: StoreView, policy: Policy) -> GcPlan:
             spared, spared_bytes = spared + 1, spared_bytes + info.size
         else:
             doomed[kind].append(info)
-    partly = [i for p, i in view.indexes.items() if p in live_packs and not all(e.digest in live_blobs for e in i.entries)]
+    partly = [
+        i for p, i in view.indexes.items() if p in live_packs and not all(e.digest in live_blobs for e in i.entries)
+    ]
     by_kind = tuple(KindCount(k, len(doomed[k]), sum(o.size for o in doomed[k])) for k in KINDS)
     return GcPlan(
         store=view.url,
@@ -189,7 +193,9 @@ def plan_of(view: StoreView, policy: Policy) -> GcPlan:
 Reader = Callable[[str, Iterable[str]], Mapping[str, Any]]
 
 
-def scan(store: Store, policy: Policy, *, jobs: int = DOC_JOBS, now: float | None = None, read: Reader | None = None) -> StoreView:
+def scan(
+    store: Store, policy: Policy, *, jobs: int = DOC_JOBS, now: float | None = None, read: Reader | None = None
+) -> StoreView:
     """Read what marking needs: every object's key, size and time; the tags; the records that the
     roots and the young records reach; the pack indexes. Old records nothing reaches are not read.
     `read` supplies documents already read (du's snapshot); by default they are fetched."""
@@ -200,7 +206,9 @@ def scan(store: Store, policy: Policy, *, jobs: int = DOC_JOBS, now: float | Non
     tags = read("tags", _names(objects, "tags/"))
     wanted = roots(tags.values(), policy.keep) | {_doc_name(k) for k in young if k.startswith("releases/")}
     releases = read("releases", wanted & _names(objects, "releases/"))
-    bundle_keys = {u.key for r in releases.values() for u in r.units} | {_doc_name(k) for k in young if k.startswith("bundles/")}
+    bundle_keys = {u.key for r in releases.values() for u in r.units} | {
+        _doc_name(k) for k in young if k.startswith("bundles/")
+    }
     bundles = read("bundles", bundle_keys & _names(objects, "bundles/"))
     indexes, damaged = store.pack_indexes() if any(k.startswith("packs/") for k in objects) else ({}, {})
     return StoreView(store.url, now, objects, tags, releases, bundles, indexes, damaged)
@@ -271,7 +279,11 @@ _KIND_OF: dict[str, type] = {"tags": TagRecord, "releases": Release, "bundles": 
 
 
 def _names(objects: Mapping[str, ObjectInfo], folder: str) -> set[str]:
-    return {k[len(folder) : -len(".json")] for k in objects if k.startswith(folder) and k.endswith(".json") and "/" not in k[len(folder) :]}
+    return {
+        k[len(folder) : -len(".json")]
+        for k in objects
+        if k.startswith(folder) and k.endswith(".json") and "/" not in k[len(folder) :]
+    }
 
 
 def _read(store: Store, kind: type, folder: str, names: Iterable[str], jobs: int) -> dict:
@@ -284,8 +296,13 @@ def _read(store: Store, kind: type, folder: str, names: Iterable[str], jobs: int
         where = f"{store.url}/{folder}/{name}.json"
         doc = parse(kind, data, where)
         if isinstance(doc, Release) and doc.release_id != name or isinstance(doc, BundleRecord) and doc.key != name:
-            raise IntegrityError(f"{where}: content does not match its name", hint="run `neffbuild verify --store` and repair the store before gc")
+            raise IntegrityError(
+                f"{where}: content does not match its name",
+                hint="run `neffbuild verify --store` and repair the store before gc",
+            )
         if isinstance(doc, TagRecord) and doc.name != name:
-            raise IntegrityError(f"{where}: names tag {doc.name!r}", hint="run `neffbuild verify --store` and repair the store before gc")
+            raise IntegrityError(
+                f"{where}: names tag {doc.name!r}", hint="run `neffbuild verify --store` and repair the store before gc"
+            )
         found[name] = doc
     return found

@@ -57,7 +57,11 @@ def check_store(store: Store, *, deep: bool = False, jobs: int = DOC_JOBS) -> St
     damaged: list[Finding] = []
 
     def read(kind: type, folder: str) -> dict:
-        names = {k[len(folder) + 1 : -5] for k in objects if k.startswith(f"{folder}/") and k.endswith(".json") and k.count("/") == 1}
+        names = {
+            k[len(folder) + 1 : -5]
+            for k in objects
+            if k.startswith(f"{folder}/") and k.endswith(".json") and k.count("/") == 1
+        }
         docs = {}
         for name, data in store.get_docs(folder, names, jobs).items():  # type: ignore[arg-type]
             key = f"{folder}/{name}.json"
@@ -130,7 +134,9 @@ def _named(doc: object) -> str:
     return doc.key if isinstance(doc, BundleRecord) else doc.name  # type: ignore[attr-defined]
 
 
-def _missing_files(record: str, files: Iterable, objects: dict, packed: dict, damaged: list[Finding], sizes: dict[str, int]) -> list[Finding]:
+def _missing_files(
+    record: str, files: Iterable, objects: dict, packed: dict, damaged: list[Finding], sizes: dict[str, int]
+) -> list[Finding]:
     out = []
     for f in files:
         loose = objects.get(blob_key(f.digest))
@@ -140,7 +146,12 @@ def _missing_files(record: str, files: Iterable, objects: dict, packed: dict, da
             continue
         stored = loose.size if loose is not None else where[1]
         if stored != f.size and f.digest not in sizes:
-            damaged.append(Finding(blob_key(f.digest) if loose else f"packs/{where[0]}.pack", f"blob {f.digest} holds {stored} bytes, {record} says {f.size}"))
+            damaged.append(
+                Finding(
+                    blob_key(f.digest) if loose else f"packs/{where[0]}.pack",
+                    f"blob {f.digest} holds {stored} bytes, {record} says {f.size}",
+                )
+            )
         sizes[f.digest] = f.size
     return out
 
@@ -176,7 +187,9 @@ def _hash_all(store: Store, sizes: dict[str, int], damaged: list[Finding], jobs:
         except NeffbuildError as exc:
             return size, Finding(blob_key(digest), exc.message)
         if size != sizes[digest] or hasher.hexdigest() != digest:
-            return size, Finding(blob_key(digest), f"its bytes hash to {hasher.hexdigest()} ({size} bytes), not to its name")
+            return size, Finding(
+                blob_key(digest), f"its bytes hash to {hasher.hexdigest()} ({size} bytes), not to its name"
+            )
         return size, None
 
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, 16))) as pool:

@@ -318,18 +318,24 @@ def run_worker(
         )
     if result is None and code < 0:
         ooms_after = oom_kills(memory_events)
-        oom = code == -signal.SIGKILL and ooms_before is not None and ooms_after is not None and ooms_after > ooms_before
+        oom = (
+            code == -signal.SIGKILL and ooms_before is not None and ooms_after is not None and ooms_after > ooms_before
+        )
         how = "killed by the OOM killer (SIGKILL; its cgroup's oom_kill count rose)" if oom else describe_exit(code)
         killed = WorkerKilled(
             f"{units}: worker left no result ({how}): it was killed, not failed by its compile",
-            hint="give the unit more memory (or fewer --jobs); a retry may pass" if oom else "a retry may pass, unless something kills it again",
+            hint="give the unit more memory (or fewer --jobs); a retry may pass"
+            if oom
+            else "a retry may pass, unless something kills it again",
         )
         killed.how = how
         raise killed
     if result is None:
         raise BuildError(f"{units}: worker left no result ({describe_exit(code)}): it was killed or crashed")
     if result.error or code != 0:
-        raise BuildError(f"{units}: worker failed: {result.error or describe_exit(code)}", debug_detail=result.traceback)
+        raise BuildError(
+            f"{units}: worker failed: {result.error or describe_exit(code)}", debug_detail=result.traceback
+        )
     return result
 
 
@@ -351,7 +357,6 @@ def run_name() -> str:
 
 def unit_dir_name(unit_id: str) -> str:
     return unit_id.replace("/", "__")
-
 
 
 def keep_logs(scratch: Path, dest: Path) -> Path | None:

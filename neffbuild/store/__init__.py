@@ -27,7 +27,9 @@ def open_store(
         return S3Store.from_url(url, env=env or {}, create=create, endpoint_url=endpoint_url)
     if "://" in url:
         scheme = url.split("://", 1)[0]
-        raise InputError(f"store {url!r}: unsupported scheme {scheme!r}", hint="use a directory path or s3://bucket/prefix")
+        raise InputError(
+            f"store {url!r}: unsupported scheme {scheme!r}", hint="use a directory path or s3://bucket/prefix"
+        )
     from neffbuild.store.local import LocalStore
 
     return LocalStore(Path(url), create=create)

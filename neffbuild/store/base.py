@@ -83,7 +83,9 @@ def doc_key(kind: DocKind, name: str) -> str:
     # Names come from the command line and from documents; the core checks them too (names.py),
     # and this keeps any that slipped through from addressing a key outside `kind/`.
     if (problem := key_problem(name)) is not None:
-        raise InputError(f"{kind} key: {problem}", hint="tags are names like `prod`; releases and bundles are 32-hex-digit ids")
+        raise InputError(
+            f"{kind} key: {problem}", hint="tags are names like `prod`; releases and bundles are 32-hex-digit ids"
+        )
     return f"{kind}/{name}.json"
 
 
@@ -92,7 +94,10 @@ def check_deletable(key: str) -> str:
     anything outside the store (a local store joins it into a path)."""
     parts = key.split("/")
     if not key.startswith(DELETABLE) or any(p in ("", ".", "..") for p in parts) or "\\" in key or "\0" in key:
-        raise InputError(f"cannot delete {shown(key)}: not an object of a store folder", hint=f"keys start with one of {', '.join(DELETABLE)}")
+        raise InputError(
+            f"cannot delete {shown(key)}: not an object of a store folder",
+            hint=f"keys start with one of {', '.join(DELETABLE)}",
+        )
     return key
 
 
@@ -100,7 +105,10 @@ def deletion_failed(url: str, failures: Sequence[tuple[str, str]]) -> StoreError
     """One StoreError for the keys a delete_objects could not remove: (key, why) pairs."""
     key, why = failures[0]
     more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-    return StoreError(f"{url}/{key}: cannot delete it ({why}){more}", hint="check the store's permissions, then run the deletion again")
+    return StoreError(
+        f"{url}/{key}: cannot delete it ({why}){more}",
+        hint="check the store's permissions, then run the deletion again",
+    )
 
 
 # A pack's index (store/packs.py encodes and plans them): here, as Store.pack_indexes returns it.
@@ -116,6 +124,7 @@ class PackIndex:
     pack_id: str
     size: int
     entries: tuple[PackEntry, ...]
+
 
 def shown(value: object, limit: int = 60) -> str:
     """A value from a store, quoted for a one-line message: escaped (no newline or lone surrogate
@@ -133,7 +142,9 @@ def check_marker(data: bytes, where: str) -> None:
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise StoreError(f"{where}: not a JSON store marker ({type(exc).__name__})", hint=MARKER_HINT) from None
     if not isinstance(raw, dict) or "format" not in raw:
-        raise StoreError(f"{where}: not a store marker (expected an object with a format, got {shown(raw)})", hint=MARKER_HINT)
+        raise StoreError(
+            f"{where}: not a store marker (expected an object with a format, got {shown(raw)})", hint=MARKER_HINT
+        )
     if raw["format"] != STORE_FORMAT:
         raise StoreError(
             f"{where}: store format {shown(raw['format'])}, expected {STORE_FORMAT!r}",

@@ -94,7 +94,9 @@ def read_lease(store: Store) -> Lease | None:
     return None if data is None else _decode(data, f"{store.url}/{lease_key()}")
 
 
-def wait_for_gc(store: Store, *, clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> float:
+def wait_for_gc(
+    store: Store, *, clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep
+) -> float:
     """Return once no gc holds an unexpired lease on the store; the seconds waited.
 
     A lease whose expiry lies further ahead than LEASE_S (a wrong clock, a forged lease) is
@@ -113,7 +115,14 @@ def wait_for_gc(store: Store, *, clock: Callable[[], float] = time.time, sleep: 
 
 def _encode(lease: Lease) -> bytes:
     return json.dumps(
-        {"format": LEASE_FORMAT, "token": lease.token, "by": lease.by, "started": lease.started, "expires": lease.expires}, sort_keys=True
+        {
+            "format": LEASE_FORMAT,
+            "token": lease.token,
+            "by": lease.by,
+            "started": lease.started,
+            "expires": lease.expires,
+        },
+        sort_keys=True,
     ).encode()
 
 
@@ -124,7 +133,9 @@ def _decode(data: bytes, where: str) -> Lease:
             raise ValueError(f"format {shown(raw.get('format'))}")
         lease = Lease(str(raw["token"]), str(raw["by"]), float(raw["started"]), float(raw["expires"]))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-        raise IntegrityError(f"{where}: not a gc lease ({exc})", hint=f"delete {lease_key()} if no gc is running") from None
+        raise IntegrityError(
+            f"{where}: not a gc lease ({exc})", hint=f"delete {lease_key()} if no gc is running"
+        ) from None
     return lease
 
 

@@ -44,23 +44,34 @@ class LocalStore:
         try:
             self.root = root.expanduser().resolve()
         except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
-            raise StoreError(f"store {root}: cannot resolve the path ({exc})", hint="check --store / NEFFBUILD_STORE") from None
+            raise StoreError(
+                f"store {root}: cannot resolve the path ({exc})", hint="check --store / NEFFBUILD_STORE"
+            ) from None
         marker = self.root / MARKER
         data = self._read_marker(marker)
         if data is not None:
             check_marker(data, str(marker))
             return
         if not create:
-            raise StoreError(f"no neffbuild store at {self.root}", hint="build into it first, or pass --store / set NEFFBUILD_STORE")
+            raise StoreError(
+                f"no neffbuild store at {self.root}", hint="build into it first, or pass --store / set NEFFBUILD_STORE"
+            )
         if not _is_empty_or_absent(self.root):
-            raise StoreError(f"{self.root} is not empty and not a neffbuild store", hint="choose an empty or new directory for --store")
+            raise StoreError(
+                f"{self.root} is not empty and not a neffbuild store",
+                hint="choose an empty or new directory for --store",
+            )
         _guard(lambda: self.root.mkdir(parents=True, exist_ok=True), self.root)
         self._write_new(MARKER, json.dumps({"format": STORE_FORMAT}).encode())
 
     @staticmethod
     def _read_marker(marker: Path) -> bytes | None:
         """The marker's bytes (at most MARKER_MAX + 1), or None if there is none."""
-        return _read_small(marker, MARKER_MAX + 1, lambda found: StoreError(f"{marker}: a {found}, not a store marker", hint=MARKER_HINT))
+        return _read_small(
+            marker,
+            MARKER_MAX + 1,
+            lambda found: StoreError(f"{marker}: a {found}, not a store marker", hint=MARKER_HINT),
+        )
 
     @property
     def url(self) -> str:
@@ -81,7 +92,8 @@ class LocalStore:
                 got = copy_hashing(src, dst)
             if got.hex != digest:
                 raise IntegrityError(
-                    f"{source}: changed while publishing to {target} (digest {got.hex}, expected {digest})", hint="rebuild, then publish"
+                    f"{source}: changed while publishing to {target} (digest {got.hex}, expected {digest})",
+                    hint="rebuild, then publish",
                 )
             copied.append(got.size)
 
@@ -115,7 +127,9 @@ class LocalStore:
         try:
             return _open_regular(self.root / blob_key(digest))
         except FileNotFoundError:
-            raise NotFoundError(f"blob {digest} missing from store {self.url}{need}", hint="re-push the release") from None
+            raise NotFoundError(
+                f"blob {digest} missing from store {self.url}{need}", hint="re-push the release"
+            ) from None
         except _NotRegular as exc:
             raise IntegrityError(f"{where} is a {exc.kind}, not a regular file{need}", hint=CORRUPT_HINT) from None
         except OSError as exc:
@@ -126,7 +140,9 @@ class LocalStore:
 
     def get_doc(self, kind: DocKind, name: str) -> bytes | None:
         path = self.root / doc_key(kind, name)
-        data = _read_small(path, DOC_MAX + 1, lambda found: IntegrityError(f"{path} is a {found}, not a document", hint=CORRUPT_HINT))
+        data = _read_small(
+            path, DOC_MAX + 1, lambda found: IntegrityError(f"{path} is a {found}, not a document", hint=CORRUPT_HINT)
+        )
         if data is not None and len(data) > DOC_MAX:
             raise IntegrityError(f"{path}: over {DOC_MAX} bytes, not a document", hint=CORRUPT_HINT)
         return data
@@ -139,7 +155,9 @@ class LocalStore:
         except (FileNotFoundError, NotADirectoryError):
             names = []
         except OSError as exc:
-            raise StoreError(f"{folder}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions") from None
+            raise StoreError(
+                f"{folder}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions"
+            ) from None
         yield from names
 
     def get_docs(self, kind: DocKind, names: Iterable[str], jobs: int) -> dict[str, bytes | None]:
@@ -260,7 +278,9 @@ def _chunks(stream: BinaryIO, limit: int) -> Iterator[bytes]:
 def _within(rel: str) -> str:
     """A relative folder that cannot leave the store root (a listing prefix from a caller)."""
     if rel.startswith("/") or any(p in (".", "..") for p in rel.split("/")):
-        raise InputError(f"listing prefix {rel!r}: not a folder of the store", hint="give a prefix such as blobs/ or releases/")
+        raise InputError(
+            f"listing prefix {rel!r}: not a folder of the store", hint="give a prefix such as blobs/ or releases/"
+        )
     return rel
 
 
@@ -270,7 +290,9 @@ def _walk(folder: Path, root: Path) -> Iterator[tuple[str, int, float]]:
 
     def fail(exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError | NotADirectoryError):  # gone meanwhile, or a file: nothing below
-            raise StoreError(f"{exc.filename}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions")
+            raise StoreError(
+                f"{exc.filename}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions"
+            )
 
     for path, _, files in os.walk(folder, onerror=fail):
         for name in files:
@@ -281,7 +303,10 @@ def _walk(folder: Path, root: Path) -> Iterator[tuple[str, int, float]]:
             except FileNotFoundError:  # deleted since the folder was read
                 continue
             except OSError as exc:
-                raise StoreError(f"{os.path.join(path, name)}: cannot stat it ({exc.strerror or exc})", hint="check the store's permissions") from None
+                raise StoreError(
+                    f"{os.path.join(path, name)}: cannot stat it ({exc.strerror or exc})",
+                    hint="check the store's permissions",
+                ) from None
             if stat.S_ISREG(st.st_mode):
                 yield Path(path, name).relative_to(root).as_posix(), st.st_size, st.st_mtime
 
@@ -303,5 +328,3 @@ def _guard(action, path: Path) -> None:
         action()
     except OSError as exc:
         raise disk_error(exc, path) from None
-
-

@@ -41,14 +41,14 @@ PACK_FORMAT = "neffbuild.pack/1"
 LOCATOR_FORMAT = "neffbuild.locator/1"
 INDEX_MAX = 128 << 20  # an index is ~80 bytes per blob; no pack holds a million blobs
 LOCATOR_MAX = 256 << 20  # ~40 bytes per blob of a release
-DAMAGED_HINT = "the store object is damaged: restore it from a copy of the store, or rebuild the release into a new store"
+DAMAGED_HINT = (
+    "the store object is damaged: restore it from a copy of the store, or rebuild the release into a new store"
+)
 SMALL_BLOB = 8 << 20  # blobs below this size travel in packs; larger ones are objects of their own
 PACK_TARGET = 64 << 20  # close a pack once it holds this much
 RANGE_TARGET = 8 << 20  # one ranged GET of a pack covers at most about this much
 RANGE_MIN = 1 << 20  # ... and at least this much: a connection (a thread) costs ~3 ms to start
 RANGE_GAP = 1 << 20  # read through holes up to this size rather than start another request
-
-
 
 
 def pack_key(pack_id: str) -> str:
@@ -90,7 +90,9 @@ def encode_index(sources: Sequence[BlobSource]) -> tuple[PackIndex, bytes]:
     for s in sources:
         entries.append(PackEntry(s.digest, offset, s.size))
         offset += s.size
-    data = canonical_json({"format": PACK_FORMAT, "size": offset, "entries": [[e.digest, e.offset, e.size] for e in entries]})
+    data = canonical_json(
+        {"format": PACK_FORMAT, "size": offset, "entries": [[e.digest, e.offset, e.size] for e in entries]}
+    )
     return PackIndex(hash_bytes(data), offset, tuple(entries)), data
 
 
@@ -107,13 +109,23 @@ def decode_index(pack_id: str, data: bytes, where: str | None = None) -> PackInd
         raise _damaged(where, "content does not match its name")
     raw = _json_object(data, where, ("format", "size", "entries"))
     if raw["format"] != PACK_FORMAT:
-        raise IntegrityError(f"{where}: format {shown(raw['format'])}, expected {PACK_FORMAT!r}", hint="written by a newer neffbuild: upgrade")
+        raise IntegrityError(
+            f"{where}: format {shown(raw['format'])}, expected {PACK_FORMAT!r}",
+            hint="written by a newer neffbuild: upgrade",
+        )
     size, items = raw["size"], raw["entries"]
     if not _is_count(size) or not isinstance(items, list):
         raise _damaged(where, "size must be a count and entries a list")
     entries, end = [], 0
     for i, item in enumerate(items):  # blobs lie end to end, inside the pack
-        if not (isinstance(item, list) and len(item) == 3 and _is_digest(item[0]) and _is_count(item[1]) and item[1] == end and _is_count(item[2])):
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and _is_digest(item[0])
+            and _is_count(item[1])
+            and item[1] == end
+            and _is_count(item[2])
+        ):
             raise _damaged(where, f"entry {i} is not [digest, {end}, size]: {shown(item)}")
         entries.append(PackEntry(item[0], end, item[2]))
         end += item[2]
@@ -149,7 +161,10 @@ def decode_locator(release_id: str, data: bytes, where: str) -> Locator:
         raise _damaged(where, f"over {LOCATOR_MAX} bytes")
     raw = _json_object(data, where, ("format", "release", "packs", "loose"))
     if raw["format"] != LOCATOR_FORMAT:
-        raise IntegrityError(f"{where}: format {shown(raw['format'])}, expected {LOCATOR_FORMAT!r}", hint="written by a newer neffbuild: upgrade")
+        raise IntegrityError(
+            f"{where}: format {shown(raw['format'])}, expected {LOCATOR_FORMAT!r}",
+            hint="written by a newer neffbuild: upgrade",
+        )
     if raw["release"] != release_id:
         raise _damaged(where, f"it locates release {shown(raw['release'])}")
     found, loose = raw["packs"], raw["loose"]

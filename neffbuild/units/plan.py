@@ -110,7 +110,9 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
                     key=key,
                     left_out=left_out,
                     reduced=reduced,
-                    graph_batch=None if doubles is None else shape.batch * entry.prompts_per_call * (2 if doubles else 1),
+                    graph_batch=None
+                    if doubles is None
+                    else shape.batch * entry.prompts_per_call * (2 if doubles else 1),
                 )
             )
     if other_host:
@@ -159,7 +161,9 @@ def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, st
         problems += [(f"model[{entry.id}].{p}", p.hint) for p in found]
     if problems:
         hint = problems[0][1] if len(problems) == 1 else "fix the entries named above"
-        raise ManifestError(join_problems(loaded.path, [p for p, _ in problems]), hint=hint or "fix the entry named above")
+        raise ManifestError(
+            join_problems(loaded.path, [p for p, _ in problems]), hint=hint or "fix the entry named above"
+        )
     return notes
 
 
@@ -214,7 +218,11 @@ def split_call(entry: ModelEntry, facts: CallFacts | None) -> tuple[dict[str, An
 
 
 def normalize_unit(
-    entry: ModelEntry, shape: Shape, identity: Mapping[str, str], unit_env: Mapping[str, str], keyed_call: Mapping[str, Any]
+    entry: ModelEntry,
+    shape: Shape,
+    identity: Mapping[str, str],
+    unit_env: Mapping[str, str],
+    keyed_call: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Everything about the unit that changes its compiled result; nothing that does not (its name,
     warmup-only call arguments)."""
@@ -242,7 +250,11 @@ def model_identity(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, str]:
     parts = []
     try:
         for path in sorted(root.rglob("*")):
-            if path.suffix in _MODEL_CONFIG_SUFFIXES and path.is_file() and path.stat().st_size <= _MODEL_CONFIG_MAX_BYTES:
+            if (
+                path.suffix in _MODEL_CONFIG_SUFFIXES
+                and path.is_file()
+                and path.stat().st_size <= _MODEL_CONFIG_MAX_BYTES
+            ):
                 parts.append({"path": path.relative_to(root).as_posix(), "digest": hash_bytes(path.read_bytes())})
     except OSError as exc:
         raise ManifestError(
@@ -285,20 +297,23 @@ def _toolchain_problems(loaded: LoadedManifest, backend: Backend) -> list[tuple[
             close = difflib.get_close_matches(name, backend.fact_names, n=1, cutoff=0.6)
             problems.append(
                 (
-                    f"toolchain.{name}: not a fact of the {backend.name} backend" + (f"; did you mean {close[0]!r}?" if close else ""),
+                    f"toolchain.{name}: not a fact of the {backend.name} backend"
+                    + (f"; did you mean {close[0]!r}?" if close else ""),
                     f"it takes {', '.join(backend.fact_names)}",
                 )
             )
     return problems
 
 
-def _usable_facts(loaded: LoadedManifest, backend: Backend, facts: Mapping[str, str], env: Mapping[str, str]) -> Mapping[str, str]:
+def _usable_facts(
+    loaded: LoadedManifest, backend: Backend, facts: Mapping[str, str], env: Mapping[str, str]
+) -> Mapping[str, str]:
     unusable = backend.unusable_facts(facts, env)
     if unusable:
         source = "[toolchain] declares" if loaded.manifest.toolchain else "this host has"
         raise ManifestError(
             f"{loaded.path}: toolchain: {source} no {', '.join(unusable)}: keys would not name what builds them",
-            hint=f"declare them in the manifest's [toolchain] table (e.g. {unusable[0]} = \"...\"), "
+            hint=f'declare them in the manifest\'s [toolchain] table (e.g. {unusable[0]} = "..."), '
             "or plan on the build host",
         )
     return facts

@@ -71,9 +71,13 @@ def read_plan(path: Path) -> PlanDocument:
         with path.open("rb") as f:
             data = f.read(MAX_PLAN_BYTES + 1)
     except OSError as exc:
-        raise InputError(f"--plan {path}: cannot read it ({exc.strerror or exc})", hint="pass the file `neffbuild plan --out` wrote") from None
+        raise InputError(
+            f"--plan {path}: cannot read it ({exc.strerror or exc})", hint="pass the file `neffbuild plan --out` wrote"
+        ) from None
     if len(data) > MAX_PLAN_BYTES:
-        raise InputError(f"--plan {path}: larger than {MAX_PLAN_BYTES >> 20} MiB", hint="pass the file `neffbuild plan --out` wrote")
+        raise InputError(
+            f"--plan {path}: larger than {MAX_PLAN_BYTES >> 20} MiB", hint="pass the file `neffbuild plan --out` wrote"
+        )
     try:
         return parse(PlanDocument, data, f"plan {path}")
     except NeffbuildError as exc:  # a bad plan is bad input here, not a damaged store object

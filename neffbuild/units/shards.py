@@ -24,7 +24,10 @@ from neffbuild.hashing import hash_bytes
 MAX_SHARDS = 4096
 # Where fleet engines put a worker's index and the fleet's size (NEFFBUILD_SHARDS: ours, for a
 # Kubernetes Indexed Job, whose pods are told their index but not the Job's completions).
-INDEX_VARIABLES = (("JOB_COMPLETION_INDEX", "NEFFBUILD_SHARDS"), ("AWS_BATCH_JOB_ARRAY_INDEX", "AWS_BATCH_JOB_ARRAY_SIZE"))
+INDEX_VARIABLES = (
+    ("JOB_COMPLETION_INDEX", "NEFFBUILD_SHARDS"),
+    ("AWS_BATCH_JOB_ARRAY_INDEX", "AWS_BATCH_JOB_ARRAY_SIZE"),
+)
 _SPEC = re.compile(r"(\d{1,5})/(\d{1,5})")
 
 
@@ -63,7 +66,9 @@ def checked(index: int, count: int, source: str) -> ShardSpec:
     if not 1 <= count <= MAX_SHARDS:
         raise InputError(f"{source}: shard count {count} is out of range", hint=f"give 1 to {MAX_SHARDS} shards")
     if not 0 <= index < count:
-        raise InputError(f"{source}: shard index {index} is not below the count {count}", hint="indexes run from 0 to COUNT-1")
+        raise InputError(
+            f"{source}: shard index {index} is not below the count {count}", hint="indexes run from 0 to COUNT-1"
+        )
     return ShardSpec(index, count, source)
 
 
@@ -92,7 +97,9 @@ def _int(raw: str | None, name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise InputError(f"{name}={raw!r} is not a whole number", hint=f"check the environment that sets {name}") from None
+        raise InputError(
+            f"{name}={raw!r} is not a whole number", hint=f"check the environment that sets {name}"
+        ) from None
 
 
 def assign(units: Sequence[tuple[str, str]], count: int, durations: Mapping[str, float]) -> Assignment:
@@ -107,4 +114,6 @@ def assign(units: Sequence[tuple[str, str]], count: int, durations: Mapping[str,
         lightest = min(range(count), key=lambda i: (load[i], i))
         shards[lightest].append(unit_id)
         load[lightest] += cost[unit_id]
-    return Assignment(tuple(tuple(s) for s in shards), tuple(round(x, 3) for x in load), frozenset(u for u, _ in units if u in known))
+    return Assignment(
+        tuple(tuple(s) for s in shards), tuple(round(x, 3) for x in load), frozenset(u for u, _ in units if u in known)
+    )

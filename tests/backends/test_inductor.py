@@ -55,7 +55,9 @@ def replay(cli, manifest: Path, store: Path, cache: Path) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_a_method_component_records_graphs_and_replays_with_zero_compiles(built_with_decode: Built, tmp_path: Path, cli) -> None:
+def test_a_method_component_records_graphs_and_replays_with_zero_compiles(
+    built_with_decode: Built, tmp_path: Path, cli
+) -> None:
     (outcome,) = built_with_decode.report["outcomes"]
     assert outcome["status"] == "built" and outcome["compiles"] >= 2
     bundle = json.loads((built_with_decode.store / "bundles" / f"{outcome['key']}.json").read_text())
@@ -67,7 +69,9 @@ def test_a_method_component_records_graphs_and_replays_with_zero_compiles(built_
     assert unit["counters"]["graphs.vae.decode"] >= 1  # decode ran compiled, from the cache
 
 
-def test_a_component_whose_forward_the_call_never_runs_is_refused_at_plan_naming_the_method(tmp_path: Path, tiny_model: Path, cli) -> None:
+def test_a_component_whose_forward_the_call_never_runs_is_refused_at_plan_naming_the_method(
+    tmp_path: Path, tiny_model: Path, cli
+) -> None:
     manifest = manifest_with(tmp_path / "vae.toml", tiny_model, '["transformer", "vae"]')
     result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--json")
     assert result.returncode == 2, result.stderr
@@ -76,7 +80,9 @@ def test_a_component_whose_forward_the_call_never_runs_is_refused_at_plan_naming
 
 
 @pytest.mark.slow
-def test_a_component_the_warmup_never_runs_fails_the_build_and_its_row_counts_what_compiled(tmp_path: Path, tiny_model: Path, cli) -> None:
+def test_a_component_the_warmup_never_runs_fails_the_build_and_its_row_counts_what_compiled(
+    tmp_path: Path, tiny_model: Path, cli
+) -> None:
     # Flux2Klein's call reaches vae.encode (image conditioning), so plan cannot refuse it; a
     # text-to-image warmup never runs it: the build fails after compiling the transformer.
     manifest = manifest_with(tmp_path / "vae.toml", tiny_model, '["transformer", "vae.encode"]')
@@ -96,7 +102,10 @@ def test_other_steps_and_prompt_text_keep_the_keys_and_replay_with_zero_compiles
         tmp_path / "changed.toml",
         tiny_model,
         '["transformer", "vae.decode"]',
-        call=('prompt = "a photo of a cat"\nnum_inference_steps = 2', 'prompt = "a lighthouse in a storm at night, oil on canvas"\nnum_inference_steps = 3'),
+        call=(
+            'prompt = "a photo of a cat"\nnum_inference_steps = 2',
+            'prompt = "a lighthouse in a storm at night, oil on canvas"\nnum_inference_steps = 3',
+        ),
     )
     before = make_plan(load_manifest(built_with_decode.manifest), {})
     after = make_plan(load_manifest(changed), {})

@@ -34,10 +34,18 @@ from tests.conftest import write_model_index
 TESTS = Path(__file__).resolve().parents[1]
 NEFF = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/\1\2[0-9a-f]{28}\.neff$")
 EAGER_NEFF = re.compile(r"^([0-9a-f]{64})/\1\.neff$")  # the Python compiler path's layout
-VERSIONS = {"torch": "2.13.0", "torch-neuronx": "2.13.0.1", "neuronx-cc": "2.21.33", "diffusers": "0.42.1", "transformers": "5.0.0"}
+VERSIONS = {
+    "torch": "2.13.0",
+    "torch-neuronx": "2.13.0.1",
+    "neuronx-cc": "2.21.33",
+    "diffusers": "0.42.1",
+    "transformers": "5.0.0",
+}
 
 
-def backend_on(tmp_path: Path, product: str = "trn2.48xlarge", versions: dict | None = None, env=None, **kw) -> NeuronBackend:
+def backend_on(
+    tmp_path: Path, product: str = "trn2.48xlarge", versions: dict | None = None, env=None, **kw
+) -> NeuronBackend:
     dmi = tmp_path / "product_name"
     dmi.write_text(product + "\n")
     table = VERSIONS if versions is None else versions
@@ -60,14 +68,27 @@ def fake_torch_neuronx(root: Path, build_type: str = "RELEASE", **changed_defaul
     package = root / "torch_neuronx"
     package.mkdir(parents=True)
     (package / "_build_config.py").write_text(f'BUILD_TYPE = "{build_type}"\n')
-    defaults = {**RELEASE_IMPORT_DEFAULTS, "NEURON_LAUNCH_BLOCKING": "1" if build_type == "RELEASE" else "0", **changed_defaults}
-    (package / "__init__.py").write_text("import os\n" + "".join(f"os.environ.setdefault({k!r}, {v!r})\n" for k, v in defaults.items()))
+    defaults = {
+        **RELEASE_IMPORT_DEFAULTS,
+        "NEURON_LAUNCH_BLOCKING": "1" if build_type == "RELEASE" else "0",
+        **changed_defaults,
+    }
+    (package / "__init__.py").write_text(
+        "import os\n" + "".join(f"os.environ.setdefault({k!r}, {v!r})\n" for k, v in defaults.items())
+    )
     (package / "metrics.py").write_text("def set_enabled(flag):\n    pass\n")
     return package
 
 
 def entry(**overrides) -> ModelEntry:
-    fields = dict(id="m", model="./m", pipeline="Flux2KleinPipeline", backend="neuron", device="neuron", shapes=[ShapeSet(height=32, width=32)])
+    fields = dict(
+        id="m",
+        model="./m",
+        pipeline="Flux2KleinPipeline",
+        backend="neuron",
+        device="neuron",
+        shapes=[ShapeSet(height=32, width=32)],
+    )
     return ModelEntry(**{**fields, **overrides})
 
 
@@ -77,7 +98,11 @@ def entry(**overrides) -> ModelEntry:
 def test_fingerprint_names_every_field_from_injected_facts(tmp_path):
     backend = backend_on(tmp_path)
     facts = backend.collect_facts({}, "neuron")
-    fp = backend.fingerprint(facts, {"NEURON_CC_FLAGS": "--model-type=transformer", "NEURON_COMPILER_OPT_LEVEL": "-O1"}, entry(tensor_parallel=2))
+    fp = backend.fingerprint(
+        facts,
+        {"NEURON_CC_FLAGS": "--model-type=transformer", "NEURON_COMPILER_OPT_LEVEL": "-O1"},
+        entry(tensor_parallel=2),
+    )
     assert fp["torch-neuronx"] == "2.13.0.1" and fp["neuronx-cc"] == "2.21.33"
     assert fp["torch"] == "2.13.0" and fp["diffusers"] == "0.42.1"
     assert fp["neuron.target"] == "trn2" and fp["neuron.lnc"] == "2"  # trn2's default logical cores
@@ -91,7 +116,9 @@ def test_compiler_version_changes_the_fingerprint(tmp_path):
     old = backend_on(tmp_path)
     new = backend_on(tmp_path, versions={**VERSIONS, "neuronx-cc": "2.22.0"})
     e = entry()
-    assert old.fingerprint(old.collect_facts({}, "neuron"), {}, e) != new.fingerprint(new.collect_facts({}, "neuron"), {}, e)
+    assert old.fingerprint(old.collect_facts({}, "neuron"), {}, e) != new.fingerprint(
+        new.collect_facts({}, "neuron"), {}, e
+    )
 
 
 def test_missing_packages_are_absent_and_target_can_be_overridden(tmp_path):
@@ -133,7 +160,9 @@ def test_venv_path_and_model_library_versions_change_the_key_and_break_a_host(tm
     upgraded = newer.fingerprint(newer.collect_facts({}, "neuron"), {}, entry())
     assert fp["venv"] == "/opt/neffbuild/venv" and moved["venv"] == "/home/ci/venv"
     assert len({unit_key({"u": 1}, f) for f in (fp, moved, upgraded)}) == 3
-    assert all(here.is_breaking(name) for name in ("venv", "diffusers", "transformers", "python", "neuronx-cc.bin-version"))
+    assert all(
+        here.is_breaking(name) for name in ("venv", "diffusers", "transformers", "python", "neuronx-cc.bin-version")
+    )
     assert not here.is_breaking("neuronx-cc.bin")  # another path to the same compiler version
 
 
@@ -150,7 +179,10 @@ def test_import_time_defaults_limits_and_the_lock_timeout_do_not_split_keys(tmp_
     assert backend.fingerprint(facts, {**RELEASE_IMPORT_DEFAULTS, **runtime_only}, entry()) == planned
     # What changes the cache does change the key: asynchronous eager ops, another lowering.
     assert backend.fingerprint(facts, {"NEURON_LAUNCH_BLOCKING": "0"}, entry())["neuron.sync"] == "0"
-    assert backend.fingerprint(facts, {"TORCH_NEURONX_MLIR_ATEN_OPS": "0"}, entry())["env.TORCH_NEURONX_MLIR_ATEN_OPS"] == "0"
+    assert (
+        backend.fingerprint(facts, {"TORCH_NEURONX_MLIR_ATEN_OPS": "0"}, entry())["env.TORCH_NEURONX_MLIR_ATEN_OPS"]
+        == "0"
+    )
     dev = backend_on(tmp_path, package_dir=lambda name: fake_torch_neuronx(tmp_path / "dev", "DEV"))
     assert dev.fingerprint(dev.collect_facts({}, "neuron"), {}, entry())["neuron.sync"] == "0"
 
@@ -159,7 +191,11 @@ def test_set_but_empty_is_not_unset(tmp_path):
     backend = backend_on(tmp_path)
     facts = backend.collect_facts({}, "neuron")
     unset = backend.fingerprint(facts, {}, entry())
-    for name, field in (("NEURON_CC_FLAGS", "neuron.cc_flags"), ("NEURON_COMPILER_OPT_LEVEL", "neuron.opt_level"), ("NEURON_LOGICAL_NC_CONFIG", "neuron.lnc")):
+    for name, field in (
+        ("NEURON_CC_FLAGS", "neuron.cc_flags"),
+        ("NEURON_COMPILER_OPT_LEVEL", "neuron.opt_level"),
+        ("NEURON_LOGICAL_NC_CONFIG", "neuron.lnc"),
+    ):
         empty = backend.fingerprint(facts, {name: ""}, entry())
         assert empty[field] == "" and empty[field] != unset[field], name
 
@@ -268,7 +304,9 @@ def test_plan_refuses_an_invalid_tensor_parallel_degree(tmp_path):
 def test_the_tp_table_matches_installed_diffusers():
     diffusers = pytest.importorskip("diffusers")
     has_plan = {
-        name for name in dir(diffusers) if isinstance(getattr(diffusers, name, None), type) and getattr(getattr(diffusers, name), "_tp_plan", None)
+        name
+        for name in dir(diffusers)
+        if isinstance(getattr(diffusers, name, None), type) and getattr(getattr(diffusers, name), "_tp_plan", None)
     }
     assert has_plan == TP_TRANSFORMERS
 
@@ -284,7 +322,11 @@ def test_planning_needs_the_compiler_or_a_declared_toolchain(tmp_path):
     backend = backend_on(tmp_path, product="Standard PC (Q35 + ICH9, 2009)", versions={"torch": "2.13.0"})
     if not _has_torch_neuronx():
         (problem,) = backend.check_host(entry(), {}, declared=False)
-        assert problem.field == "backend" and "torch-neuronx is not importable" in problem.message and "[toolchain]" in problem.hint
+        assert (
+            problem.field == "backend"
+            and "torch-neuronx is not importable" in problem.message
+            and "[toolchain]" in problem.hint
+        )
     assert backend.check_host(entry(), {}, declared=True) == []  # planning for the host [toolchain] declares
     (tmp_path / "other").mkdir()
     installed = backend_on(tmp_path / "other", package_dir=lambda name: tmp_path / "site" / name)
@@ -369,7 +411,11 @@ def test_components_compile_through_the_real_compiler_and_count_their_graphs(tmp
         assert delta.get("graphs.transformer") == 1
         assert components_without_graphs(e, delta) == silent
         # The counter delegates: the substitute compiler saw the graphs and wrote its cache files.
-        assert delta.get("neuron.CompilationCache.PersistentMisses", 0) + delta.get("neuron.CompilationCache.PersistentHits", 0) >= 1
+        assert (
+            delta.get("neuron.CompilationCache.PersistentMisses", 0)
+            + delta.get("neuron.CompilationCache.PersistentHits", 0)
+            >= 1
+        )
     assert len(backend.select_files(tmp_path / "cache")) == 2  # transformer and vae.decode graphs
 
 
@@ -378,7 +424,11 @@ def test_every_backend_raises_the_recompile_limit_above_the_shape_count(name):
     """The shared step: the ninth static shape must not fail under fullgraph=True."""
     import torch._dynamo
 
-    backend = get_backend("inductor") if name == "inductor" else NeuronBackend(env={COMPILE_BACKEND_ENV: "inductor", DEVICE_ENV: "cpu"})
+    backend = (
+        get_backend("inductor")
+        if name == "inductor"
+        else NeuronBackend(env={COMPILE_BACKEND_ENV: "inductor", DEVICE_ENV: "cpu"})
+    )
     with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=8):  # restored afterwards
         backend.prepare_process(20)
         assert torch._dynamo.config.recompile_limit >= 20 and torch._dynamo.config.accumulated_recompile_limit >= 256
@@ -461,13 +511,17 @@ def test_select_files_takes_the_python_compiler_paths_entries(tmp_path):
     (tmp_path / ("cd" * 32)).mkdir()
     (tmp_path / ("cd" * 32) / f"{'cd' * 32}.neff").symlink_to(tmp_path / good[0])
     assert NeuronBackend().select_files(tmp_path) == sorted(good)
-    assert NeuronBackend().is_content_keyed(f"{key}/{key}.neff") and not NeuronBackend().is_content_keyed(f"{key}/{other}.neff")
+    assert NeuronBackend().is_content_keyed(f"{key}/{key}.neff") and not NeuronBackend().is_content_keyed(
+        f"{key}/{other}.neff"
+    )
 
 
 def test_a_new_python_path_entry_counts_as_a_compile(tmp_path):
     from neffbuild.backends.neuron import SUBPROCESS_FILES
 
-    backend = NeuronBackend(env={COMPILE_BACKEND_ENV: "neffbuild_counter_probe2", "TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path)})
+    backend = NeuronBackend(
+        env={COMPILE_BACKEND_ENV: "neffbuild_counter_probe2", "TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path)}
+    )
     key = "ef" * 32
     touch(tmp_path, f"{key}/{key}.neff")
     before = backend.counters()
@@ -528,12 +582,20 @@ def test_tensor_parallel_runs_every_rank_under_torchrun_and_rank_zero_reports(tm
     from neffbuild.runner.jobs import WorkerJob, run_worker
 
     e = entry(model="/nonexistent", tensor_parallel=2)
-    job = WorkerJob(purpose="build", entry=e, model_ref="/nonexistent", unit_ids=("m/32x32x1",), shapes=(Shape(height=32, width=32),))
+    job = WorkerJob(
+        purpose="build",
+        entry=e,
+        model_ref="/nonexistent",
+        unit_ids=("m/32x32x1",),
+        shapes=(Shape(height=32, width=32),),
+    )
     backend = NeuronBackend()
     env = {**os.environ, **backend.worker_env(tmp_path / "cache", tmp_path)}
     # torchrun stops the group at the first failing rank, so which rank is heard is a race; each
     # knows from torchrun that the group has 2.
-    with pytest.raises(BuildError, match=r"m/32x32x1: worker failed: rank [01] of 2: RuntimeError: torch-neuronx is not importable"):
+    with pytest.raises(
+        BuildError, match=r"m/32x32x1: worker failed: rank [01] of 2: RuntimeError: torch-neuronx is not importable"
+    ):
         run_worker(lambda job_file: backend.launch_command(e, job_file), job, env, tmp_path)
     assert {p.name for p in tmp_path.glob("*result.json")} <= {"job.result.json", "job.rank1.result.json"}
 
@@ -545,10 +607,18 @@ def test_a_failing_rank_is_heard_when_rank_zero_was_stopped_before_it_could_writ
     from neffbuild.runner.jobs import WorkerJob, run_worker
 
     e = entry(model="/nonexistent", tensor_parallel=2)
-    job = WorkerJob(purpose="build", entry=e, model_ref="/nonexistent", unit_ids=("m/32x32x1",), shapes=(Shape(height=32, width=32),))
+    job = WorkerJob(
+        purpose="build",
+        entry=e,
+        model_ref="/nonexistent",
+        unit_ids=("m/32x32x1",),
+        shapes=(Shape(height=32, width=32),),
+    )
     env = {**os.environ, **NeuronBackend().worker_env(tmp_path / "cache", tmp_path), "RANK": "1", "WORLD_SIZE": "2"}
     group = ["bash", "-c", '"$0" -m neffbuild.backends.worker "$1"; exit 1', sys.executable]
-    with pytest.raises(BuildError, match=r"m/32x32x1: worker failed: rank 1 of 2: RuntimeError: torch-neuronx is not importable"):
+    with pytest.raises(
+        BuildError, match=r"m/32x32x1: worker failed: rank 1 of 2: RuntimeError: torch-neuronx is not importable"
+    ):
         run_worker(lambda job_file: [*group, str(job_file)], job, env, tmp_path)
     assert not (tmp_path / "job.result.json").exists() and (tmp_path / "job.rank1.result.json").is_file()
 
@@ -731,7 +801,9 @@ def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_b
     assert files[eager.unit_id] and all(EAGER_NEFF.match(f) for f in files[eager.unit_id])
     assert eager.compiles == len(files[eager.unit_id])
     # Regional: the blocks' graphs in the first layout, what runs around them in the second.
-    assert any(NEFF.match(f) for f in files[regional.unit_id]) and any(EAGER_NEFF.match(f) for f in files[regional.unit_id])
+    assert any(NEFF.match(f) for f in files[regional.unit_id]) and any(
+        EAGER_NEFF.match(f) for f in files[regional.unit_id]
+    )
     assert regional.compiles >= 1
 
     cache = tmp_path / "serving-cache"
@@ -756,9 +828,14 @@ def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(
     from neffbuild.fs.room import require_scratch
     from neffbuild.store import open_store
 
-    dirs = NeuronBackend().scratch_dirs(tmp_path, {"TMPDIR": "/sys/kernel/neffbuild"})  # sysfs: no new files, even for root
+    dirs = NeuronBackend().scratch_dirs(
+        tmp_path, {"TMPDIR": "/sys/kernel/neffbuild"}
+    )  # sysfs: no new files, even for root
     assert dirs["the compile lock dir"] == tmp_path / "neuron-local" and Path("/tmp") in dirs.values()
-    with pytest.raises(DiskError, match=r"^/sys/kernel/neffbuild \(neuronx-cc's scratch dir \(\$TMPDIR\)\): cannot create files in /sys/kernel"):
+    with pytest.raises(
+        DiskError,
+        match=r"^/sys/kernel/neffbuild \(neuronx-cc's scratch dir \(\$TMPDIR\)\): cannot create files in /sys/kernel",
+    ):
         require_scratch(dirs, 0)
     with pytest.raises(DiskError, match=r"the compile lock dir\): only .* free on .*, a build needs"):
         require_scratch(NeuronBackend().scratch_dirs(tmp_path, {}), 1 << 60)
@@ -768,6 +845,13 @@ def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(
     path = tmp_path / "neffbuild.toml"
     path.write_text(E2E_MANIFEST)
     env = {**os.environ, **DOUBLE_ENV, "TMPDIR": "/sys/kernel/neffbuild"}
-    report = build(make_plan(load_manifest(path), env), open_store(str(tmp_path / "store"), create=True), env=env, logs_dir=tmp_path / "logs")
+    report = build(
+        make_plan(load_manifest(path), env),
+        open_store(str(tmp_path / "store"), create=True),
+        env=env,
+        logs_dir=tmp_path / "logs",
+    )
     assert [o.status for o in report.outcomes] == ["failed", "failed"]
-    assert all("cannot create files in /sys/kernel" in o.error and o.log is None for o in report.outcomes)  # no worker ran
+    assert all(
+        "cannot create files in /sys/kernel" in o.error and o.log is None for o in report.outcomes
+    )  # no worker ran

@@ -47,7 +47,9 @@ def test_a_failing_unit_keeps_its_log_and_prints_its_last_lines_once(damaged_mod
 
 def test_debug_shows_the_workers_own_traceback(damaged_model: Path, tmp_path: Path, cli) -> None:
     manifest = write_manifest(tmp_path / "m.toml", damaged_model, widths=(128,))
-    result = cli("--debug", "build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(tmp_path / "w"))
+    result = cli(
+        "--debug", "build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(tmp_path / "w")
+    )
     assert result.returncode == 5
     trace = result.stderr.split("the worker's traceback:\n", 1)[1]
     assert trace.startswith("Traceback (most recent call last):")
@@ -57,7 +59,9 @@ def test_debug_shows_the_workers_own_traceback(damaged_model: Path, tmp_path: Pa
 def test_an_unusable_work_dir_is_bad_input(tiny_model: Path, tmp_path: Path, cli) -> None:
     manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,))
     (tmp_path / "a-file").write_text("")
-    result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(tmp_path / "a-file" / "sub"))
+    result = cli(
+        "build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(tmp_path / "a-file" / "sub")
+    )
     assert result.returncode == 2, result.stderr
     assert f"work dir {tmp_path / 'a-file' / 'sub'}: cannot make a scratch dir there" in result.stderr
     assert "internal error" not in result.stderr
@@ -71,7 +75,11 @@ def start_build(model: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], P
     its scratch in tmp_path/work: (the process, the work dir, the file its stderr goes to)."""
     manifest = write_manifest(tmp_path / "m.toml", model, widths=(128,))
     work, err = tmp_path / "work", tmp_path / "stderr"
-    return start_cli("build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(work), stderr=err), work, err
+    return (
+        start_cli("build", str(manifest), "--store", str(tmp_path / "store"), "--work-dir", str(work), stderr=err),
+        work,
+        err,
+    )
 
 
 @pytest.mark.slow
@@ -136,7 +144,9 @@ def test_make_release_refuses_two_files_at_one_path_that_is_no_content_key(two_u
 
     a, b = two_unit_plan.units
     records = [record_of(a, {"model_config.json": D1}), record_of(b, {"model_config.json": D2})]
-    with pytest.raises(ConflictError, match=rf"model_config.json: units {a.unit_id} and {b.unit_id} produced different files"):
+    with pytest.raises(
+        ConflictError, match=rf"model_config.json: units {a.unit_id} and {b.unit_id} produced different files"
+    ):
         make_release(two_unit_plan, records, InductorBackend())
 
 
@@ -152,10 +162,16 @@ def test_make_release_keeps_one_copy_of_a_shared_content_keyed_path(two_unit_pla
         record_of(b, {kernel: D1, entry: D1}, threads="4", **{"cpu.isa": "avx2"}),
     ]
     release = make_release(two_unit_plan, records, InductorBackend())
-    assert [(f.path, f.digest) for f in release.files] == [("a/only", D1), (kernel, D2 if a.key < b.key else D1), (entry, D1)]
+    assert [(f.path, f.digest) for f in release.files] == [
+        ("a/only", D1),
+        (kernel, D2 if a.key < b.key else D1),
+        (entry, D1),
+    ]
     kept = D2 if a.key < b.key else D1
     assert release.shared == (SharedPath(path=kernel, kept=kept, dropped=(D1 if kept == D2 else D2,)),)
     # The release's fingerprint holds only what every unit shares.
     assert "threads" not in release.fingerprint and "cpu.isa" not in release.fingerprint
     assert release.fingerprint == {k: v for k, v in a.fingerprint.items() if k not in ("threads", "cpu.isa")}
-    assert [u.unit_id for u in release.units] == [a.unit_id, b.unit_id] and release.env == dict(two_unit_plan.runtime_env)
+    assert [u.unit_id for u in release.units] == [a.unit_id, b.unit_id] and release.env == dict(
+        two_unit_plan.runtime_env
+    )

@@ -56,7 +56,9 @@ def publish_unit(store: Store, work: Path, unit, seconds: float = 40.0) -> Bundl
     return record
 
 
-def test_release_with_a_plan_made_on_another_host_releases_what_a_one_process_build_would(manifest: Path, tmp_path: Path, cli) -> None:
+def test_release_with_a_plan_made_on_another_host_releases_what_a_one_process_build_would(
+    manifest: Path, tmp_path: Path, cli
+) -> None:
     plan = other_host_plan(manifest)
     store = open_store(str(tmp_path / "store"), create=True)
     records = [publish_unit(store, tmp_path / "work", u) for u in plan.units]
@@ -65,7 +67,9 @@ def test_release_with_a_plan_made_on_another_host_releases_what_a_one_process_bu
     unplanned = cli("release", str(manifest), "--store", str(tmp_path / "store"))
     assert unplanned.returncode == 14, unplanned.stderr
     assert "2 of 2 units of tiny have no bundle" in unplanned.stderr and "klein/128x128x1" in unplanned.stderr
-    result = cli("release", str(manifest), "--store", str(tmp_path / "store"), "--plan", str(tmp_path / "plan.json"), "--json")
+    result = cli(
+        "release", str(manifest), "--store", str(tmp_path / "store"), "--plan", str(tmp_path / "plan.json"), "--json"
+    )
     assert result.returncode == 0, result.stderr
     released = json.loads(result.stdout)
     # The same release id as the one-process build of these bundles would publish (build.make_release).
@@ -73,7 +77,9 @@ def test_release_with_a_plan_made_on_another_host_releases_what_a_one_process_bu
     assert released["missing"] == [] and released["tag"] == "tiny" and released["planned"] is True
     tag = json.loads((tmp_path / "store" / "tags" / "tiny.json").read_text())
     assert tag["release"] == released["release_id"]
-    again = cli("release", str(manifest), "--store", str(tmp_path / "store"), "--plan", str(tmp_path / "plan.json"), "--json")
+    again = cli(
+        "release", str(manifest), "--store", str(tmp_path / "store"), "--plan", str(tmp_path / "plan.json"), "--json"
+    )
     assert json.loads(again.stdout)["release_id"] == released["release_id"]  # idempotent: the tag stays
 
 
@@ -88,9 +94,15 @@ def test_release_with_a_unit_missing_names_it_and_releases_nothing(manifest: Pat
     assert f"error: 1 of 2 units of tiny have no bundle in {tmp_path / 'store'}: {missing.unit_id}" in result.stderr
     assert f"missing  {missing.unit_id}" in result.stdout and built.unit_id not in result.stderr
     assert "hint: build them" in result.stderr
-    assert list((tmp_path / "store").glob("releases/*")) == [] and not (tmp_path / "store" / "tags" / "tiny.json").exists()
-    as_json = cli("release", str(manifest), "--store", str(tmp_path / "store"), "--plan", str(tmp_path / "plan.json"), "--json")
-    assert as_json.returncode == 14 and json.loads(as_json.stdout.split("\n}\n")[0] + "\n}")["missing"] == [missing.unit_id]
+    assert (
+        list((tmp_path / "store").glob("releases/*")) == [] and not (tmp_path / "store" / "tags" / "tiny.json").exists()
+    )
+    as_json = cli(
+        "release", str(manifest), "--store", str(tmp_path / "store"), "--plan", str(tmp_path / "plan.json"), "--json"
+    )
+    assert as_json.returncode == 14 and json.loads(as_json.stdout.split("\n}\n")[0] + "\n}")["missing"] == [
+        missing.unit_id
+    ]
 
 
 def test_a_plan_of_another_manifest_version_is_refused(manifest: Path, tmp_path: Path, cli) -> None:
@@ -104,16 +116,29 @@ def test_a_plan_of_another_manifest_version_is_refused(manifest: Path, tmp_path:
     assert bad.returncode == 2 and "invalid PlanDocument" in bad.stderr
 
 
-def test_a_worker_whose_facts_differ_from_the_plan_fails_fast_naming_the_fields(manifest: Path, tmp_path: Path, cli) -> None:
+def test_a_worker_whose_facts_differ_from_the_plan_fails_fast_naming_the_fields(
+    manifest: Path, tmp_path: Path, cli
+) -> None:
     write_plan(tmp_path / "plan.json", plan_to_document(other_host_plan(manifest), {}))
-    result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--plan", str(tmp_path / "plan.json"), "--shard", "0/2")
+    result = cli(
+        "build",
+        str(manifest),
+        "--store",
+        str(tmp_path / "store"),
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--shard",
+        "0/2",
+    )
     assert result.returncode == 7, result.stderr
     assert "this host's facts differ from the plan's (" in result.stderr
     assert "python.prefix: planned '/opt/venv', here" in result.stderr or "cpu.isa: planned" in result.stderr
     assert not (tmp_path / "store").exists()  # refused before the store was created
 
 
-def test_plan_out_and_shards_then_shard_builds_of_present_units_then_release(manifest: Path, tmp_path: Path, cli) -> None:
+def test_plan_out_and_shards_then_shard_builds_of_present_units_then_release(
+    manifest: Path, tmp_path: Path, cli
+) -> None:
     """This host's plan document; bundles published for its keys (as two shards would); each
     shard then finds its units present, writes its report and releases nothing; release merges."""
     store_dir = str(tmp_path / "store")
@@ -133,7 +158,18 @@ def test_plan_out_and_shards_then_shard_builds_of_present_units_then_release(man
     for index in ("0", "1"):
         env = {"JOB_COMPLETION_INDEX": index, "GITHUB_STEP_SUMMARY": str(summary)}
         report = tmp_path / f"shard{index}.json"
-        shard = cli("build", str(manifest), "--store", store_dir, "--plan", str(tmp_path / "plan.json"), "--report", str(report), "--json", env=env)
+        shard = cli(
+            "build",
+            str(manifest),
+            "--store",
+            store_dir,
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "--report",
+            str(report),
+            "--json",
+            env=env,
+        )
         assert shard.returncode == 0, shard.stderr
         out = json.loads(shard.stdout)
         assert [o["status"] for o in out["outcomes"]] == ["present"] and out["shard"] == f"{index}/2"
@@ -158,7 +194,9 @@ def test_plan_out_and_shards_then_shard_builds_of_present_units_then_release(man
 def test_merged_reports_prefer_the_build_that_made_the_bundle(tmp_path: Path) -> None:
     from neffbuild.build.report import markdown, merged
 
-    a = ReportUnit("m/a", "1" * 32, "failed", shard="0/2", killed="killed by SIGKILL", error="m/a: worker killed by SIGKILL")
+    a = ReportUnit(
+        "m/a", "1" * 32, "failed", shard="0/2", killed="killed by SIGKILL", error="m/a: worker killed by SIGKILL"
+    )
     rerun = ReportUnit("m/a", "1" * 32, "built", shard="0/2", seconds=40.0, peak_rss=512 << 20, attempts=2)
     b = ReportUnit("m/b", "2" * 32, "present", shard="1/2")
     first, second = Report("m", "s", (a,), ("0/2",)), Report("m", "s", (rerun,), ("0/2",))

@@ -56,7 +56,10 @@ def test_two_processes_moving_one_tag_lose_no_update(target: tuple[str, dict[str
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", PUBLISHER, url, name, str(tmp_path / name), str(go), str(MOVES)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
             env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
         )  # fmt: skip
         for name in ("job-a", "job-b")
@@ -77,8 +80,12 @@ def test_two_processes_moving_one_tag_lose_no_update(target: tuple[str, dict[str
 def test_rollback_moves_the_tag_back_and_keeps_history(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:
     url, env = target
     store = open_store(url, create=True, env=env)
-    old = publish_release_of(store, tmp_path / "v1", write_files(tmp_path / "v1", {"a.bin": 10}, seed=1), name="v1", tag="prod")
-    new = publish_release_of(store, tmp_path / "v2", write_files(tmp_path / "v2", {"a.bin": 10}, seed=2), name="v2", tag="prod")
+    old = publish_release_of(
+        store, tmp_path / "v1", write_files(tmp_path / "v1", {"a.bin": 10}, seed=1), name="v1", tag="prod"
+    )
+    new = publish_release_of(
+        store, tmp_path / "v2", write_files(tmp_path / "v2", {"a.bin": 10}, seed=2), name="v2", tag="prod"
+    )
     assert _tag(store, "prod").release == new
     move_tag(store, "prod", old, by="oncall")
     tag = _tag(store, "prod")

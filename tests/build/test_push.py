@@ -43,7 +43,9 @@ def test_push_local_to_s3_then_an_unchanged_push_uploads_nothing(
 
 
 @pytest.mark.s3
-def test_push_s3_to_local_copies_the_release(local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+def test_push_s3_to_local_copies_the_release(
+    local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
     url, release_id, _ = local_release
     push("main", open_store(url), open_store(s3_url, create=True, env=s3_env), jobs=8)
     back = open_store(str(tmp_path / "back"), create=True)
@@ -74,15 +76,23 @@ def test_push_and_pull_of_a_release_whose_bundle_the_store_lacks_say_the_store_i
     [bundle] = Path(url, "bundles").rglob("*.json")
     bundle.unlink()
     where = f"{url}/releases/{release_id}.json"
-    for args in (("push", "main", "--from", url, "--to", str(tmp_path / "copy")), ("pull", "main", "--store", url, "--cache-dir", str(tmp_path / "cache"))):
+    for args in (
+        ("push", "main", "--from", url, "--to", str(tmp_path / "copy")),
+        ("pull", "main", "--store", url, "--cache-dir", str(tmp_path / "cache")),
+    ):
         result = cli(*args)
         assert result.returncode == 4, result.stderr
-        assert f"error: {where}: unit " in result.stderr and f"names bundle {bundle.stem}, which the store lacks" in result.stderr
+        assert (
+            f"error: {where}: unit " in result.stderr
+            and f"names bundle {bundle.stem}, which the store lacks" in result.stderr
+        )
         assert "hint: the store is damaged" in result.stderr
 
 
 @pytest.mark.s3
-def test_cli_push_then_tag_rolls_back(local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli) -> None:
+def test_cli_push_then_tag_rolls_back(
+    local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli
+) -> None:
     url, release_id, size = local_release
     env = {k: v for k, v in s3_env.items() if k != "AWS_ENDPOINT_URL"}  # the flag supplies it
     endpoint = ["--endpoint-url", s3_env["AWS_ENDPOINT_URL"]]
@@ -93,7 +103,9 @@ def test_cli_push_then_tag_rolls_back(local_release: tuple[str, str, int], s3_ur
     assert json.loads(again.stdout)["bytes_uploaded"] == 0
 
     local = open_store(url)
-    newer = publish_release_of(local, tmp_path / "src2", small_and_large(tmp_path / "src2", small=3, seed=9), name="v2", tag="main")
+    newer = publish_release_of(
+        local, tmp_path / "src2", small_and_large(tmp_path / "src2", small=3, seed=9), name="v2", tag="main"
+    )
     assert cli("push", "main", "--from", url, "--to", s3_url, *endpoint, env=env).returncode == 0
     back = cli("tag", "main", release_id, "--store", s3_url, *endpoint, "--json", env=env)
     assert back.returncode == 0, back.stderr
@@ -105,7 +117,9 @@ def test_cli_push_then_tag_rolls_back(local_release: tuple[str, str, int], s3_ur
 
 
 @pytest.mark.s3
-def test_endpoint_flag_beats_the_environment(local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli) -> None:
+def test_endpoint_flag_beats_the_environment(
+    local_release: tuple[str, str, int], s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli
+) -> None:
     """--endpoint-url reaches the store as a parameter: a wrong AWS_ENDPOINT_URL is not used."""
     url, release_id, _ = local_release
     env = {**s3_env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}  # nothing listens on the discard port

@@ -114,12 +114,17 @@ def test_a_failed_flush_after_a_pull_is_a_disk_error_and_records_nothing(failing
     assert result.returncode == 10, result.stderr
     # The loop device's backing tmpfs fills up: the kernel reports the lost writeback as EIO or,
     # depending on when it notices, ENOSPC. Either way the flush failed and must be said.
-    assert re.search(rf"error: {re.escape(str(cache))}: flushing its filesystem to disk failed: (Input/output error|No space left on device)\n", result.stderr)
+    assert re.search(
+        rf"error: {re.escape(str(cache))}: flushing its filesystem to disk failed: (Input/output error|No space left on device)\n",
+        result.stderr,
+    )
     assert "hint: the device reported a write error" in result.stderr
     assert not (cache / ".neffbuild" / "state.json").exists()  # nothing claims the files are durable
 
 
-def test_files_a_pull_only_rehashes_are_flushed_before_the_state_vouches_for_them(failing_disk: Path, tmp_path: Path) -> None:
+def test_files_a_pull_only_rehashes_are_flushed_before_the_state_vouches_for_them(
+    failing_disk: Path, tmp_path: Path
+) -> None:
     """As after a pull killed before its flush: the files are in place, in the page cache only.
     The next pull fetches nothing, but must flush them before recording them (here it fails)."""
     store = open_store(str(tmp_path / "store"), create=True)
@@ -135,7 +140,9 @@ def test_files_a_pull_only_rehashes_are_flushed_before_the_state_vouches_for_the
     # Mostly the flush fails. Under load the kernel's flusher may lose the copy's pages first; then
     # the full device refuses the state itself. Either way nothing vouches for the files.
     flush_failed = f"error: {cache}: flushing its filesystem to disk failed" in result.stderr
-    assert flush_failed or f"error: {cache}/.neffbuild/state.json: No space left on device" in result.stderr, result.stderr
+    assert flush_failed or f"error: {cache}/.neffbuild/state.json: No space left on device" in result.stderr, (
+        result.stderr
+    )
     assert not (cache / ".neffbuild" / "state.json").exists()
 
 
@@ -156,11 +163,15 @@ def test_a_unit_whose_log_cannot_be_kept_fails_alone_not_the_build(damaged_model
     assert outcome["status"] == "failed" and "its log could not be kept" in outcome["error"]
 
 
-def test_a_unit_whose_scratch_dir_is_removed_while_its_worker_runs_fails_saying_so(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_unit_whose_scratch_dir_is_removed_while_its_worker_runs_fails_saying_so(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     build, work, stderr = start_build(tiny_model, tmp_path)
     try:
         # The worker is started (its environment names this build) before it can compile anything.
-        assert wait_for(lambda: bool(started_by(build.pid)) or build.poll() is not None, 120, step=0.02), stderr.read_text()
+        assert wait_for(lambda: bool(started_by(build.pid)) or build.poll() is not None, 120, step=0.02), (
+            stderr.read_text()
+        )
         (scratch,) = work.glob("neffbuild-work-*/*/")
         shutil.rmtree(scratch)
         assert build.wait(120) == 5, stderr.read_text()
@@ -168,8 +179,14 @@ def test_a_unit_whose_scratch_dir_is_removed_while_its_worker_runs_fails_saying_
         if build.poll() is None:
             build.kill()
     err = stderr.read_text()
-    assert f"error: 1 of 1 units failed; first: klein/128x128x1: its scratch dir {scratch} was removed while its worker ran" in err
-    assert "a temp cleaner perhaps; rerun with --work-dir on a dir nothing else cleans" in err and "log: (none kept)" in err
+    assert (
+        f"error: 1 of 1 units failed; first: klein/128x128x1: its scratch dir {scratch} was removed while its worker ran"
+        in err
+    )
+    assert (
+        "a temp cleaner perhaps; rerun with --work-dir on a dir nothing else cleans" in err
+        and "log: (none kept)" in err
+    )
     assert "Traceback" not in err and "internal error" not in err
     published = open_store(str(tmp_path / "store"))
     assert [list(published.list_docs(kind)) for kind in ("bundles", "releases")] == [[], []]  # nothing for that unit

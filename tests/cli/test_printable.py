@@ -106,7 +106,12 @@ def publish_with(store: Store, work: Path, text: str, path_text: str) -> Publish
     serve), env values, counters, versions, tag history `by` and `at`."""
     ids, keys = [], []
     for version in (1, 2):
-        unit = {"name": text, "pipeline": text, "call": {"prompt": text}, "shape": {"height": 128, "width": 128, "batch": version}}
+        unit = {
+            "name": text,
+            "pipeline": text,
+            "call": {"prompt": text},
+            "shape": {"height": 128, "width": 128, "batch": version},
+        }
         env = {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_NOTE": text}
         fingerprint = {**this_host(unit, env), "diffusers": text}
         data = f"kernel {version} {text}".encode()
@@ -145,17 +150,23 @@ def commands(p: Published, cache: Path) -> list[tuple[str, ...]]:
 
 def run(args: tuple[str, ...], **env: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR", "CI")} | env
-    return subprocess.run([sys.executable, "-m", "neffbuild", *args], capture_output=True, text=True, env=full, check=False, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "neffbuild", *args], capture_output=True, text=True, env=full, check=False, timeout=120
+    )
 
 
-def test_no_command_writes_a_control_byte_from_a_hostile_store_and_each_exits_as_for_a_clean_one(tmp_path: Path) -> None:
+def test_no_command_writes_a_control_byte_from_a_hostile_store_and_each_exits_as_for_a_clean_one(
+    tmp_path: Path,
+) -> None:
     runs = {}
     for name, text, path_text, color in (
         ("clean", "clean-text", "clean-path", {}), ("hostile", NASTY, PATH_NASTY, {}), ("hostile", NASTY, PATH_NASTY, {"FORCE_COLOR": "1"})
     ):  # fmt: skip
         work = tmp_path / f"{name}{len(color)}"
         work.mkdir()
-        published = publish_with(LocalStore(work / "store", create=True), work, text, path_text)  # `tag` moves it: one each
+        published = publish_with(
+            LocalStore(work / "store", create=True), work, text, path_text
+        )  # `tag` moves it: one each
         runs[name, bool(color)] = [(args, run(args, **color)) for args in commands(published, work / "cache")]
     for (name, color), results in runs.items():
         for (args, result), (_, clean) in zip(results, runs["clean", False], strict=True):

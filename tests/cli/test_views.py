@@ -25,7 +25,11 @@ def render(table, width: int) -> str:
 
 def test_plan_keeps_every_unit_id_and_key_whole_at_80_columns(tiny_model: Path, tmp_path: Path, cli) -> None:
     manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,))
-    text = manifest.read_text().replace('id = "klein"', 'id = "flux2-klein-4b-distilled"').replace("batch = 1", "batch = [1, 2]")
+    text = (
+        manifest.read_text()
+        .replace('id = "klein"', 'id = "flux2-klein-4b-distilled"')
+        .replace("batch = 1", "batch = [1, 2]")
+    )
     manifest.write_text(text)
     planned = cli("plan", str(manifest), "--json")
     assert planned.returncode == 0, planned.stderr

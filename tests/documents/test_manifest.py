@@ -58,56 +58,132 @@ def test_good_manifest_expands_the_shape_product(tmp_path: Path, model_dir: Path
 
 
 BAD_CASES = {
-    "unknown key gets a hint": (("mode = \"full\"", 'mdoe = "full"'), ["model[klein].mdoe", "did you mean 'mode'"]),
+    "unknown key gets a hint": (('mode = "full"', 'mdoe = "full"'), ["model[klein].mdoe", "did you mean 'mode'"]),
     "top-level typo": (('name = "tiny"', 'nmae = "tiny"'), ["nmae", "did you mean 'name'"]),
     "bad dtype": (('dtype = "float32"', 'dtype = "flaot32"'), ["model[klein].dtype", "flaot32"]),
-    "missing pipeline": (('pipeline = "Flux2KleinPipeline"\n', ""), ["model[klein].pipeline", "required key is missing"]),
-    "shape not a multiple of 16": (("height = 128", "height = 120"), ["model[klein].shapes.height", "120", "multiple of 16", "try 128"]),
+    "missing pipeline": (
+        ('pipeline = "Flux2KleinPipeline"\n', ""),
+        ["model[klein].pipeline", "required key is missing"],
+    ),
+    "shape not a multiple of 16": (
+        ("height = 128", "height = 120"),
+        ["model[klein].shapes.height", "120", "multiple of 16", "try 128"],
+    ),
     "duplicate shape": (("width = [128, 256]", "width = [128, 128]"), ["model[klein].shapes", "128x128x1", "twice"]),
     "zero batch": (("batch = [1, 2]", "batch = 0"), ["model[klein].shapes.batch", "greater than or equal to 1"]),
-    "owned env var": (('OMP_NUM_THREADS = "2"', 'TORCHINDUCTOR_CACHE_DIR = "/x"'), ["model[klein].env", "TORCHINDUCTOR_CACHE_DIR", "set by neffbuild"]),
+    "owned env var": (
+        ('OMP_NUM_THREADS = "2"', 'TORCHINDUCTOR_CACHE_DIR = "/x"'),
+        ["model[klein].env", "TORCHINDUCTOR_CACHE_DIR", "set by neffbuild"],
+    ),
     "owned call arg": (("num_inference_steps = 2", "height = 64"), ["model[klein].call", "height"]),
-    "device does not suit backend": (('mode = "full"', 'mode = "full"\ndevice = "neuron"'), ["model[klein]", "device 'neuron'", "inductor"]),
+    "device does not suit backend": (
+        ('mode = "full"', 'mode = "full"\ndevice = "neuron"'),
+        ["model[klein]", "device 'neuron'", "inductor"],
+    ),
     "hub model without revision": (('model = "./model"', 'model = "org/flux"'), ["model[klein].revision", "org/flux"]),
-    "local model without index": (('model = "./model"', 'model = "./nowhere"'), ["model[klein].model", "model_index.json"]),
+    "local model without index": (
+        ('model = "./model"', 'model = "./nowhere"'),
+        ["model[klein].model", "model_index.json"],
+    ),
     "bad mode": (('mode = "full"', 'mode = "fast"'), ["model[klein].mode", "fast"]),
-    "tensor parallel on inductor": (('mode = "full"', 'mode = "full"\ntensor_parallel = 2'), ["model[klein]", "tensor_parallel", "neuron"]),
+    "tensor parallel on inductor": (
+        ('mode = "full"', 'mode = "full"\ntensor_parallel = 2'),
+        ["model[klein]", "tensor_parallel", "neuron"],
+    ),
     # Types are exact: no coercion from strings, floats or booleans.
-    "height as a string": (("height = 128", 'height = "128"'), ["model[klein].shapes.height", "valid integer", "'128'", "types are exact"]),
+    "height as a string": (
+        ("height = 128", 'height = "128"'),
+        ["model[klein].shapes.height", "valid integer", "'128'", "types are exact"],
+    ),
     "height as a float": (("height = 128", "height = 128.0"), ["model[klein].shapes.height", "valid integer", "128.0"]),
     "batch as a boolean": (("batch = [1, 2]", "batch = true"), ["model[klein].shapes.batch", "valid integer", "True"]),
-    "tensor_parallel as a float": (('mode = "full"', 'mode = "full"\ntensor_parallel = 1.0'), ["model[klein].tensor_parallel", "valid integer"]),
-    "env value as a number": (('OMP_NUM_THREADS = "2"', "OMP_NUM_THREADS = 2"), ["model[klein].env.OMP_NUM_THREADS", "valid string"]),
+    "tensor_parallel as a float": (
+        ('mode = "full"', 'mode = "full"\ntensor_parallel = 1.0'),
+        ["model[klein].tensor_parallel", "valid integer"],
+    ),
+    "env value as a number": (
+        ('OMP_NUM_THREADS = "2"', "OMP_NUM_THREADS = 2"),
+        ["model[klein].env.OMP_NUM_THREADS", "valid string"],
+    ),
     # Bounds.
-    "height past the limit": (("height = 128", "height = " + "1" + "0" * 40), ["model[klein].shapes.height", "less than or equal to 16384"]),
-    "batch past the limit": (("batch = [1, 2]", "batch = 1000"), ["model[klein].shapes.batch", "less than or equal to 256"]),
+    "height past the limit": (
+        ("height = 128", "height = " + "1" + "0" * 40),
+        ["model[klein].shapes.height", "less than or equal to 16384"],
+    ),
+    "batch past the limit": (
+        ("batch = [1, 2]", "batch = 1000"),
+        ["model[klein].shapes.batch", "less than or equal to 256"],
+    ),
     "prompts times batch past the limit": (
-        ("num_inference_steps = 2", "prompt = [" + ", ".join(['"a"'] * 200) + "]"), ["batch 2 x 200 prompts is 400 images per call"]
+        ("num_inference_steps = 2", "prompt = [" + ", ".join(['"a"'] * 200) + "]"),
+        ["batch 2 x 200 prompts is 400 images per call"],
     ),
     "too many units": (
-        ("height = 128, width = [128, 256]", "height = [128, 256, 384], width = [" + ", ".join(str(16 * i) for i in range(1, 257)) + "]"),
+        (
+            "height = 128, width = [128, 256]",
+            "height = [128, 256, 384], width = [" + ", ".join(str(16 * i) for i in range(1, 257)) + "]",
+        ),
         ["more than 1024 units"],
     ),
-    "a call integer past 64 bits": (("num_inference_steps = 2", "num_inference_steps = " + "9" * 30), ["model[klein].call", "num_inference_steps: integer past 64 bits"]),
-    "a call float that is not finite": (("num_inference_steps = 2", "guidance_scale = nan"), ["model[klein].call.guidance_scale", "finite"]),
-    "a call argument that is no name": (("num_inference_steps = 2", '"steps-2" = 2'), ["model[klein].call", "'steps-2' is not a parameter name"]),
-    "a prompt that is no text": (("num_inference_steps = 2", "prompt = 3"), ["model[klein].call", "prompt must be a string"]),
+    "a call integer past 64 bits": (
+        ("num_inference_steps = 2", "num_inference_steps = " + "9" * 30),
+        ["model[klein].call", "num_inference_steps: integer past 64 bits"],
+    ),
+    "a call float that is not finite": (
+        ("num_inference_steps = 2", "guidance_scale = nan"),
+        ["model[klein].call.guidance_scale", "finite"],
+    ),
+    "a call argument that is no name": (
+        ("num_inference_steps = 2", '"steps-2" = 2'),
+        ["model[klein].call", "'steps-2' is not a parameter name"],
+    ),
+    "a prompt that is no text": (
+        ("num_inference_steps = 2", "prompt = 3"),
+        ["model[klein].call", "prompt must be a string"],
+    ),
     # Store URLs, NUL, paths.
-    "store with another scheme": (('name = "tiny"', 'name = "tiny"\nstore = "ftp://b/p"'), ["store", "unsupported scheme 'ftp'"]),
-    "store that is no s3 url": (('name = "tiny"', 'name = "tiny"\nstore = "s3://"'), ["store", "is not s3://bucket[/prefix]"]),
-    "NUL in an env value": (('OMP_NUM_THREADS = "2"', 'OMP_NUM_THREADS = "2\\u0000"'), ["model[klein].env.OMP_NUM_THREADS", "NUL"]),
+    "store with another scheme": (
+        ('name = "tiny"', 'name = "tiny"\nstore = "ftp://b/p"'),
+        ["store", "unsupported scheme 'ftp'"],
+    ),
+    "store that is no s3 url": (
+        ('name = "tiny"', 'name = "tiny"\nstore = "s3://"'),
+        ["store", "is not s3://bucket[/prefix]"],
+    ),
+    "NUL in an env value": (
+        ('OMP_NUM_THREADS = "2"', 'OMP_NUM_THREADS = "2\\u0000"'),
+        ["model[klein].env.OMP_NUM_THREADS", "NUL"],
+    ),
     "NUL in the model path": (('model = "./model"', 'model = "./mo\\u0000del"'), ["model[klein].model", "NUL"]),
     "NUL in a call string": (("num_inference_steps = 2", 'prompt = "a\\u0000b"'), ["model[klein].call.prompt", "NUL"]),
     "NUL in a key": (("num_inference_steps = 2", '"a\\u0000b" = 1'), ["model[klein].call", "NUL"]),
-    "over-long model path": (('model = "./model"', 'model = "./' + "a" * 5000 + '"'), ["model[klein].model", "at most 4096 characters"]),
-    "over-long path component": (('model = "./model"', 'model = "./' + "a" * 300 + '"'), ["model[klein].model", "longer than 255 bytes"]),
+    "over-long model path": (
+        ('model = "./model"', 'model = "./' + "a" * 5000 + '"'),
+        ["model[klein].model", "at most 4096 characters"],
+    ),
+    "over-long path component": (
+        ('model = "./model"', 'model = "./' + "a" * 300 + '"'),
+        ["model[klein].model", "longer than 255 bytes"],
+    ),
     # Shapes of the document itself.
-    "[model] instead of [[model]]": (("[[model]]", "[model]"), ["model: a single [model] table", "[[model]] (two brackets)"]),
+    "[model] instead of [[model]]": (
+        ("[[model]]", "[model]"),
+        ["model: a single [model] table", "[[model]] (two brackets)"],
+    ),
     "deeply nested value": (("num_inference_steps = 2", "x = " + "[" * 40 + "]" * 40), ["nested deeper than 8 levels"]),
-    "nesting past the parser's recursion": (("num_inference_steps = 2", "x = " + "[" * 5000 + "]" * 5000), ["nested deeper than 8 levels"]),
+    "nesting past the parser's recursion": (
+        ("num_inference_steps = 2", "x = " + "[" * 5000 + "]" * 5000),
+        ["nested deeper than 8 levels"],
+    ),
     # Components.
-    "a method in regional mode": (('mode = "full"', 'mode = "regional"\ncomponents = ["vae.decode"]'), ["'vae.decode' names a method", "mode 'full'"]),
-    "a component that is no name": (('mode = "full"', 'mode = "full"\ncomponents = ["vae..decode"]'), ["model[klein].components", "'vae..decode' is not a component"]),
+    "a method in regional mode": (
+        ('mode = "full"', 'mode = "regional"\ncomponents = ["vae.decode"]'),
+        ["'vae.decode' names a method", "mode 'full'"],
+    ),
+    "a component that is no name": (
+        ('mode = "full"', 'mode = "full"\ncomponents = ["vae..decode"]'),
+        ["model[klein].components", "'vae..decode' is not a component"],
+    ),
 }
 
 
@@ -174,7 +250,10 @@ def test_shipped_schema_is_current_and_accepts_the_repo_manifests(cli) -> None:
 
 def test_schema_rejects_what_the_loader_rejects() -> None:
     schema = manifest_json_schema()
-    bad = {"name": "x", "model": [{"id": "a", "model": "./m", "pipeline": "P", "shapes": {"height": 1, "width": 1}, "mdoe": "full"}]}
+    bad = {
+        "name": "x",
+        "model": [{"id": "a", "model": "./m", "pipeline": "P", "shapes": {"height": 1, "width": 1}, "mdoe": "full"}],
+    }
     with pytest.raises(jsonschema.ValidationError, match="mdoe"):
         jsonschema.validate(bad, schema)
 
@@ -204,7 +283,12 @@ def test_a_prompt_list_multiplies_the_images_per_call(tmp_path: Path, model_dir:
     text = GOOD.replace("num_inference_steps = 2", 'num_inference_steps = 2\nprompt = ["a cat", "a dog"]')
     (entry,) = load_manifest(write(tmp_path, text)).manifest.models
     assert entry.prompts_per_call == 2
-    assert [entry.unit_label(s) for s in entry.expanded_shapes()] == ["128x128x2", "128x128x4", "128x256x2", "128x256x4"]
+    assert [entry.unit_label(s) for s in entry.expanded_shapes()] == [
+        "128x128x2",
+        "128x128x4",
+        "128x256x2",
+        "128x256x4",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -249,7 +333,9 @@ _SCALARS = (
     | st.sampled_from([0, 1, 2, 16, 128, 16384, 16385, 2**63, -1])
     | st.floats(allow_nan=True, allow_infinity=True)
     | _TEXT
-    | st.sampled_from(["./model", "float32", "neuron", "cpu", "full", "regional", "eager", "vae.decode", "s3://b/p", "ftp://x", "\0"])
+    | st.sampled_from(
+        ["./model", "float32", "neuron", "cpu", "full", "regional", "eager", "vae.decode", "s3://b/p", "ftp://x", "\0"]
+    )
     | st.just(datetime.date(1979, 5, 27))
 )
 _VALUES = st.recursive(
@@ -292,7 +378,11 @@ def _mutated(draw) -> str:
     for _ in range(draw(st.integers(1, 3))):
         node = data
         for _ in range(draw(st.integers(0, 5))):
-            children = [k for k, v in (node.items() if isinstance(node, dict) else enumerate(node)) if isinstance(v, (dict, list)) and v]
+            children = [
+                k
+                for k, v in (node.items() if isinstance(node, dict) else enumerate(node))
+                if isinstance(v, (dict, list)) and v
+            ]
             if not children:
                 break
             node = node[draw(st.sampled_from(children))]
@@ -315,7 +405,9 @@ _DOCUMENTS = (
 )
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(document=_DOCUMENTS)
 def test_any_document_loads_or_is_a_manifest_error(document: str, tmp_path: Path, model_dir: Path) -> None:
     path = tmp_path / "fuzz.toml"

@@ -131,18 +131,42 @@ OTHER = "f" * 32
         (with_files(("Kernel.so", DIGEST), ("kernel.so", OTHER)), "differ only in case"),
         (with_files(("A", DIGEST), ("a/b", OTHER)), "'A' is a file and also the directory of 'a/b'"),
         (with_files(("caf\u00e9", DIGEST), ("cafe\u0301", OTHER)), "differ only in case"),  # NFC vs NFD
-        (with_files(("a\nb", DIGEST),), "without control characters"),
-        (with_files(("x" * 256, DIGEST),), "is too long"),
-        (with_files(("a/" * 600 + "b", DIGEST),), "is too long"),
+        (
+            with_files(
+                ("a\nb", DIGEST),
+            ),
+            "without control characters",
+        ),
+        (
+            with_files(
+                ("x" * 256, DIGEST),
+            ),
+            "is too long",
+        ),
+        (
+            with_files(
+                ("a/" * 600 + "b", DIGEST),
+            ),
+            "is too long",
+        ),
         (mutated(lambda r: r["files"][0].update(size=1 << 63)), "larger than any file"),
-        (mutated(lambda r: r.update(shared=[{"path": "../x", "kept": DIGEST, "dropped": []}])), "at shared.0.path: unsafe path"),
+        (
+            mutated(lambda r: r.update(shared=[{"path": "../x", "kept": DIGEST, "dropped": []}])),
+            "at shared.0.path: unsafe path",
+        ),
         (mutated(lambda r: r.update(cache_env="")), "at cache_env: '' is not an environment variable name"),
-        (mutated(lambda r: r["env"].update({"X=1; touch PWNED; Y": "1"})), "at env: 'X=1; touch PWNED; Y' is not an environment"),
+        (
+            mutated(lambda r: r["env"].update({"X=1; touch PWNED; Y": "1"})),
+            "at env: 'X=1; touch PWNED; Y' is not an environment",
+        ),
         (mutated(lambda r: r["env"].update({"A\nLD_PRELOAD": "1"})), "at env: 'A\\nLD_PRELOAD' is not"),
         (mutated(lambda r: r.update(unit=1)), "at unit: unknown field"),
         (mutated(lambda r: r["env"].update({"\ud800": "1"})), r"at env.'\ud800': '\ud800' holds a lone surrogate"),
         (mutated(lambda r: r["env"].update(A="\udfff")), "at env.A: '\\udfff' holds a lone surrogate"),
-        (mutated(lambda r: r["files"][0].update(path="a\ud800b")), "at files.0.path: 'a\\ud800b' holds a lone surrogate"),
+        (
+            mutated(lambda r: r["files"][0].update(path="a\ud800b")),
+            "at files.0.path: 'a\\ud800b' holds a lone surrogate",
+        ),
         (mutated(lambda r: r.update(name="\udc80")), "at name:"),
     ],
 )
@@ -188,12 +212,43 @@ def test_a_tag_document_must_hold_a_tag_name() -> None:
 # else; every document accepted must re-serialise, and its file list must settle in a cache dir.
 
 EXAMPLES = 2_000
-PATHS = ["a", "A", "a/b", "a/B", "a/b/c", "b", ".neffbuild/s", "x/.y.1.2.incomplete", "é", "e\u0301", "../x", "a//b", ""]
+PATHS = [
+    "a",
+    "A",
+    "a/b",
+    "a/B",
+    "a/b/c",
+    "b",
+    ".neffbuild/s",
+    "x/.y.1.2.incomplete",
+    "é",
+    "e\u0301",
+    "../x",
+    "a//b",
+    "",
+]
 
-_lone_surrogate = st.tuples(st.text(max_size=3), st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3)).map("".join)
+_lone_surrogate = st.tuples(
+    st.text(max_size=3), st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=3)
+).map("".join)
 _text = st.text(st.characters() | st.sampled_from("\x00\n/\\.$'\""), max_size=8) | _lone_surrogate
-_scalar = st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | _text | st.sampled_from(PATHS)
-_json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text | st.sampled_from(["path", "size", "digest", "format"]), inner, max_size=3), max_leaves=8)
+_scalar = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | _text
+    | st.sampled_from(PATHS)
+)
+_json = st.recursive(
+    _scalar,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(_text | st.sampled_from(["path", "size", "digest", "format"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 _file = st.fixed_dictionaries({
     "path": st.sampled_from(PATHS) | _text,
     "size": st.sampled_from([0, 1, 3]) | st.sampled_from([-1, True, 1.5, 2**63]),
@@ -204,7 +259,9 @@ _same_kind = {str: _text | st.sampled_from(PATHS), int: st.integers(), float: st
 SAMPLES = {
     Release: lambda: json.loads(dump(release())),
     BundleRecord: lambda: json.loads(dump(bundle())),
-    TagRecord: lambda: json.loads(dump(TagRecord(name="prod", release=DIGEST, history=(TagEvent(release=DIGEST, at="t", by="ci"),)))),
+    TagRecord: lambda: json.loads(
+        dump(TagRecord(name="prod", release=DIGEST, history=(TagEvent(release=DIGEST, at="t", by="ci"),)))
+    ),
 }
 
 
@@ -217,7 +274,10 @@ def replace_somewhere(doc: Any, data: st.DataObject) -> Any:
         return data.draw(same if same is not None and data.draw(st.booleans()) else _json | st.lists(_file, max_size=4))
     if not doc or data.draw(st.integers(0, 5)) == 0:  # grow: a new key or item
         if isinstance(doc, dict):
-            return {**doc, data.draw(_text | st.sampled_from(["OMP_NUM_THREADS", "TORCHINDUCTOR_X", "path"])): data.draw(_json)}
+            return {
+                **doc,
+                data.draw(_text | st.sampled_from(["OMP_NUM_THREADS", "TORCHINDUCTOR_X", "path"])): data.draw(_json),
+            }
         return [*doc, data.draw(_file | _json)]
     key = data.draw(st.sampled_from(sorted(doc) if isinstance(doc, dict) else list(range(len(doc)))))
     if isinstance(doc, dict) and data.draw(st.integers(0, 9)) == 0:
@@ -236,7 +296,9 @@ def check_parse(kind: type, data: bytes) -> None:
         return
     assert parse(kind, dump(doc), "again.json") == doc  # what is accepted re-serialises
     files = getattr(doc, "files", ())
-    assert all(reserved_problem(f.path) is None and ".." not in f.path.split("/") and not f.path.startswith("/") for f in files)
+    assert all(
+        reserved_problem(f.path) is None and ".." not in f.path.split("/") and not f.path.startswith("/") for f in files
+    )
     folded = [unicodedata.normalize("NFD", unicodedata.normalize("NFD", f.path).casefold()) for f in files]
     assert len(set(folded)) == len(folded)
     assert not {p.rsplit("/", i)[0] for p in folded for i in range(1, p.count("/") + 1)} & set(folded)

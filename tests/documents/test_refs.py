@@ -89,7 +89,13 @@ def test_ambiguous_prefix_counts_the_candidates(store: Store, tmp_path: Path) ->
 def test_a_tag_wins_over_a_prefix(store: Store, tmp_path: Path) -> None:
     ids = publish_three(store, tmp_path)
     other = next(i for i in ids if i != ids[0])
-    publish_release_of(store, tmp_path / "0", write_files(tmp_path / "0", {"a.bin": 100, "b0.bin": 10}, seed=0), name="r0", tag=other[:8])
+    publish_release_of(
+        store,
+        tmp_path / "0",
+        write_files(tmp_path / "0", {"a.bin": 100, "b0.bin": 10}, seed=0),
+        name="r0",
+        tag=other[:8],
+    )
     assert resolve(store, other[:8]).release_id == ids[0]
 
 
@@ -97,7 +103,9 @@ def test_bundles_resolve_through_resolve_any_only(store: Store, tmp_path: Path) 
     ids = publish_three(store, tmp_path)
     key = load_doc(store, Release, ids[0]).units[0].key
     found = resolve_any(store, key)
-    assert isinstance(found, ResolvedBundle) and found.record.key == key and found.where.endswith(f"/bundles/{key}.json")
+    assert (
+        isinstance(found, ResolvedBundle) and found.record.key == key and found.where.endswith(f"/bundles/{key}.json")
+    )
     assert isinstance(resolve_any(store, key[:10]), ResolvedBundle)
     assert isinstance(resolve_any(store, "prod"), ResolvedRelease)
     assert isinstance(resolve_any(store, ids[1][:10]), ResolvedRelease)
@@ -117,7 +125,10 @@ def test_loader_checks_a_document_is_what_its_name_says(store: Store, tmp_path: 
     store.put_doc("releases", "c" * 32, store.get_doc("releases", ids[0]) or b"")
     with pytest.raises(IntegrityError, match="does not match its name"):
         resolve(store, "c" * 32)
-    assert find_doc(store, TagRecord, "prod") == find_doc(store, TagRecord, "prod") and find_doc(store, TagRecord, "x") is None
+    assert (
+        find_doc(store, TagRecord, "prod") == find_doc(store, TagRecord, "prod")
+        and find_doc(store, TagRecord, "x") is None
+    )
     with pytest.raises(NotFoundError, match="bundle " + "9" * 32 + " not found") as info:
         load_doc(store, BundleRecord, "9" * 32, hint="rebuild")
     assert info.value.hint == "rebuild"

@@ -97,7 +97,9 @@ def test_mismatch_leaves_nothing_and_keeps_the_old_file(tmp_path: Path, temp_kin
     dest.write_bytes(b"old")
     good = os.urandom(DIRECT_MIN)
     with pytest.raises(IntegrityError, match="does not match"):
-        write_verified(target_for(good, dest), aligned_chunks(good[:-1] + bytes([good[-1] ^ 1])), origin="s3://b/blobs/x")
+        write_verified(
+            target_for(good, dest), aligned_chunks(good[:-1] + bytes([good[-1] ^ 1])), origin="s3://b/blobs/x"
+        )
     assert dest.read_bytes() == b"old" and leftovers(tmp_path, dest) == []
 
 
@@ -181,7 +183,9 @@ def confined(data: bytes, root: Path, rel: str) -> BlobTarget:
 
 
 @pytest.mark.parametrize("link", ["relative", "absolute", "deeper"])
-def test_a_symlinked_directory_below_the_root_is_refused_and_nothing_changes(cache_and_outside, temp_kind: str, link: str) -> None:
+def test_a_symlinked_directory_below_the_root_is_refused_and_nothing_changes(
+    cache_and_outside, temp_kind: str, link: str
+) -> None:
     cache, outside = cache_and_outside
     if link == "deeper":
         (cache / "d").mkdir()

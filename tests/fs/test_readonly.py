@@ -24,7 +24,20 @@ from tests.storekit import publish_release_of, write_files
 
 
 def verify_in_place(manifest: Path, cache: Path, *more: str) -> subprocess.CompletedProcess[str]:
-    return without_override([sys.executable, "-m", "neffbuild", "verify", str(manifest), "--cache-dir", str(cache), "--replay", "--in-place", *more])
+    return without_override(
+        [
+            sys.executable,
+            "-m",
+            "neffbuild",
+            "verify",
+            str(manifest),
+            "--cache-dir",
+            str(cache),
+            "--replay",
+            "--in-place",
+            *more,
+        ]
+    )
 
 
 def read_only_but(cache: Path, *writable: str) -> None:

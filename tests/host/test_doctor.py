@@ -45,7 +45,15 @@ def host_fingerprint(**overrides: str) -> dict[str, str]:
     from neffbuild.backends.neuron import NeuronBackend
     from neffbuild.documents.manifest import ModelEntry, ShapeSet
 
-    entry = ModelEntry(id="x", model="a/b", revision="r", pipeline="P", backend="neuron", device="neuron", shapes=[ShapeSet(height=16, width=16)])
+    entry = ModelEntry(
+        id="x",
+        model="a/b",
+        revision="r",
+        pipeline="P",
+        backend="neuron",
+        device="neuron",
+        shapes=[ShapeSet(height=16, width=16)],
+    )
     return {**NeuronBackend().fingerprint(HERE_FACTS, {}, entry), **overrides}
 
 
@@ -169,7 +177,9 @@ def test_versions_against_a_release_name_each_difference(tmp_path):
     report = run_doctor(env={}, cache_dir=tmp_path, release=release(built), host=host)
     versions = by_name(report, "versions")
     assert versions.status == "fail"
-    assert "neuronx-cc: build has '2.21.33', this host 'absent'" in versions.detail and "torch-neuronx" in versions.detail
+    assert (
+        "neuronx-cc: build has '2.21.33', this host 'absent'" in versions.detail and "torch-neuronx" in versions.detail
+    )
     same = run_doctor(env={}, cache_dir=tmp_path, release=release(host_fingerprint()), host=host)
     assert by_name(same, "versions").status == "pass"
 
@@ -181,16 +191,31 @@ def test_release_env_is_what_the_server_runs_with(tmp_path):
     assert by_name(run_doctor(env={}, cache_dir=tmp_path, release=rel, host=host), "versions").status == "pass"
     extra = {"TORCH_NEURONX_COMPLEX_DECOMPOSE": "0"}
     check = by_name(run_doctor(env=extra, cache_dir=tmp_path, release=rel, host=host), "versions")
-    assert check.status == "fail" and "env.TORCH_NEURONX_COMPLEX_DECOMPOSE: this host sets '0', the build did not" in check.detail
+    assert (
+        check.status == "fail"
+        and "env.TORCH_NEURONX_COMPLEX_DECOMPOSE: this host sets '0', the build did not" in check.detail
+    )
 
 
 def test_informational_differences_pass_and_are_named(tmp_path):
     rel = release(host_fingerprint(**{"neuronx-cc.bin": "/opt/venv/bin/neuronx-cc"}))
-    check = by_name(run_doctor(env={}, cache_dir=tmp_path, release=rel, host=persistent_host(facts=fake_facts(HERE_FACTS))), "versions")
-    assert check.status == "pass" and "informational: neuronx-cc.bin: build has '/opt/venv/bin/neuronx-cc', this host 'absent'" in check.detail
+    check = by_name(
+        run_doctor(env={}, cache_dir=tmp_path, release=rel, host=persistent_host(facts=fake_facts(HERE_FACTS))),
+        "versions",
+    )
+    assert (
+        check.status == "pass"
+        and "informational: neuronx-cc.bin: build has '/opt/venv/bin/neuronx-cc', this host 'absent'" in check.detail
+    )
     # Another diffusers moves the source locations the NEFF key hashes: breaking for neuron.
     moved = release(host_fingerprint(diffusers="0.41.0"))
-    assert by_name(run_doctor(env={}, cache_dir=tmp_path, release=moved, host=persistent_host(facts=fake_facts(HERE_FACTS))), "versions").status == "fail"
+    assert (
+        by_name(
+            run_doctor(env={}, cache_dir=tmp_path, release=moved, host=persistent_host(facts=fake_facts(HERE_FACTS))),
+            "versions",
+        ).status
+        == "fail"
+    )
 
 
 def test_all_pass_on_a_good_host(tmp_path):
@@ -235,13 +260,31 @@ def test_cli_doctor_exits_non_zero_and_prints_json(cli):
 
 def test_the_neuron_lock_dir_must_be_creatable_even_for_a_read_only_cache(tmp_path):
     host = persistent_host(facts=fake_facts(HERE_FACTS))
-    unwritable = {"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/sys/kernel/neuron-locks"}  # sysfs: no new files, even for root
+    unwritable = {
+        "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/sys/kernel/neuron-locks"
+    }  # sysfs: no new files, even for root
     check = by_name(run_doctor(env=unwritable, cache_dir=tmp_path, backend="neuron", host=host), "lock dir")
     assert check.status == "fail" and "/sys/kernel/neuron-locks" in check.detail and "fails without it" in check.detail
     assert "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR" in check.fix
-    ok = by_name(run_doctor(env={"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(tmp_path / "locks")}, cache_dir=tmp_path, backend="neuron", host=host), "lock dir")
+    ok = by_name(
+        run_doctor(
+            env={"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(tmp_path / "locks")},
+            cache_dir=tmp_path,
+            backend="neuron",
+            host=host,
+        ),
+        "lock dir",
+    )
     assert ok.status == "pass" and str(tmp_path / "locks") in ok.detail
     # Unset or empty: upstream's literal default, not $TMPDIR.
-    default = by_name(run_doctor(env={"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "", "TMPDIR": str(tmp_path)}, cache_dir=tmp_path, backend="neuron", host=host), "lock dir")
+    default = by_name(
+        run_doctor(
+            env={"TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "", "TMPDIR": str(tmp_path)},
+            cache_dir=tmp_path,
+            backend="neuron",
+            host=host,
+        ),
+        "lock dir",
+    )
     assert "/tmp/local_cache" in default.detail
     assert by_name(run_doctor(env={}, cache_dir=tmp_path, backend="inductor", host=host), "lock dir").status == "skip"

@@ -29,7 +29,7 @@ from tests.storekit import publish_release_of, write_files
 from tests.tcpproxy import TcpProxy
 
 HOSTILE_VALUES = {
-    "TORCHINDUCTOR_A": "it's $(touch PWNED) `touch PWNED` \"quoted\" \\ back\\slash",
+    "TORCHINDUCTOR_A": 'it\'s $(touch PWNED) `touch PWNED` "quoted" \\ back\\slash',
     "TORCHINDUCTOR_B": "  leading and trailing blanks\t ",
     "TORCHINDUCTOR_C": "# not a comment; ; & | > < * ? [x] ~ !",
     "TORCHINDUCTOR_D": "",
@@ -68,12 +68,16 @@ def bash(script: str) -> subprocess.CompletedProcess[str]:
 
 def read_back_by_bash(env_file: Path) -> dict[str, str]:
     """What `set -a; source FILE` exports, in an otherwise empty environment."""
-    done = subprocess.run(["env", "-i", "bash", "-c", 'set -a; source "$1"; env -0', "-", str(env_file)], capture_output=True, check=True)
+    done = subprocess.run(
+        ["env", "-i", "bash", "-c", 'set -a; source "$1"; env -0', "-", str(env_file)], capture_output=True, check=True
+    )
     return dict(item.split("=", 1) for item in done.stdout.decode().split("\0") if item)
 
 
 def systemd_library() -> ctypes.CDLL:
-    found = sorted(glob.glob("/usr/lib/*/systemd/libsystemd-shared-*.so") + glob.glob("/usr/lib/systemd/libsystemd-shared-*.so"))
+    found = sorted(
+        glob.glob("/usr/lib/*/systemd/libsystemd-shared-*.so") + glob.glob("/usr/lib/systemd/libsystemd-shared-*.so")
+    )
     if not found:
         pytest.skip("systemd's shared library is not installed here")
     return ctypes.CDLL(found[-1])
@@ -85,7 +89,9 @@ def read_back_by_systemd(env_file: Path) -> dict[str, str]:
     (which drops invalid assignments)."""
     lib = systemd_library()
     entries = ctypes.POINTER(ctypes.c_char_p)()
-    assert lib.load_env_file(None, str(env_file).encode(), ctypes.byref(entries)) == 0, "systemd could not load the file"
+    assert lib.load_env_file(None, str(env_file).encode(), ctypes.byref(entries)) == 0, (
+        "systemd could not load the file"
+    )
     lib.strv_env_clean_with_callback.restype = ctypes.POINTER(ctypes.c_char_p)
     entries = lib.strv_env_clean_with_callback(entries, None, None)
     found, i = {}, 0
@@ -104,14 +110,18 @@ def read_back_by_systemd(env_file: Path) -> dict[str, str]:
     "name",
     ["X=1; touch {marker}; Y", "A\nLD_PRELOAD", "$(touch {marker})", "`touch {marker}`", "", "1ABC", "A B", "A-B"],
 )
-def test_a_hostile_env_name_never_runs_under_eval_and_is_refused(store: LocalStore, tmp_path: Path, cli, name: str) -> None:
+def test_a_hostile_env_name_never_runs_under_eval_and_is_refused(
+    store: LocalStore, tmp_path: Path, cli, name: str
+) -> None:
     publish_files(store, {"a.so": b"a"}, tmp_path)
     marker = tmp_path / "PWNED"
     raw = json.loads(store.get_doc("releases", sorted(store.list_docs("releases"))[0]))
     raw["env"] = {name.format(marker=marker): "1", "OMP_NUM_THREADS": "2"}
     release_id = forge_release(store, raw)
     cache = tmp_path / "cache"
-    pull = shlex.join([sys.executable, "-m", "neffbuild", "pull", release_id, "--store", str(store.root), "--cache-dir", str(cache)])
+    pull = shlex.join(
+        [sys.executable, "-m", "neffbuild", "pull", release_id, "--store", str(store.root), "--cache-dir", str(cache)]
+    )
     evaluated = bash(f'eval "$({pull})"')
     assert not marker.exists(), evaluated.stderr
     assert "error:" in evaluated.stderr and "not an environment variable name" in evaluated.stderr
@@ -122,7 +132,11 @@ def test_a_hostile_env_name_never_runs_under_eval_and_is_refused(store: LocalSto
 
 
 def test_values_are_quoted_so_eval_sets_them_exactly(tmp_path: Path) -> None:
-    exports = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c d"), **HOSTILE_VALUES, "TORCHINDUCTOR_N": "line\nLD_PRELOAD=/x.so\n"}
+    exports = {
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c d"),
+        **HOSTILE_VALUES,
+        "TORCHINDUCTOR_N": "line\nLD_PRELOAD=/x.so\n",
+    }
     script = f"eval {shlex.quote(shell_lines(exports))}\nenv -0"
     done = subprocess.run(["env", "-i", "bash", "-c", script], capture_output=True, cwd=tmp_path, check=True)
     seen = dict(item.split("=", 1) for item in done.stdout.decode().split("\0") if item)
@@ -141,8 +155,12 @@ def test_exports_check_names_even_for_a_release_made_in_code(tmp_path: Path) -> 
 # ---- what a release may set ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["LD_PRELOAD", "PATH", "PYTHONPATH", "BASH_ENV", "CXX", "TRITON_PTXAS_PATH", "NEURON_CC_FLAGS"])
-def test_variables_the_backend_does_not_declare_are_refused_unless_allowed(store: LocalStore, tmp_path: Path, cli, name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["LD_PRELOAD", "PATH", "PYTHONPATH", "BASH_ENV", "CXX", "TRITON_PTXAS_PATH", "NEURON_CC_FLAGS"]
+)
+def test_variables_the_backend_does_not_declare_are_refused_unless_allowed(
+    store: LocalStore, tmp_path: Path, cli, name: str
+) -> None:
     publish_files(store, {"a.so": b"a"}, tmp_path, env={name: "/tmp/evil.so"})  # an inductor release
     cache = tmp_path / "cache"
     refused = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache))
@@ -156,11 +174,18 @@ def test_variables_the_backend_does_not_declare_are_refused_unless_allowed(store
 
 def test_each_backend_declares_its_compiler_settings() -> None:
     inductor, neuron = BY_BACKEND["inductor"], BY_BACKEND["neuron"]
-    assert all(inductor.declares(n) for n in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "OMP_NUM_THREADS", "TORCHDYNAMO_X"))
-    assert all(neuron.declares(n) for n in ("NEURON_CC_FLAGS", "NEURON_LOGICAL_NC_CONFIG", "TORCH_NEURONX_X", "OMP_NUM_THREADS"))
+    assert all(
+        inductor.declares(n) for n in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "OMP_NUM_THREADS", "TORCHDYNAMO_X")
+    )
+    assert all(
+        neuron.declares(n)
+        for n in ("NEURON_CC_FLAGS", "NEURON_LOGICAL_NC_CONFIG", "TORCH_NEURONX_X", "OMP_NUM_THREADS")
+    )
     # Runtime placement is the host's: a release may not pin a host's cores.
     assert not any(neuron.declares(n) for n in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID"))
-    assert not any(b.declares(n) for b in (inductor, neuron) for n in ("LD_PRELOAD", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH"))
+    assert not any(
+        b.declares(n) for b in (inductor, neuron) for n in ("LD_PRELOAD", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
+    )
     assert not inductor.declares(inductor.cache_env) and not neuron.declares(neuron.cache_env)
 
 
@@ -173,8 +198,12 @@ def test_each_backend_declares_its_compiler_settings() -> None:
         "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT", "NEURON_COMPILATION_CACHE_MAX_SIZE_MB",
     ],
 )  # fmt: skip
-def test_a_neuron_release_needs_the_hosts_allow_for_paths_switches_and_runtime_settings(tmp_path: Path, name: str) -> None:
-    neuron = release(backend="neuron", cache_env="TORCH_NEURONX_NEFF_CACHE_DIR", env={"NEURON_CC_FLAGS": "-O1", name: "/var/lib/x"})
+def test_a_neuron_release_needs_the_hosts_allow_for_paths_switches_and_runtime_settings(
+    tmp_path: Path, name: str
+) -> None:
+    neuron = release(
+        backend="neuron", cache_env="TORCH_NEURONX_NEFF_CACHE_DIR", env={"NEURON_CC_FLAGS": "-O1", name: "/var/lib/x"}
+    )
     with pytest.raises(IntegrityError, match=rf"env sets {name}, which the neuron backend does not declare") as refused:
         exports_for(neuron, tmp_path, "r.json")
     assert refused.value.hint == f"if this host accepts it, pass --allow-env {name} (or list it in NEFFBUILD_ALLOW_ENV)"
@@ -191,15 +220,32 @@ def test_the_backends_use_the_declared_cache_variables() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"env": {"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}}, "env sets TORCHINDUCTOR_CACHE_DIR, which pull sets to the pulled dir"),
-        ({"cache_env": "PATH"}, "cache_env 'PATH' is not the inductor backend's cache variable TORCHINDUCTOR_CACHE_DIR"),
+        (
+            {"env": {"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}},
+            "env sets TORCHINDUCTOR_CACHE_DIR, which pull sets to the pulled dir",
+        ),
+        (
+            {"cache_env": "PATH"},
+            "cache_env 'PATH' is not the inductor backend's cache variable TORCHINDUCTOR_CACHE_DIR",
+        ),
         ({"cache_env": "TORCH_NEURONX_NEFF_CACHE_DIR"}, "is not the inductor backend's cache variable"),
         ({"backend": "nope"}, "backend 'nope' is not one this neffbuild knows"),
     ],
 )
-def test_the_cache_variable_always_points_at_the_pulled_dir(store: LocalStore, tmp_path: Path, cli, changes: dict, message: str) -> None:
+def test_the_cache_variable_always_points_at_the_pulled_dir(
+    store: LocalStore, tmp_path: Path, cli, changes: dict, message: str
+) -> None:
     publish_files(store, {"a.so": b"a"}, tmp_path, **changes)
-    result = cli("pull", "t", "--store", str(store.root), "--cache-dir", str(tmp_path / "cache"), "--allow-env", "TORCHINDUCTOR_CACHE_DIR")
+    result = cli(
+        "pull",
+        "t",
+        "--store",
+        str(store.root),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--allow-env",
+        "TORCHINDUCTOR_CACHE_DIR",
+    )
     assert result.returncode == 4 and message in result.stderr and result.stdout == ""
 
 
@@ -271,12 +317,20 @@ def test_env_command_writes_the_same_env_file(store: LocalStore, tmp_path: Path,
     publish_files(store, {"a.so": b"a"}, tmp_path)
     cache = tmp_path / "cache"
     by_pull, by_env = tmp_path / "pull.env", tmp_path / "env.env"
-    assert cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(by_pull)).returncode == 0
-    assert cli("env", "t", "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(by_env)).returncode == 0
+    assert (
+        cli("pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(by_pull)).returncode
+        == 0
+    )
+    assert (
+        cli("env", "t", "--store", str(store.root), "--cache-dir", str(cache), "--env-file", str(by_env)).returncode
+        == 0
+    )
     assert by_pull.read_text() == by_env.read_text() == f"TORCHINDUCTOR_CACHE_DIR={cache}\nOMP_NUM_THREADS=2\n"
 
 
-@pytest.mark.parametrize("value", ["line\nbreak", "carriage\rreturn", "bell\x07", "\ufdd0", "\ufffe", "\U0010ffff", "bom\ufeff"])
+@pytest.mark.parametrize(
+    "value", ["line\nbreak", "carriage\rreturn", "bell\x07", "\ufdd0", "\ufffe", "\U0010ffff", "bom\ufeff"]
+)
 def test_values_systemd_would_drop_are_refused_for_the_env_file(tmp_path: Path, value: str) -> None:
     with pytest.raises(IntegrityError, match="TORCHINDUCTOR_X: the value holds"):
         env_file_text({"TORCHINDUCTOR_X": value})
@@ -292,7 +346,11 @@ def test_systemd_refuses_what_the_env_file_refuses(tmp_path: Path, raw: str) -> 
     assert lib.load_env_file(None, str(env_file).encode(), ctypes.byref(entries)) < 0
 
 
-_value = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Cn"), blacklist_characters="\ufeff") | st.sampled_from("\t'\"\\ #;$"), max_size=40)
+_value = st.text(
+    st.characters(blacklist_categories=("Cs", "Cc", "Cn"), blacklist_characters="\ufeff")
+    | st.sampled_from("\t'\"\\ #;$"),
+    max_size=40,
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

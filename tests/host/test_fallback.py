@@ -33,7 +33,9 @@ def pull(cli, url: str, cache: Path, env: dict[str, str], *extra: str):
     return cli("pull", "prod", "--store", url, "--cache-dir", str(cache), *extra, env=env)
 
 
-def test_an_unreachable_store_boots_the_installed_release_only_with_allow_stale(installed, s3_url: str, tmp_path: Path, cli) -> None:
+def test_an_unreachable_store_boots_the_installed_release_only_with_allow_stale(
+    installed, s3_url: str, tmp_path: Path, cli
+) -> None:
     release_id, cache, gone = installed
     refused = pull(cli, s3_url, cache, gone, "--json")
     assert refused.returncode == 3, refused.stderr

@@ -21,7 +21,9 @@ from neffbuild.units.plan import make_plan
 from tests.units.test_plan import manifest  # noqa: F401 - the fixture
 
 # The environment the build and the checks run in: what the thread count and ISA read from.
-BASE_ENV = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY")}
+BASE_ENV = {
+    k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY")
+}
 HOST_ISA = get_backend("inductor").collect_facts(BASE_ENV, "cpu")["cpu.isa"].split(",")
 
 
@@ -31,8 +33,16 @@ def records(manifest: Path) -> list[BundleRecord]:  # noqa: F811
     plan = make_plan(load_manifest(manifest), BASE_ENV)
     return [
         BundleRecord(
-            key=u.key, unit_id=u.unit_id, unit=dict(u.normalized), backend="inductor", fingerprint=dict(u.fingerprint),
-            files=(), counters={}, timings=Timings(), created_at="2026-01-01T00:00:00Z", neffbuild_version="0",
+            key=u.key,
+            unit_id=u.unit_id,
+            unit=dict(u.normalized),
+            backend="inductor",
+            fingerprint=dict(u.fingerprint),
+            files=(),
+            counters={},
+            timings=Timings(),
+            created_at="2026-01-01T00:00:00Z",
+            neffbuild_version="0",
         )  # fmt: skip
         for u in plan.units
     ]
@@ -99,7 +109,10 @@ def test_aten_cpu_capability_default_removes_the_vector_isa(records):
         pytest.skip("this CPU has no AVX: nothing for ATEN_CPU_CAPABILITY=default to take away")
     report = check_host(records, {**BASE_ENV, "ATEN_CPU_CAPABILITY": "default"})
     isa = next(d for d in report.breaking if d.name == "cpu.isa")
-    assert isa.line() == f"cpu.isa: build has {','.join(sorted(vector))}, this host lacks {'it' if len(vector) == 1 else 'them'}"
+    assert (
+        isa.line()
+        == f"cpu.isa: build has {','.join(sorted(vector))}, this host lacks {'it' if len(vector) == 1 else 'them'}"
+    )
     assert {d.name for d in report.breaking} == {"cpu.isa", "cpu.capability", "env.ATEN_CPU_CAPABILITY"}
     # Exported by the release, it is what the server runs with.
     rel = release_of(records, env={**records[0].unit["env"], "ATEN_CPU_CAPABILITY": "default"})
@@ -115,7 +128,9 @@ def test_other_model_code_versions_are_informational(records):
 @pytest.mark.parametrize("name", ["inductor", "neuron"])
 def test_every_field_this_host_reports_is_declared(name):
     backend = get_backend(name)
-    fields = host_fingerprint(backend, Scope(backend.default_device, env={"NEURON_RT_X": "1"}), {"TORCHINDUCTOR_X": "1"})
+    fields = host_fingerprint(
+        backend, Scope(backend.default_device, env={"NEURON_RT_X": "1"}), {"TORCHINDUCTOR_X": "1"}
+    )
     undeclared = [f for f in fields if f.split(".")[0] != "env" and not _declared(backend, f)]
     assert undeclared == []
 
@@ -128,7 +143,9 @@ def _declared(backend, field: str) -> bool:
 
 def test_neuron_declares_its_own_breaking_fields():
     neuron = get_backend("neuron")
-    assert all(neuron.is_breaking(f) for f in ("neuronx-cc", "torch-neuronx", "neuron.target", "neuron.lnc", "neuron.cc_flags"))
+    assert all(
+        neuron.is_breaking(f) for f in ("neuronx-cc", "torch-neuronx", "neuron.target", "neuron.lnc", "neuron.cc_flags")
+    )
     # Source locations of the model code are in the persistent key: its versions and place break.
     assert all(neuron.is_breaking(f) for f in ("diffusers", "transformers", "python", "venv"))
     assert not neuron.is_breaking("neuronx-cc.bin") and neuron.is_breaking("a.field.nobody.declared")
@@ -157,7 +174,8 @@ def test_facts_are_read_without_torch_and_agree_with_torch():
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
     first, second = (json.loads(line) for line in out.stdout.splitlines())
-    print(f"host fingerprint: {first['s']:.3f} s in-process; whole run with torch {time.perf_counter() - started:.1f} s")
+    print(
+        f"host fingerprint: {first['s']:.3f} s in-process; whole run with torch {time.perf_counter() - started:.1f} s"
+    )
     assert first["torch"] is False and first["pydantic"] is False
     assert first["facts"] == second  # version.py, dispatch capability, thread count
-

@@ -49,15 +49,30 @@ def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: st
         sources.append(BlobSource(digest.hex, digest.size, path))
         entries.append(FileEntry(path=rel, size=digest.size, digest=digest.hex))
     key = hash_bytes(repr(sorted(files.items())).encode())
-    fingerprint = this_host({}, release_fields.get("env", {"OMP_NUM_THREADS": "2"}))  # built here: pull finds no difference
+    fingerprint = this_host(
+        {}, release_fields.get("env", {"OMP_NUM_THREADS": "2"})
+    )  # built here: pull finds no difference
     record = BundleRecord(
-        key=key, unit_id="m/1x1x1", unit={}, backend="inductor", fingerprint=fingerprint, files=tuple(entries),
-        counters={}, timings=Timings(), created_at="2026-01-01T00:00:00+00:00", neffbuild_version="test",
+        key=key,
+        unit_id="m/1x1x1",
+        unit={},
+        backend="inductor",
+        fingerprint=fingerprint,
+        files=tuple(entries),
+        counters={},
+        timings=Timings(),
+        created_at="2026-01-01T00:00:00+00:00",
+        neffbuild_version="test",
     )
     publish_bundle(store, record, sources, jobs=2)
     release = Release(
-        name=tag, manifest_digest="0" * 32, backend="inductor", cache_env="TORCHINDUCTOR_CACHE_DIR",
-        env={"OMP_NUM_THREADS": "2"}, fingerprint=fingerprint, units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
+        name=tag,
+        manifest_digest="0" * 32,
+        backend="inductor",
+        cache_env="TORCHINDUCTOR_CACHE_DIR",
+        env={"OMP_NUM_THREADS": "2"},
+        fingerprint=fingerprint,
+        units=(ReleaseUnit(unit_id="m/1x1x1", key=key),),
         files=tuple(sorted(entries, key=lambda e: e.path)),
     )
     release = dataclasses.replace(release, **release_fields)
@@ -253,7 +268,9 @@ def test_killed_pull_leaves_no_partial_file_and_the_next_pull_completes(store: L
 def test_temp_files_of_killed_pulls_are_removed(tmp_path: Path) -> None:
     """Where unnamed files are not available, a killed pull leaves named `*.incomplete` files."""
     cache = tmp_path / "cache"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     stale = cache / "a" / f".x.so.{dead.stdout.strip()}.0123456789{INCOMPLETE_SUFFIX}"
     ours = cache / "a" / f".y.so.{os.getpid()}.0123456789{INCOMPLETE_SUFFIX}"  # a live pull's: kept
     for path in (stale, ours):
@@ -281,7 +298,9 @@ def test_corrupt_release_document_is_rejected(store: LocalStore, tmp_path: Path,
 
 
 @pytest.mark.parametrize("damage", ["truncate", "reencode", "remove"])
-def test_the_installed_release_stands_in_only_for_the_very_bytes_of_its_store_document(store: LocalStore, tmp_path: Path, cli, damage: str) -> None:
+def test_the_installed_release_stands_in_only_for_the_very_bytes_of_its_store_document(
+    store: LocalStore, tmp_path: Path, cli, damage: str
+) -> None:
     """A no-op pull takes the release from the cache dir's state instead of parsing the store's
     document again, only while the store still holds that document byte for byte."""
     release_id = publish_files(store, FILES, tmp_path)
@@ -303,8 +322,15 @@ def test_the_installed_release_stands_in_only_for_the_very_bytes_of_its_store_do
 def test_a_release_cannot_write_outside_the_cache_dir(store: LocalStore, tmp_path: Path, cli) -> None:
     publish_files(store, {"ok": b"x"}, tmp_path)
     evil = {
-        "format": "neffbuild.release/1", "name": "evil", "manifest_digest": "0" * 32, "backend": "inductor",
-        "cache_env": "TORCHINDUCTOR_CACHE_DIR", "env": {}, "fingerprint": {}, "units": [], "shared": [],
+        "format": "neffbuild.release/1",
+        "name": "evil",
+        "manifest_digest": "0" * 32,
+        "backend": "inductor",
+        "cache_env": "TORCHINDUCTOR_CACHE_DIR",
+        "env": {},
+        "fingerprint": {},
+        "units": [],
+        "shared": [],
         "files": [{"path": "../escaped", "size": 1, "digest": hash_bytes(b"x")}],
     }
     data = json.dumps(evil, sort_keys=True, separators=(",", ":")).encode()
@@ -329,7 +355,9 @@ def test_release_document_must_match_its_name(store: LocalStore, tmp_path: Path)
 def tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
     """A real tmpfs mounted at mount_point (made), unmounted after; skips where mount is refused."""
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True, check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True, check=False
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
     try:
@@ -345,7 +373,9 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount_point
 
 
-def test_a_release_larger_than_the_free_space_is_refused_before_anything_is_written(store: LocalStore, tmp_path: Path, cli) -> None:
+def test_a_release_larger_than_the_free_space_is_refused_before_anything_is_written(
+    store: LocalStore, tmp_path: Path, cli
+) -> None:
     files = {"small.so": b"s" * 1000, "big/model.neff": os.urandom(3 << 20), "big/other.neff": os.urandom(2 << 20)}
     publish_files(store, files, tmp_path)
     with tmpfs(tmp_path / "disk", "size=4m") as disk:
@@ -353,7 +383,10 @@ def test_a_release_larger_than_the_free_space_is_refused_before_anything_is_writ
         result = pull_cli(cli, store, disk / "cache")
         assert result.returncode == 10, result.stderr
         line = result.stderr.splitlines()[0]
-        assert line.startswith(f"error: {disk}: pulling 3 files of t needs 5.") and f"only 4.0 MiB ({free} bytes) free" in line
+        assert (
+            line.startswith(f"error: {disk}: pulling 3 files of t needs 5.")
+            and f"only 4.0 MiB ({free} bytes) free" in line
+        )
         assert "nothing was written" in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
         assert os.listdir(disk) == []  # the cache dir was not even made
         # An existing cache dir holding part of the release: only the rest is needed, and it still does not fit.
@@ -365,7 +398,9 @@ def test_a_release_larger_than_the_free_space_is_refused_before_anything_is_writ
         assert snapshot(disk) == before
 
 
-def test_a_disk_that_fills_mid_pull_is_a_one_line_error_and_leaves_nothing_behind(store: LocalStore, tmp_path: Path, cli) -> None:
+def test_a_disk_that_fills_mid_pull_is_a_one_line_error_and_leaves_nothing_behind(
+    store: LocalStore, tmp_path: Path, cli
+) -> None:
     """The room check passes (bytes fit), then the filesystem runs out of inodes while files land."""
     files = {f"d{i:02d}/f{i:02d}.so": os.urandom(2000 + i) for i in range(30)}
     publish_files(store, files, tmp_path)
@@ -399,7 +434,9 @@ def pull_cli(cli, store: LocalStore, cache: Path, *extra: str, ref: str = "t"):
 
 
 @pytest.mark.parametrize("link", ["relative", "absolute", "deeper"])
-def test_a_release_path_through_a_symlinked_directory_is_refused(store: LocalStore, tmp_path: Path, outside: Path, cli, link: str) -> None:
+def test_a_release_path_through_a_symlinked_directory_is_refused(
+    store: LocalStore, tmp_path: Path, outside: Path, cli, link: str
+) -> None:
     publish_files(store, {"lnk/evil.bin": b"evil", "d/lnk/sub/evil.so": b"deeper", "ok.bin": b"ok"}, tmp_path)
     cache = tmp_path / "cache"
     if link == "deeper":
@@ -429,7 +466,9 @@ def test_a_symlinked_state_dir_is_refused(store: LocalStore, tmp_path: Path, out
     assert (snapshot(cache), snapshot(outside)) == before
 
 
-def test_symlinked_state_and_lock_files_are_never_written_through(store: LocalStore, tmp_path: Path, outside: Path, cli) -> None:
+def test_symlinked_state_and_lock_files_are_never_written_through(
+    store: LocalStore, tmp_path: Path, outside: Path, cli
+) -> None:
     publish_files(store, FILES, tmp_path)
     cache = tmp_path / "cache"
     (cache / STATE_DIR).mkdir(parents=True)
@@ -445,7 +484,9 @@ def test_symlinked_state_and_lock_files_are_never_written_through(store: LocalSt
     assert snapshot(outside) == before
 
 
-def test_a_file_symlink_at_a_release_path_is_not_present_and_is_replaced(store: LocalStore, tmp_path: Path, outside: Path) -> None:
+def test_a_file_symlink_at_a_release_path_is_not_present_and_is_replaced(
+    store: LocalStore, tmp_path: Path, outside: Path
+) -> None:
     name = sorted(FILES)[0]
     publish_files(store, FILES, tmp_path)
     (outside / "same.so").write_bytes(FILES[name])  # the right content, but outside the cache dir
@@ -473,7 +514,9 @@ def test_a_fifo_at_a_release_path_is_replaced_without_blocking(store: LocalStore
 
 
 def test_stale_temp_cleanup_follows_no_link(tmp_path: Path, outside: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     shape = f".x.so.{dead.stdout.strip()}.0123456789{INCOMPLETE_SUFFIX}"
     (outside / shape).write_bytes(b"someone else's")
     cache = tmp_path / "cache"
@@ -548,7 +591,9 @@ from neffbuild.host.state import parse_state  # noqa: E402
 
 _state_json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6) | st.just("files"), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6) | st.just("files"), inner, max_size=4)
+    ),
     max_leaves=10,
 )
 _state_entry = st.lists(st.integers() | st.text(max_size=4) | st.booleans() | st.none(), max_size=4)
@@ -561,7 +606,8 @@ _state_entry = st.lists(st.integers() | st.text(max_size=4) | st.booleans() | st
 def test_fuzz_the_state_loader_never_fails(raw: bytes) -> None:
     state = parse_state(raw)
     assert all(
-        type(size) is int and type(mtime) is int and isinstance(digest, str) for size, mtime, digest in state.files.values()
+        type(size) is int and type(mtime) is int and isinstance(digest, str)
+        for size, mtime, digest in state.files.values()
     )
 
 
@@ -595,14 +641,20 @@ def test_the_state_records_the_installed_release_and_how(store: LocalStore, tmp_
     assert (installed["release_id"], installed["tag"], installed["store"]) == (release_id, "t", str(store.root))
     stored = parse(Release, store.get_doc("releases", release_id), "r")
     assert installed["release"] == json.loads(json.dumps(to_json(stored)))  # the document itself
-    assert installed["exports"] == dict(report.exports) == {"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve()), "OMP_NUM_THREADS": "2"}
+    assert (
+        installed["exports"]
+        == dict(report.exports)
+        == {"TORCHINDUCTOR_CACHE_DIR": str(cache.resolve()), "OMP_NUM_THREADS": "2"}
+    )
     assert installed["installed_at"].endswith("+00:00")
     [unit] = installed["units"]
     assert (unit["unit_id"], sorted(unit["paths"])) == ("m/1x1x1", sorted(FILES))
     assert doc["files"].keys() == FILES.keys()
 
 
-def test_a_no_op_pull_keeps_the_install_time_and_a_new_release_records_its_own(store: LocalStore, tmp_path: Path) -> None:
+def test_a_no_op_pull_keeps_the_install_time_and_a_new_release_records_its_own(
+    store: LocalStore, tmp_path: Path
+) -> None:
     publish_files(store, FILES, tmp_path)
     cache = tmp_path / "cache"
     pull(store, "t", cache)
@@ -613,10 +665,14 @@ def test_a_no_op_pull_keeps_the_install_time_and_a_new_release_records_its_own(s
     other = publish_files(store, {"x.so": b"x"}, tmp_path)
     pull(store, "t", cache)
     installed = read_state_doc(cache)["installed"]
-    assert installed["release_id"] == other and installed["installed_at"] > json.loads(first)["installed"]["installed_at"]
+    assert (
+        installed["release_id"] == other and installed["installed_at"] > json.loads(first)["installed"]["installed_at"]
+    )
 
 
-def test_env_reads_the_installed_release_without_the_store_even_after_the_tag_moved(store: LocalStore, tmp_path: Path, cli) -> None:
+def test_env_reads_the_installed_release_without_the_store_even_after_the_tag_moved(
+    store: LocalStore, tmp_path: Path, cli
+) -> None:
     publish_files(store, FILES, tmp_path)
     cache = tmp_path / "cache"
     assert pull_cli(cli, store, cache).returncode == 0
@@ -640,7 +696,9 @@ def test_env_reads_the_installed_release_without_the_store_even_after_the_tag_mo
 
 def test_env_of_a_cache_dir_without_a_recorded_release_says_what_to_do(tmp_path: Path, cli) -> None:
     result = cli("env", "--cache-dir", str(tmp_path / "empty"))
-    assert result.returncode == 8 and "no installed release recorded" in result.stderr and "hint: pull it" in result.stderr
+    assert (
+        result.returncode == 8 and "no installed release recorded" in result.stderr and "hint: pull it" in result.stderr
+    )
     assert not (tmp_path / "empty").exists()
 
 
@@ -664,7 +722,9 @@ def test_a_version_1_state_is_read_and_replaced_once(store: LocalStore, tmp_path
     assert snapshot(cache) == before
 
 
-def test_a_state_whose_release_was_edited_is_corrupt_until_a_pull_rewrites_it(store: LocalStore, tmp_path: Path, cli) -> None:
+def test_a_state_whose_release_was_edited_is_corrupt_until_a_pull_rewrites_it(
+    store: LocalStore, tmp_path: Path, cli
+) -> None:
     publish_files(store, FILES, tmp_path)
     cache = tmp_path / "cache"
     pull(store, "t", cache)
@@ -673,11 +733,18 @@ def test_a_state_whose_release_was_edited_is_corrupt_until_a_pull_rewrites_it(st
     (cache / STATE_DIR / "state.json").write_text(json.dumps(doc))
     result = cli("env", "--cache-dir", str(cache))
     assert result.returncode == 13 and result.stdout == ""
-    assert f"{cache.resolve()}/.neffbuild/state.json: installed.release does not hash to installed.release_id" in result.stderr
+    assert (
+        f"{cache.resolve()}/.neffbuild/state.json: installed.release does not hash to installed.release_id"
+        in result.stderr
+    )
     state = parse_state((cache / STATE_DIR / "state.json").read_bytes())
     assert state.problem and state.installed is None and state.files == {}  # nothing of it is believed
     repaired = pull(store, "t", cache)
-    assert repaired.files_fetched == 0 and repaired.files_rehashed == len(FILES) and repaired.state_replaced == state.problem
+    assert (
+        repaired.files_fetched == 0
+        and repaired.files_rehashed == len(FILES)
+        and repaired.state_replaced == state.problem
+    )
     assert cli("env", "--cache-dir", str(cache)).returncode == 0
 
 
@@ -702,7 +769,10 @@ def test_a_breaking_mismatch_refuses_the_pull_before_anything_is_written(any_sto
     cache = tmp_path / "cache"
     refused = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env=env)
     assert refused.returncode == 7, refused.stderr
-    assert "2 of 2 units of prod would not hit on this host: cpu.isa: build has avx10_9, this host lacks it" in refused.stderr
+    assert (
+        "2 of 2 units of prod would not hit on this host: cpu.isa: build has avx10_9, this host lacks it"
+        in refused.stderr
+    )
     assert "--no-host-check" in refused.stderr and refused.stdout == ""
     assert not cache.exists()  # nothing made, not even the directory
     cache.mkdir()
@@ -722,7 +792,10 @@ def test_under_aten_cpu_capability_default_pull_exits_7_naming_it(tmp_path: Path
     publish_units(open_store(url, create=True, env={}), tmp_path / "src", tag="prod", edit=without_flag)
     cache = tmp_path / "cache"
     result = cli("pull", "prod", "--store", url, "--cache-dir", str(cache), env={"ATEN_CPU_CAPABILITY": "default"})
-    assert result.returncode == 7 and "env.ATEN_CPU_CAPABILITY: this host sets 'default', the build did not" in result.stderr
+    assert (
+        result.returncode == 7
+        and "env.ATEN_CPU_CAPABILITY: this host sets 'default', the build did not" in result.stderr
+    )
     assert not cache.exists()
 
 
@@ -761,12 +834,17 @@ def test_a_held_lock_times_out_and_a_killed_holders_lock_does_not_block(store: L
     assert all((cache / rel).read_bytes() == data for rel, data in FILES.items())
 
 
-def test_concurrent_pulls_into_one_cache_dir_all_succeed_and_fetch_each_file_once(store: LocalStore, tmp_path: Path) -> None:
+def test_concurrent_pulls_into_one_cache_dir_all_succeed_and_fetch_each_file_once(
+    store: LocalStore, tmp_path: Path
+) -> None:
     files = FILES | {"big/model.neff": os.urandom(16 << 20)}
     publish_files(store, files, tmp_path)
     cache = tmp_path / "cache"
     args = ["pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--json"]
-    procs = [subprocess.Popen([sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [err.decode() for _, err in outs]
     reports = [json.loads(out) for out, _ in outs]
@@ -777,7 +855,9 @@ def test_concurrent_pulls_into_one_cache_dir_all_succeed_and_fetch_each_file_onc
     assert pull(store, "t", cache).files_fetched == 0
 
 
-def test_short_of_room_while_another_pull_holds_the_lock_waits_for_what_it_lands(store: LocalStore, tmp_path: Path) -> None:
+def test_short_of_room_while_another_pull_holds_the_lock_waits_for_what_it_lands(
+    store: LocalStore, tmp_path: Path
+) -> None:
     """Another pull's in-flight bytes fill the disk: the room check fails, but the files that pull
     is landing are not ours to fetch. Waiting for its lock, then looking again, succeeds."""
     files = {"big/model.neff": os.urandom(5 << 19), "small.so": b"s" * 100}  # 2.5 MiB
@@ -788,16 +868,32 @@ def test_short_of_room_while_another_pull_holds_the_lock_waits_for_what_it_lands
         (cache / "big").mkdir()
         inflight = cache / "big" / "inflight"  # the other pull's temp file, written, not yet named
         inflight.write_bytes(files["big/model.neff"])
-        holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(cache / STATE_DIR / "pull.lock")], stdout=subprocess.PIPE)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_LOCK, str(cache / STATE_DIR / "pull.lock")], stdout=subprocess.PIPE
+        )
         try:
             assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
-            args = ["pull", "t", "--store", str(store.root), "--cache-dir", str(cache), "--json", "--lock-timeout", "60"]
-            waiting = subprocess.Popen([sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            args = [
+                "pull",
+                "t",
+                "--store",
+                str(store.root),
+                "--cache-dir",
+                str(cache),
+                "--json",
+                "--lock-timeout",
+                "60",
+            ]
+            waiting = subprocess.Popen(
+                [sys.executable, "-m", "neffbuild", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
             lock = str(cache / STATE_DIR / "pull.lock")
 
             def opened_the_lock() -> bool:
                 assert waiting.poll() is None, waiting.communicate()
-                return any(os.readlink(fd) == lock for fd in Path(f"/proc/{waiting.pid}/fd").iterdir() if fd.is_symlink())
+                return any(
+                    os.readlink(fd) == lock for fd in Path(f"/proc/{waiting.pid}/fd").iterdir() if fd.is_symlink()
+                )
 
             assert wait_for(opened_the_lock, 30)
             inflight.rename(cache / "big" / "model.neff")  # the other pull lands its file...
@@ -820,8 +916,17 @@ def test_pull_json_reports_what_moved_and_a_journal_gets_plain_lines(store: Loca
     assert first.returncode == 0, first.stderr
     doc = json.loads(first.stdout)
     total = sum(len(b) for b in FILES.values())
-    assert (doc["files_fetched"], doc["files_skipped"], doc["bytes_fetched"], doc["bytes_skipped"]) == (len(FILES), 0, total, 0)
-    assert doc["stale"] is False and doc["seconds"] > 0 and doc["mb_per_s"] == pytest.approx(total / doc["seconds"] / 1e6, abs=1e-3)
+    assert (doc["files_fetched"], doc["files_skipped"], doc["bytes_fetched"], doc["bytes_skipped"]) == (
+        len(FILES),
+        0,
+        total,
+        0,
+    )
+    assert (
+        doc["stale"] is False
+        and doc["seconds"] > 0
+        and doc["mb_per_s"] == pytest.approx(total / doc["seconds"] / 1e6, abs=1e-3)
+    )
 
     (cache / "00/c0000.so").unlink()
     again = json.loads(pull_cli(cli, store, cache, "--json").stdout)
@@ -859,7 +964,9 @@ def test_large_files_pulled_from_s3_land_the_same_bytes_with_or_without_o_direct
     cache = tmp_path / "cache"
     report = pull(store, "t", cache, direct_writes=direct_writes)
     assert report.files_fetched == 2
-    resident = resident_fraction(cache / "neff/big.neff")  # before reading it: S3's aligned buffers can go straight to the device
+    resident = resident_fraction(
+        cache / "neff/big.neff"
+    )  # before reading it: S3's aligned buffers can go straight to the device
     assert all((cache / rel).read_bytes() == data for rel, data in files.items())
     if not direct_writes:
         assert resident > 0.9  # the server's first load reads memory

@@ -56,7 +56,9 @@ def scenario(s3_server: S3Settings, s3_bucket: str, tmp_path_factory: pytest.Tem
     return make_scenario(store, env, tmp_path_factory.mktemp("kill"), small=1000, large=2)
 
 
-def test_a_pull_killed_anywhere_leaves_only_whole_files_and_a_rerun_completes(scenario: Scenario, tmp_path: Path) -> None:
+def test_a_pull_killed_anywhere_leaves_only_whole_files_and_a_rerun_completes(
+    scenario: Scenario, tmp_path: Path
+) -> None:
     duration = scenario.pull_seconds(tmp_path / "measured")
     results = [
         scenario.point(tmp_path / f"cache-{i}", delay, from_old=i % 2 == 1)  # every other one upgrades the old release
@@ -66,7 +68,9 @@ def test_a_pull_killed_anywhere_leaves_only_whole_files_and_a_rerun_completes(sc
     assert sum(code == -9 for code, _ in results) >= POINTS // 2, results  # most died mid-pull, not after it
 
 
-def test_eight_pulls_racing_into_one_cache_dir_fetch_each_blob_once(scenario: Scenario, s3_server: S3Settings, tmp_path: Path) -> None:
+def test_eight_pulls_racing_into_one_cache_dir_fetch_each_blob_once(
+    scenario: Scenario, s3_server: S3Settings, tmp_path: Path
+) -> None:
     release_size = sum(f.size for f in scenario.new.values())
     with TcpProxy(int(s3_server.endpoint.rsplit(":", 1)[1])) as proxy:
         env = {**scenario.env, "AWS_ENDPOINT_URL": proxy.endpoint}
@@ -76,9 +80,13 @@ def test_eight_pulls_racing_into_one_cache_dir_fetch_each_blob_once(scenario: Sc
         reports = concurrent_pulls(scenario.command(tmp_path / "cache", "--json"), env, PULLS)
         assert proxy.settled()
         traffic = Traffic.of(proxy.exchanges[alone.requests :])
-    print(f"{PULLS} pulls of {release_size:,} bytes fetched {traffic.total:,} bytes in {traffic.requests} requests: {traffic}")
+    print(
+        f"{PULLS} pulls of {release_size:,} bytes fetched {traffic.total:,} bytes in {traffic.requests} requests: {traffic}"
+    )
     assert sum(r["files_fetched"] for r in reports) == len(scenario.new)  # each file landed once
-    assert release_size <= traffic.data_bytes <= release_size + HEAD_MAX * traffic.data_requests  # each blob fetched once
+    assert (
+        release_size <= traffic.data_bytes <= release_size + HEAD_MAX * traffic.data_requests
+    )  # each blob fetched once
     # The rest is documents: each pull reads at most what one pull alone does (the ones that wait
     # for the lock read no locator or pack index); a head's length varies by a few bytes.
     assert traffic.other_bytes <= PULLS * (alone.other_bytes + 64 * alone.requests)
@@ -96,7 +104,9 @@ class Watch:
         libc = ctypes.CDLL(None, use_errno=True)
         self.fd = libc.inotify_init1(os.O_CLOEXEC)
         assert self.fd >= 0, os.strerror(ctypes.get_errno())
-        self.dirs = {libc.inotify_add_watch(self.fd, str(d).encode(), self._IN_CREATE | self._IN_MOVED_TO): d for d in dirs}
+        self.dirs = {
+            libc.inotify_add_watch(self.fd, str(d).encode(), self._IN_CREATE | self._IN_MOVED_TO): d for d in dirs
+        }
         assert all(wd >= 0 for wd in self.dirs)
 
     def __enter__(self) -> Watch:
@@ -129,11 +139,15 @@ def test_replacing_files_names_nothing_but_them_in_the_servers_tree(scenario: Sc
         names = [n for batch in iter(lambda: watch.names(wait=False), []) for n in batch]
     replaced = [rel for rel in scenario.new if rel in scenario.old]
     assert replaced and {(cache / rel).as_posix() for rel in replaced} <= set(names)
-    assert [n for n in names if Path(n).relative_to(cache).as_posix() not in scenario.new and not Path(n).is_dir()] == []
+    assert [
+        n for n in names if Path(n).relative_to(cache).as_posix() not in scenario.new and not Path(n).is_dir()
+    ] == []
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to kill the pull at its state's rename")
-def test_a_pull_killed_while_writing_its_state_leaves_no_temp_file_after_the_next(scenario: Scenario, tmp_path: Path) -> None:
+def test_a_pull_killed_while_writing_its_state_leaves_no_temp_file_after_the_next(
+    scenario: Scenario, tmp_path: Path
+) -> None:
     """Killed as it renames its state's temp file into place (all files in; strace delivers the
     SIGKILL as the rename starts: the first rename a pull makes, files land by link), the next
     pull, which finds nothing missing, still removes that temp file."""
@@ -141,11 +155,15 @@ def test_a_pull_killed_while_writing_its_state_leaves_no_temp_file_after_the_nex
     kill_at_rename = ["strace", "-f", "-qq", "-o", os.devnull, "-e", "trace=rename,renameat,renameat2",
                       "-e", "inject=rename,renameat,renameat2:signal=SIGKILL:when=1"]  # fmt: skip
     env = {**scenario.env, "PYTHONDONTWRITEBYTECODE": "1"}  # no .pyc written (by rename) before it
-    killed = subprocess.run([*kill_at_rename, *scenario.command(cache)], env=env, capture_output=True, text=True, check=False)
+    killed = subprocess.run(
+        [*kill_at_rename, *scenario.command(cache)], env=env, capture_output=True, text=True, check=False
+    )
     assert killed.returncode != 0, killed.stderr
     assert [p for p in (cache / STATE_DIR).iterdir() if p.name.endswith(INCOMPLETE_SUFFIX)]
     assert not (cache / STATE_DIR / STATE_FILE).exists()
-    rerun = subprocess.run(scenario.command(cache, "--json"), env=scenario.env, capture_output=True, text=True, check=False)
+    rerun = subprocess.run(
+        scenario.command(cache, "--json"), env=scenario.env, capture_output=True, text=True, check=False
+    )
     assert rerun.returncode == 0 and json.loads(rerun.stdout)["files_fetched"] == 0, rerun.stderr
     assert_installed(cache, scenario.new)  # every file, the state, and no temp file anywhere
 
@@ -182,13 +200,17 @@ def no_flock(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
-def test_eight_pulls_racing_where_flock_does_nothing_still_install_the_release(scenario: Scenario, no_flock: dict[str, str], tmp_path: Path) -> None:
+def test_eight_pulls_racing_where_flock_does_nothing_still_install_the_release(
+    scenario: Scenario, no_flock: dict[str, str], tmp_path: Path
+) -> None:
     """An upgrade: the pulls also race to replace the old release's files at the same paths."""
     cache = tmp_path / "cache"
     fresh_cache(cache, scenario.template)
     env = {**scenario.env, **no_flock}
     (cache / STATE_DIR).mkdir(exist_ok=True)
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(cache / STATE_DIR / "pull.lock")], stdout=subprocess.PIPE)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(cache / STATE_DIR / "pull.lock")], stdout=subprocess.PIPE
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"\n"
         # The lock is held for real: with a working flock each of these would exit 9 at once.

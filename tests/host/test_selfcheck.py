@@ -24,10 +24,16 @@ def test_the_selfcheck_skips_every_check_without_torch_neuronx(cli, tmp_path):
     if _has_torch_neuronx():
         pytest.skip("torch-neuronx is installed here: the self-check runs for real")
     report = neuron_selfcheck(env=dict(os.environ), work_dir=tmp_path)
-    assert [c.name for c in report.checks] == list(NAMES) and {c.status for c in report.checks} == {"skip"} and report.ok
+    assert (
+        [c.name for c in report.checks] == list(NAMES) and {c.status for c in report.checks} == {"skip"} and report.ok
+    )
     assert list(tmp_path.iterdir()) == []  # nothing compiled, nothing left
     done = cli("doctor", "--neuron-selfcheck")
-    assert done.returncode == 0 and done.stdout.count("SKIP") == len(NAMES) and "torch_neuronx is not importable" in done.stdout
+    assert (
+        done.returncode == 0
+        and done.stdout.count("SKIP") == len(NAMES)
+        and "torch_neuronx is not importable" in done.stdout
+    )
 
 
 def test_a_tp_units_planned_and_rank_fingerprints_agree_with_the_import_defaults_applied(tmp_path):
@@ -39,7 +45,11 @@ def test_a_tp_units_planned_and_rank_fingerprints_agree_with_the_import_defaults
 def test_a_wheel_with_another_keyed_default_fails_the_tp_check_naming_it(tmp_path):
     backend, env = with_fake(tmp_path, TORCH_NEURONX_MLIR_ATEN_OPS="0")
     check = check_tp_keys(backend, env, run_probe)
-    assert check.status == "fail" and "env.TORCH_NEURONX_MLIR_ATEN_OPS" in check.detail and "ranks {0: '0', 1: '0'}" in check.detail
+    assert (
+        check.status == "fail"
+        and "env.TORCH_NEURONX_MLIR_ATEN_OPS" in check.detail
+        and "ranks {0: '0', 1: '0'}" in check.detail
+    )
 
 
 def test_the_import_defaults_check_reads_the_wheels_sync_mode(tmp_path):

@@ -47,7 +47,12 @@ def installed(tmp_path: Path) -> tuple[LocalStore, Path, dict[str, Any]]:
 def write_state(cache: Path, doc: Any, *, rehash: bool = True) -> None:
     """doc as the cache dir's state; rehash: recompute the release id over an edited release, as
     anyone can (XXH3 is no signature)."""
-    if rehash and isinstance(doc, dict) and isinstance(doc.get("installed"), dict) and isinstance(doc["installed"].get("release"), dict):
+    if (
+        rehash
+        and isinstance(doc, dict)
+        and isinstance(doc.get("installed"), dict)
+        and isinstance(doc["installed"].get("release"), dict)
+    ):
         doc["installed"]["release_id"] = hash_bytes(canonical_json(doc["installed"]["release"]))
     (cache / STATE).write_text(json.dumps(doc))
 
@@ -76,7 +81,9 @@ def test_an_export_name_that_is_a_command_never_runs_under_eval(installed, tmp_p
     doc["installed"]["release"]["env"][name] = "1"
     write_state(cache, doc)
     result = neffbuild("pull", "t", "--store", gone(tmp_path), "--cache-dir", str(cache), "--allow-stale")
-    evaluated = subprocess.run([shell, "-c", 'eval "$1"; echo "rc=$?"', shell, result.stdout], capture_output=True, text=True, check=False)
+    evaluated = subprocess.run(
+        [shell, "-c", 'eval "$1"; echo "rc=$?"', shell, result.stdout], capture_output=True, text=True, check=False
+    )
     assert not marker.exists(), evaluated
     assert result.returncode == StateCorrupt.exit_code and result.stdout == ""
     assert f"error: {cache.resolve() / STATE}: installed.exports: " in result.stderr, result.stderr
@@ -103,16 +110,36 @@ def test_a_state_cannot_grant_loader_variables_to_env_or_env_file(installed, tmp
         assert "env sets LD_PRELOAD" in refused.stderr and "--allow-env LD_PRELOAD" in refused.stderr
     assert not env_file.exists()
     for allow in (["--allow-env", "LD_PRELOAD"], []):
-        allowed = neffbuild("env", "--cache-dir", str(cache), "--env-file", str(env_file), *allow, env={} if allow else {"NEFFBUILD_ALLOW_ENV": "OTHER, LD_PRELOAD"})
+        allowed = neffbuild(
+            "env",
+            "--cache-dir",
+            str(cache),
+            "--env-file",
+            str(env_file),
+            *allow,
+            env={} if allow else {"NEFFBUILD_ALLOW_ENV": "OTHER, LD_PRELOAD"},
+        )
         assert allowed.returncode == 0, allowed.stderr
-        assert "export LD_PRELOAD=/tmp/evil.so\n" in allowed.stdout and "LD_PRELOAD=/tmp/evil.so\n" in env_file.read_text()
+        assert (
+            "export LD_PRELOAD=/tmp/evil.so\n" in allowed.stdout and "LD_PRELOAD=/tmp/evil.so\n" in env_file.read_text()
+        )
 
 
 def test_a_state_cannot_grant_loader_variables_to_a_stale_pull(installed, tmp_path: Path) -> None:
     _, cache, doc = installed
     loader_state(cache, doc)
     env_file = tmp_path / "serving.env"
-    args = ("pull", "t", "--store", gone(tmp_path), "--cache-dir", str(cache), "--allow-stale", "--env-file", str(env_file))
+    args = (
+        "pull",
+        "t",
+        "--store",
+        gone(tmp_path),
+        "--cache-dir",
+        str(cache),
+        "--allow-stale",
+        "--env-file",
+        str(env_file),
+    )
     refused = neffbuild(*args)
     assert refused.returncode == IntegrityError.exit_code and refused.stdout == "" and not env_file.exists()
     assert "env sets LD_PRELOAD" in refused.stderr
@@ -125,7 +152,9 @@ def test_a_state_cannot_grant_loader_variables_to_ensure_cache(installed, tmp_pa
     loader_state(cache, doc)
     with pytest.raises(IntegrityError, match="env sets LD_PRELOAD"):
         ensure_cache("t", store=gone(tmp_path), cache_dir=cache, allow_stale=True, host_check=False, env={})
-    report = ensure_cache("t", store=gone(tmp_path), cache_dir=cache, allow_stale=True, host_check=False, env={}, allow_env=["LD_PRELOAD"])
+    report = ensure_cache(
+        "t", store=gone(tmp_path), cache_dir=cache, allow_stale=True, host_check=False, env={}, allow_env=["LD_PRELOAD"]
+    )
     assert report.stale and report.exports["LD_PRELOAD"] == "/tmp/evil.so"
 
 
@@ -153,7 +182,7 @@ _WRONG = [None, True, 7, -1, 2.5, "text", [], ["x"], {}, {"k": "v"}]
 
 def mutations(doc: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
     """(path, a value of another type) for every field and element of doc."""
-    for key, value in (doc.items() if isinstance(doc, dict) else enumerate(doc)):
+    for key, value in doc.items() if isinstance(doc, dict) else enumerate(doc):
         here = (*path, key)
         for wrong in _WRONG:
             if type(wrong) is not type(value):
@@ -177,7 +206,11 @@ def test_every_wrong_type_in_every_field_is_a_corrupt_state_naming_the_field(ins
     seen = 0
     for path, value in mutations(doc):
         edited = mutated(doc, path, value)
-        if isinstance(edited.get("installed"), dict) and isinstance(edited["installed"].get("release"), dict) and path[1:2] != ("release_id",):
+        if (
+            isinstance(edited.get("installed"), dict)
+            and isinstance(edited["installed"].get("release"), dict)
+            and path[1:2] != ("release_id",)
+        ):
             edited["installed"]["release_id"] = hash_bytes(canonical_json(edited["installed"]["release"]))
         state = parse_state(json.dumps(edited).encode())
         if any(part in free_form for part in path[:-1]) and path[-1] != "unit":
@@ -226,9 +259,14 @@ def test_a_corrupt_state_on_a_read_only_cache_dir_is_said_as_such(installed, tmp
         for name in [*dirs, *files]:
             Path(top, name).chmod(Path(top, name).stat().st_mode & ~0o222)
     cache.chmod(0o555)
-    result = without_override([sys.executable, "-m", "neffbuild", "pull", "t", "--store", str(store.root), "--cache-dir", str(cache)])
+    result = without_override(
+        [sys.executable, "-m", "neffbuild", "pull", "t", "--store", str(store.root), "--cache-dir", str(cache)]
+    )
     assert result.returncode == StateCorrupt.exit_code, result.stderr
-    assert f"{cache.resolve() / STATE}: files: expected an object" in result.stderr and "cannot be rewritten" in result.stderr
+    assert (
+        f"{cache.resolve() / STATE}: files: expected an object" in result.stderr
+        and "cannot be rewritten" in result.stderr
+    )
 
 
 def test_symlinked_foreign_and_newer_state_files(installed, tmp_path: Path) -> None:
@@ -255,14 +293,18 @@ _json = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-_fields = st.sampled_from(["format", "installed", "files", "release_id", "tag", "store", "installed_at", "exports", "units", "release"])
+_fields = st.sampled_from(
+    ["format", "installed", "files", "release_id", "tag", "store", "installed_at", "exports", "units", "release"]
+)
 
 
 @settings(max_examples=1_500, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(
     raw=_json
     | st.dictionaries(_fields, _json, max_size=4)
-    | st.fixed_dictionaries({"format": st.just(STATE_FORMAT), "installed": st.dictionaries(_fields, _json), "files": _json})
+    | st.fixed_dictionaries(
+        {"format": st.just(STATE_FORMAT), "installed": st.dictionaries(_fields, _json), "files": _json}
+    )
 )
 def test_the_decoder_on_arbitrary_json_says_corrupt_or_decodes(raw: Any) -> None:
     state = parse_state(json.dumps(raw).encode())
@@ -281,7 +323,9 @@ def real_state(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_the_decoder_on_mutations_of_a_real_state_says_corrupt_or_decodes(real_state: dict[str, Any], data: st.DataObject) -> None:
+def test_the_decoder_on_mutations_of_a_real_state_says_corrupt_or_decodes(
+    real_state: dict[str, Any], data: st.DataObject
+) -> None:
     paths = [path for path, _ in mutations(real_state)]
     doc = real_state
     for _ in range(data.draw(st.integers(1, 3))):
@@ -290,7 +334,11 @@ def test_the_decoder_on_mutations_of_a_real_state_says_corrupt_or_decodes(real_s
             doc = mutated(doc, path, value)
         except (KeyError, IndexError, TypeError):
             pass  # an earlier mutation took that path away
-    if data.draw(st.booleans()) and isinstance(doc.get("installed"), dict) and isinstance(doc["installed"].get("release"), dict):
+    if (
+        data.draw(st.booleans())
+        and isinstance(doc.get("installed"), dict)
+        and isinstance(doc["installed"].get("release"), dict)
+    ):
         doc["installed"]["release_id"] = hash_bytes(canonical_json(doc["installed"]["release"]))
     state = parse_state(json.dumps(doc).encode())
     if state.problem is None:

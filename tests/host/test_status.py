@@ -19,7 +19,10 @@ from neffbuild.store import open_store
 from neffbuild.store.base import Store
 from tests.storekit import this_host, write_files
 
-UNITS = {"m/64x64x1": {"a/k1.so": 3000, "fxgraph/aa/k1/e": 500}, "m/64x128x1": {"b/k2.so": 4000, "fxgraph/bb/k2/e": 600}}
+UNITS = {
+    "m/64x64x1": {"a/k1.so": 3000, "fxgraph/aa/k1/e": 500},
+    "m/64x128x1": {"b/k2.so": 4000, "fxgraph/bb/k2/e": 600},
+}
 
 
 def unit_record(unit_id: str, env: dict[str, str], seed: int) -> dict[str, Any]:
@@ -40,7 +43,9 @@ def publish_units(store: Store, root: Path, *, tag: str, seeds: tuple[int, int] 
     units, entries, fingerprints = [], [], []
     for n, (unit_id, sizes) in enumerate(UNITS.items()):
         sources = write_files(root / f"u{n}", sizes, seed=seeds[n])
-        files = tuple(FileEntry(path=s.path.relative_to(root / f"u{n}").as_posix(), size=s.size, digest=s.digest) for s in sources)
+        files = tuple(
+            FileEntry(path=s.path.relative_to(root / f"u{n}").as_posix(), size=s.size, digest=s.digest) for s in sources
+        )
         unit = unit_record(unit_id, env, seeds[n])
         fp = edit(this_host(unit, env))
         record = BundleRecord(
@@ -95,7 +100,9 @@ def test_a_complete_host_hits_from_the_cache_dir_alone(target, tmp_path: Path, c
     assert plain.returncode == 0 and "2 of 2 units will hit" in plain.stdout and "verify --replay" in plain.stdout
     # A file named like the tag in the working directory is not taken for a manifest.
     (tmp_path / "prod").write_text("not a manifest")
-    by_tag = cli("status", "prod", "--cache-dir", str(cache), env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, cwd=tmp_path)
+    by_tag = cli(
+        "status", "prod", "--cache-dir", str(cache), env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, cwd=tmp_path
+    )
     assert by_tag.returncode == 0 and "2 of 2 units will hit" in by_tag.stdout, by_tag.stderr
 
 
@@ -162,10 +169,14 @@ def test_a_host_whose_fingerprint_differs_is_a_mismatch_naming_the_field(target,
     store = open_store(url, create=True, env=env)
     release_id = publish_units(store, tmp_path / "src", tag="prod", edit=without_flag)
     cache = tmp_path / "cache"
-    assert cli("pull", release_id, "--store", url, "--cache-dir", str(cache), "--no-host-check", env=env).returncode == 0
+    assert (
+        cli("pull", release_id, "--store", url, "--cache-dir", str(cache), "--no-host-check", env=env).returncode == 0
+    )
     code, report, err = status_json(cli, cache)
     assert code == 12 and states(report) == {u: "mismatch" for u in UNITS}
-    flag = this_host(unit_record("m/64x64x1", {"OMP_NUM_THREADS": "2"}, 0), {"OMP_NUM_THREADS": "2"})["cpu.isa"].split(",")[0]
+    flag = this_host(unit_record("m/64x64x1", {"OMP_NUM_THREADS": "2"}, 0), {"OMP_NUM_THREADS": "2"})["cpu.isa"].split(
+        ","
+    )[0]
     for unit in report["units"]:
         assert [(c["name"], c["breaking"]) for c in unit["changes"]] == [("cpu.isa", True)]
         assert unit["host_key"] != unit["key"]

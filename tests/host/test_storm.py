@@ -40,9 +40,13 @@ def fleet(s3_url, s3_env, tmp_path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.s3
-def test_a_fleet_throttled_longer_than_the_old_try_budget_comes_up_whole(fleet, s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+def test_a_fleet_throttled_longer_than_the_old_try_budget_comes_up_whole(
+    fleet, s3_url, s3_env, s3_server, tmp_path: Path
+) -> None:
     limit = 5.0  # requests/s the store serves: the fleet's requests take about HOSTS * PER_PULL / limit = 19 s
-    assert HOSTS * PER_PULL / limit > 3 * _old_budget(SCALE)  # the storm outlasts what one request used to get, three times
+    assert HOSTS * PER_PULL / limit > 3 * _old_budget(
+        SCALE
+    )  # the storm outlasts what one request used to get, three times
     caches = [tmp_path / f"host{i}" for i in range(HOSTS)]
     with TcpProxy(_port(s3_server.endpoint), mode="limit", limit=limit) as proxy:
         done = storm(proxy, s3_url, {**s3_env, retry.SCALE_ENV: str(SCALE)}, caches, timeout=600)
@@ -56,12 +60,18 @@ def test_a_fleet_throttled_longer_than_the_old_try_budget_comes_up_whole(fleet, 
     for pull in done.pulls:
         if pull.report["throttled"]:
             assert pull.report["retries"] >= pull.report["throttled"] and pull.report["waited_s"] > 0
-            assert [line for line in pull.stderr.splitlines() if line.startswith("note: the store throttled this pull: ")]
-    print(f"{HOSTS} pulls, {done.forwarded} requests forwarded, {done.slowed} 503s ({done.ratio:.2f} per forwarded), {done.seconds:.1f} s")
+            assert [
+                line for line in pull.stderr.splitlines() if line.startswith("note: the store throttled this pull: ")
+            ]
+    print(
+        f"{HOSTS} pulls, {done.forwarded} requests forwarded, {done.slowed} 503s ({done.ratio:.2f} per forwarded), {done.seconds:.1f} s"
+    )
 
 
 @pytest.mark.s3
-def test_a_storm_past_the_deadline_fails_every_pull_naming_it_and_a_rerun_completes(fleet, s3_url, s3_env, s3_server, tmp_path: Path) -> None:
+def test_a_storm_past_the_deadline_fails_every_pull_naming_it_and_a_rerun_completes(
+    fleet, s3_url, s3_env, s3_server, tmp_path: Path
+) -> None:
     caches = [tmp_path / f"host{i}" for i in range(HOSTS)]
     env = {**s3_env, retry.SCALE_ENV: str(SCALE)}
     # 1 request/s: the fleet's requests would take over a minute; the deadline is 4 s.
@@ -71,7 +81,9 @@ def test_a_storm_past_the_deadline_fails_every_pull_naming_it_and_a_rerun_comple
         for pull in failed.pulls:
             assert pull.report["kind"] == "DeadlineExceeded" and "went past its 4 s deadline" in pull.report["error"]
             assert "the store throttled it: " in pull.report["error"] and pull.report["hint"] == retry.THROTTLED_HINT
-        assert not [partial_files(c, fleet) for c in caches if c.exists() and partial_files(c, fleet)]  # nothing half-written
+        assert not [
+            partial_files(c, fleet) for c in caches if c.exists() and partial_files(c, fleet)
+        ]  # nothing half-written
         landed = [sum((c / rel).is_file() for rel in fleet) for c in caches]
         proxy.limit = None  # the storm is over
         again = storm(proxy, s3_url, env, caches, timeout=600)

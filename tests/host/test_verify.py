@@ -46,7 +46,10 @@ def test_the_private_copy_has_the_same_bytes_and_modes_and_shares_nothing_writab
     assert (view / "locked").stat().st_mode == (source / "locked").stat().st_mode
     # The symlink is followed: the copy holds what a compiler would read, and writing it in place
     # (as a compiler rewriting a file would) reaches neither the file it named nor the original.
-    assert not (view / "link.py").is_symlink() and (view / "link.py").read_bytes() == (source / "ab" / "cab.so").read_bytes()
+    assert (
+        not (view / "link.py").is_symlink()
+        and (view / "link.py").read_bytes() == (source / "ab" / "cab.so").read_bytes()
+    )
     for rel in ("link.py", "fxgraph/ab/key/entry"):
         with (view / rel).open("r+b") as f:
             f.write(b"rewritten in place")
@@ -114,7 +117,9 @@ def test_a_replay_that_misses_twice_leaves_the_checked_dir_byte_identical(
 ) -> None:
     cache = tmp_path / "cache"
     assert cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(cache)).returncode == 0
-    other_width = write_manifest(tmp_path / "other-width.toml", tiny_model, widths=(64,), mode="regional")  # in no bundle
+    other_width = write_manifest(
+        tmp_path / "other-width.toml", tiny_model, widths=(64,), mode="regional"
+    )  # in no bundle
     work = tmp_path / "work"
     before = tree_hash(cache)
 
@@ -142,7 +147,9 @@ def test_sigterm_to_a_replaying_parent_stops_its_worker_and_removes_the_copy(tin
     manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,))
     cache, work, err = tmp_path / "empty-cache", tmp_path / "work", tmp_path / "stderr"
     cache.mkdir()
-    proc = start_cli("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--work-dir", str(work), stderr=err)
+    proc = start_cli(
+        "verify", str(manifest), "--cache-dir", str(cache), "--replay", "--work-dir", str(work), stderr=err
+    )
     try:
         running = wait_until_compiling(proc, err, "replaying")
         proc.send_signal(signal.SIGTERM)  # the parent only, as a CI runner's timeout does

@@ -23,22 +23,42 @@ def test_a_changed_fingerprint_names_exactly_its_fields(target: Target) -> None:
     result = diff(target.store, three.v1, three.v3)
     assert (result.added, result.removed, result.unchanged, result.release) == ((), (), (), ())
     expected = tuple(FieldChange(k, FINGERPRINT[k], CHANGED[k]) for k in sorted(CHANGED))
-    assert [(c.unit_id, c.fields) for c in result.changed] == [("klein/128x128x1", expected), ("klein/128x256x1", expected)]
+    assert [(c.unit_id, c.fields) for c in result.changed] == [
+        ("klein/128x128x1", expected),
+        ("klein/128x256x1", expected),
+    ]
     old, new = three.units[three.v1], three.units[three.v3]
     assert [(c.old_key, c.new_key) for c in result.changed] == [(o.key, n.key) for o, n in zip(old, new, strict=True)]
     # The kernels were rebuilt at the same paths; the shared header is byte-identical.
-    assert sorted(f.path for f in result.files_changed) == ["aot/128x128x1.bin", "aot/128x256x1.bin", "kernels/128x128x1.so", "kernels/128x256x1.so"]
+    assert sorted(f.path for f in result.files_changed) == [
+        "aot/128x128x1.bin",
+        "aot/128x256x1.bin",
+        "kernels/128x128x1.so",
+        "kernels/128x256x1.so",
+    ]
     assert (result.files_added, result.files_removed) == ((), ())
     for f in result.files_changed:
-        assert (f.old_size, f.new_size) == (len(old[0].files.get(f.path) or old[1].files[f.path]), len(new[0].files.get(f.path) or new[1].files[f.path]))
+        assert (f.old_size, f.new_size) == (
+            len(old[0].files.get(f.path) or old[1].files[f.path]),
+            len(new[0].files.get(f.path) or new[1].files[f.path]),
+        )
 
 
 def test_units_pair_by_entry_and_shape_not_by_key(target: Target) -> None:
     three = target.three
     result = diff(target.store, "klein@2", "klein@1")  # v1 -> v2
-    assert (result.unchanged, result.added, result.removed, result.changed) == (("klein/128x128x1",), ("klein/256x256x1",), ("klein/128x256x1",), ())
-    assert {f.path: f.new_size for f in result.files_added} == {p: len(d) for p, d in three.units[three.v2][1].files.items() if p != "headers/common.h"}
-    assert {f.path: f.old_size for f in result.files_removed} == {p: len(d) for p, d in three.units[three.v1][1].files.items() if p != "headers/common.h"}
+    assert (result.unchanged, result.added, result.removed, result.changed) == (
+        ("klein/128x128x1",),
+        ("klein/256x256x1",),
+        ("klein/128x256x1",),
+        (),
+    )
+    assert {f.path: f.new_size for f in result.files_added} == {
+        p: len(d) for p, d in three.units[three.v2][1].files.items() if p != "headers/common.h"
+    }
+    assert {f.path: f.old_size for f in result.files_removed} == {
+        p: len(d) for p, d in three.units[three.v1][1].files.items() if p != "headers/common.h"
+    }
     assert result.files_changed == ()
 
 
@@ -51,7 +71,10 @@ def test_unit_fields_are_dotted_paths(target: Target, tmp_path: Path) -> None:
     # A manifest that sets OMP_NUM_THREADS = 4: the unit's env and the fingerprint's env field move.
     base = klein_unit(128, 128)
     threads = Unit(
-        base.unit_id, unit_of("klein", 128, 128, env={"OMP_NUM_THREADS": "4"}), {**FINGERPRINT, "env.OMP_NUM_THREADS": "4"}, base.files
+        base.unit_id,
+        unit_of("klein", 128, 128, env={"OMP_NUM_THREADS": "4"}),
+        {**FINGERPRINT, "env.OMP_NUM_THREADS": "4"},
+        base.files,
     )
     rid = publish_units(target.store, tmp_path / "t", "klein", [threads, klein_unit(128, 256)])
     result = diff(target.store, target.three.v1, rid)
@@ -69,9 +92,17 @@ def test_cli_json_and_errors(target: Target) -> None:
     shown = run_cli("diff", three.v1, "canary", "--store", target.url, "--json", env=target.env)
     assert shown.returncode == 0, shown.stderr
     doc = json.loads(shown.stdout)
-    assert doc["identical"] is False and [f["path"] for f in doc["changed"][0]["fields"]] == ["cpu.isa", "threads", "torch"]
+    assert doc["identical"] is False and [f["path"] for f in doc["changed"][0]["fields"]] == [
+        "cpu.isa",
+        "threads",
+        "torch",
+    ]
     text = run_cli("diff", three.v1, "canary", "--store", target.url, env=target.env)
-    assert "  cpu.isa -avx512f\n" in text.stdout and "  torch 2.13.0 -> 2.14.1\n" in text.stdout and "  threads 2 -> 4\n" in text.stdout
+    assert (
+        "  cpu.isa -avx512f\n" in text.stdout
+        and "  torch 2.13.0 -> 2.14.1\n" in text.stdout
+        and "  threads 2 -> 4\n" in text.stdout
+    )
     same = run_cli("diff", "canary", "klein", "--store", target.url, "--json", env=target.env)
     assert json.loads(same.stdout)["identical"] is True
     mixed = run_cli("diff", klein_unit(128, 128).key, "klein", "--store", target.url, env=target.env)
@@ -89,7 +120,14 @@ def _host_release(store: Store, work: Path, name: str, **changed: str) -> tuple[
     units = []
     for height, width in ((128, 128), (128, 256)):
         base = klein_unit(height, width)
-        units.append(Unit(base.unit_id, base.normalized, {**this_host(base.normalized, {"OMP_NUM_THREADS": "2"}), **changed}, base.files))
+        units.append(
+            Unit(
+                base.unit_id,
+                base.normalized,
+                {**this_host(base.normalized, {"OMP_NUM_THREADS": "2"}), **changed},
+                base.files,
+            )
+        )
     return publish_units(store, work, name, units, tag=name), units
 
 
@@ -102,7 +140,9 @@ def test_host_diff_of_a_release_built_here_is_empty(local: Store, tmp_path: Path
     rid, units = _host_release(local, tmp_path / "w", "here")
     result = diff_host(local, "here", os.environ)
     assert result.identical and (result.release_id, result.tag) == (rid, "here")
-    assert [(u.unit_id, u.key, u.host_key, u.diffs) for u in result.host.units] == [(u.unit_id, u.key, u.key, ()) for u in units]
+    assert [(u.unit_id, u.key, u.host_key, u.diffs) for u in result.host.units] == [
+        (u.unit_id, u.key, u.key, ()) for u in units
+    ]
     shown = run_cli("diff", "--host", rid[:12], "--store", local.url, "--json")
     assert shown.returncode == 0, shown.stderr
     doc = json.loads(shown.stdout)
@@ -115,7 +155,9 @@ def test_host_diff_names_exactly_the_changed_fields(local: Store, tmp_path: Path
     here = this_host(unit_of("klein", 128, 128), {"OMP_NUM_THREADS": "2"})
     flags = here["cpu.isa"].split(",")
     fewer = ",".join(flags[1:])  # the build lacked this host's first flag
-    _, units = _host_release(local, tmp_path / "w", "other", **{"cpu.isa": fewer, "torch": "9.9.9", "diffusers": "0.1.0"})
+    _, units = _host_release(
+        local, tmp_path / "w", "other", **{"cpu.isa": fewer, "torch": "9.9.9", "diffusers": "0.1.0"}
+    )
     result = diff_host(local, "other", os.environ)
     expected = (
         FieldDiff("cpu.isa", fewer, here["cpu.isa"], True), FieldDiff("diffusers", "0.1.0", here["diffusers"], False),
@@ -127,7 +169,11 @@ def test_host_diff_names_exactly_the_changed_fields(local: Store, tmp_path: Path
     shown = run_cli("diff", "--host", "other", "--store", local.url, "--json")
     assert shown.returncode == 0, shown.stderr
     doc = json.loads(shown.stdout)
-    assert doc["breaking"] == ["cpu.isa", "torch"] and [d["name"] for d in doc["host"]["units"][0]["diffs"]] == ["cpu.isa", "diffusers", "torch"]
+    assert doc["breaking"] == ["cpu.isa", "torch"] and [d["name"] for d in doc["host"]["units"][0]["diffs"]] == [
+        "cpu.isa",
+        "diffusers",
+        "torch",
+    ]
     text = run_cli("diff", "--host", "other", "--store", local.url, env={"COLUMNS": "100"}).stdout
     assert "2 of 2 units differ; 2 breaking, 1 informational fields" in text
     assert f"  breaking cpu.isa +{flags[0]}\n" in text and f"  breaking torch 9.9.9 -> {here['torch']}\n" in text

@@ -39,7 +39,9 @@ def test_figures_equal_sums_from_the_documents(target: Target) -> None:
     tags = {s.name: s for s in usage.by_tag}
     assert (tags["klein"].members, tags["klein"].bytes) == (3, sum(everything.values()))  # its history holds all three
     assert (tags["canary"].members, tags["canary"].bytes) == (1, sum(blobs[three.v3].values()))
-    assert [(s.name, s.members, s.bytes) for s in usage.by_entry] == [("klein", 5, sum(everything.values()))]  # 5 distinct bundles
+    assert [(s.name, s.members, s.bytes) for s in usage.by_entry] == [
+        ("klein", 5, sum(everything.values()))
+    ]  # 5 distinct bundles
     old = {d: s for rid in (three.v1, three.v2) for d, s in blobs[rid].items()}
     toolchains = {s.name.split(",")[0]: (s.members, s.bytes) for s in usage.by_toolchain}
     assert toolchains == {"torch 2.13.0": (3, sum(old.values())), "torch 2.14.1": (2, sum(blobs[three.v3].values()))}

@@ -15,7 +15,9 @@ from tests.inspectkit import Target, klein_unit, publish_units, target  # noqa: 
 
 def test_releases_newest_first_with_counts_from_their_documents(target: Target, tmp_path: Path) -> None:
     three = target.three
-    untagged = publish_units(target.store, tmp_path / "old", "old", [klein_unit(64, 64)], created_at="2024-05-01T10:00:00+00:00")
+    untagged = publish_units(
+        target.store, tmp_path / "old", "old", [klein_unit(64, 64)], created_at="2024-05-01T10:00:00+00:00"
+    )
     listing = list_store(target.store)
     assert [r.release_id for r in listing.releases] == [three.v3, three.v2, three.v1, untagged]
     for row in listing.releases:
@@ -23,7 +25,9 @@ def test_releases_newest_first_with_counts_from_their_documents(target: Target, 
         assert (row.units, row.files, row.bytes) == (len(doc.units), len(doc.files), sum(f.size for f in doc.files))
     by_id = {r.release_id: r for r in listing.releases}
     assert by_id[three.v3].tags == ("canary", "klein") and by_id[three.v1].tags == ()
-    assert by_id[three.v3].toolchain.startswith("torch 2.14.1,") and by_id[three.v1].toolchain.startswith("torch 2.13.0,")
+    assert by_id[three.v3].toolchain.startswith("torch 2.14.1,") and by_id[three.v1].toolchain.startswith(
+        "torch 2.13.0,"
+    )
     # Untagged: its time is its bundles' (the release document has none, so rebuilds keep their id).
     assert (by_id[untagged].created, by_id[untagged].created_from) == ("2024-05-01T10:00:00+00:00", "bundles")
     assert {by_id[r].created_from for r in (three.v1, three.v2, three.v3)} == {"tag"}
@@ -65,7 +69,9 @@ def test_table_on_a_terminal_width(target: Target) -> None:
     shown = run_cli("ls", "--store", target.url, env={**target.env, "COLUMNS": "80"})
     assert shown.returncode == 0, shown.stderr
     assert target.three.v3 in shown.stdout and "left out at 80 columns" in shown.stdout
-    assert all(len(line) <= 80 for line in shown.stdout.splitlines() if line[:1] in "┏┃┡│└")  # titles name the store: long
+    assert all(
+        len(line) <= 80 for line in shown.stdout.splitlines() if line[:1] in "┏┃┡│└"
+    )  # titles name the store: long
 
 
 @pytest.mark.s3

@@ -27,7 +27,9 @@ def test_a_release_shows_each_unit_as_its_bundle_records_it(target: Target) -> N
         assert shown.components == ("transformer", "vae.decode") and shown.model.startswith("local:")
         assert shown.timings == Timings(load_s=1.5, first_call_s=40.0, total_s=41.5)
         assert shown.counters == {"compiles": 3, "graphs.transformer": 1}
-    assert view.files == 5 and view.bytes == sum(len(d) for u in three.units[three.v2] for d in u.files.values()) - len(b"common header " * 30)
+    assert view.files == 5 and view.bytes == sum(len(d) for u in three.units[three.v2] for d in u.files.values()) - len(
+        b"common header " * 30
+    )
 
 
 def test_a_bundle_key_shows_its_files(target: Target) -> None:

@@ -82,7 +82,9 @@ def old_enough(store: Store) -> Policy:
 
 
 @pytest.mark.parametrize("keep,live", [(0, {"r3", "r4"}), (1, {"r2", "r3", "r4"}), (3, {"r1", "r2", "r3", "r4"})])
-def test_gc_deletes_exactly_the_unreachable_and_honours_keep(target: tuple[str, dict[str, str]], tmp_path: Path, keep: int, live: set[str]) -> None:
+def test_gc_deletes_exactly_the_unreachable_and_honours_keep(
+    target: tuple[str, dict[str, str]], tmp_path: Path, keep: int, live: set[str]
+) -> None:
     url, env = target
     store = open_store(url, create=True, env=env)
     ids = history_store(store, tmp_path / "work")
@@ -102,7 +104,9 @@ def test_gc_deletes_exactly_the_unreachable_and_honours_keep(target: tuple[str, 
     assert plan_gc(store, policy).delete == ()  # nothing left to do
 
 
-def test_dry_run_reports_counts_and_bytes_and_deletes_nothing(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+def test_dry_run_reports_counts_and_bytes_and_deletes_nothing(
+    target: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
     url, env = target
     store = open_store(url, create=True, env=env)
     history_store(store, tmp_path / "work")
@@ -141,7 +145,9 @@ def test_grace_period_spares_young_objects(target: tuple[str, dict[str, str]], t
         assert plan_gc(store, Policy(keep=0, grace_s=0)).delete_objects > 0
 
 
-def test_a_running_gc_holds_the_lease_and_a_dead_ones_expires(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+def test_a_running_gc_holds_the_lease_and_a_dead_ones_expires(
+    target: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
     url, env = target
     store = open_store(url, create=True, env=env)
     history_store(store, tmp_path / "work")
@@ -212,7 +218,9 @@ def assert_whole(store: Store) -> None:
     assert check.clean, (check.dangling, check.damaged)
 
 
-def test_gc_between_a_publishs_presence_check_and_its_record(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+def test_gc_between_a_publishs_presence_check_and_its_record(
+    target: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
     """The publisher finds x present and skips it; a whole gc run deletes x; then the record is written."""
     url, env = target
     store, x = racing_store(url, env, tmp_path / "work")
@@ -236,7 +244,9 @@ def test_gc_between_a_publishs_presence_check_and_its_record(target: tuple[str, 
     assert_whole(store)
 
 
-def test_publish_waits_for_a_gc_that_planned_before_its_record(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+def test_publish_waits_for_a_gc_that_planned_before_its_record(
+    target: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
     """gc plans (x is garbage) and stops before deleting; the publisher writes its records meanwhile."""
     url, env = target
     store, x = racing_store(url, env, tmp_path / "work")
@@ -282,13 +292,17 @@ def test_gc_cache_dir_keeps_exactly_the_installed_release(tmp_path: Path) -> Non
     done = run_cli("gc", "--cache-dir", str(cache), "--store", store.url, "--yes")
     assert done.returncode == 0, done.stderr
     assert {f.path: (cache / f.path).read_bytes() for f in release(store, new).files} == listed
-    assert not (cache / "m" / "b.bin").exists() and not (cache / "served").exists() and not (cache / "link").is_symlink()
+    assert (
+        not (cache / "m" / "b.bin").exists() and not (cache / "served").exists() and not (cache / "link").is_symlink()
+    )
     assert outside.read_text() == "must survive" and (cache / ".neffbuild" / "state.json").exists()
     assert prune_cache_dir(cache).remove == ()
     assert pull(store, new, cache, jobs=2).files_fetched == 0  # still complete
 
 
-@pytest.mark.parametrize("text,seconds", [("24h", 86400), ("30m", 1800), ("90s", 90), ("2d", 172800), ("0", 0), ("1.5h", 5400)])
+@pytest.mark.parametrize(
+    "text,seconds", [("24h", 86400), ("30m", 1800), ("90s", 90), ("2d", 172800), ("0", 0), ("1.5h", 5400)]
+)
 def test_grace_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 

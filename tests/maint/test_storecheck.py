@@ -64,7 +64,10 @@ def test_a_deleted_blob_dangles_and_an_orphan_warns(target: tuple[str, dict[str,
     remove_object(store, blob_key(big), env)  # a loose object on both stores (9 MiB)
     code, check, err = verify(url, env)
     assert code == 4 and big in err
-    assert {f["key"] for f in check["dangling"]} == {f"releases/{one}.json", *(f"bundles/{u.key}.json" for u in release(store, one).units)}
+    assert {f["key"] for f in check["dangling"]} == {
+        f"releases/{one}.json",
+        *(f"bundles/{u.key}.json" for u in release(store, one).units),
+    }
 
 
 def test_deep_finds_a_corrupted_blob(target: tuple[str, dict[str, str]], tmp_path: Path) -> None:

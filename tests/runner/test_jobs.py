@@ -37,12 +37,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def entry() -> ModelEntry:
-    return ModelEntry(id="m", model="/nonexistent", pipeline="Flux2KleinPipeline", shapes={"height": 32, "width": [32, 64]})
+    return ModelEntry(
+        id="m", model="/nonexistent", pipeline="Flux2KleinPipeline", shapes={"height": 32, "width": [32, 64]}
+    )
 
 
 def job(purpose: str = "build") -> WorkerJob:
     shapes = (Shape(height=32, width=32), Shape(height=32, width=64))
-    return WorkerJob(purpose=purpose, entry=entry(), model_ref="/nonexistent", unit_ids=("m/32x32x1", "m/32x64x1"), shapes=shapes)
+    return WorkerJob(
+        purpose=purpose, entry=entry(), model_ref="/nonexistent", unit_ids=("m/32x32x1", "m/32x64x1"), shapes=shapes
+    )
 
 
 def python(script: str) -> list[str]:
@@ -82,7 +86,11 @@ def test_phase_events_reach_the_parent_while_the_worker_runs(tmp_path: Path) -> 
         tmp_path / "scratch",
         on_phase=lambda unit, phase: seen.append((time.monotonic() - started, unit, phase)),
     )
-    assert [(u, p) for _, u, p in seen] == [("m/32x32x1", "loading"), ("m/32x32x1", "compiling"), ("m/32x64x1", "compiling")]
+    assert [(u, p) for _, u, p in seen] == [
+        ("m/32x32x1", "loading"),
+        ("m/32x32x1", "compiling"),
+        ("m/32x64x1", "compiling"),
+    ]
     took = time.monotonic() - started
     assert seen[1][0] < took - 0.5  # heard while the worker was still running, not after it
     assert [r.unit_id for r in result.runs] == ["m/32x32x1", "m/32x64x1"]
@@ -142,7 +150,14 @@ def test_stop_ends_every_process_of_every_worker_group(tmp_path: Path) -> None:
     pid_files = [tmp_path / f"pids-{i}" for i in range(2)]
     threads = [
         threading.Thread(
-            target=lambda f=f: pytest.raises(WorkerStopped, workers.run, [*python(STUBBORN_WORKER), str(f)], env(), tmp_path / f"{f.name}.log", lambda: None)
+            target=lambda f=f: pytest.raises(
+                WorkerStopped,
+                workers.run,
+                [*python(STUBBORN_WORKER), str(f)],
+                env(),
+                tmp_path / f"{f.name}.log",
+                lambda: None,
+            )
         )
         for f in pid_files
     ]

@@ -101,7 +101,14 @@ def named(data: bytes) -> tuple[str, bytes]:
 @pytest.mark.parametrize(
     "data",
     [
-        b"", b"null", b"[]", b"3", b"garbage", b"\x1f\x8b\x08\x00gzip", b"[" * 100_000, b'{"a":' * 50_000,
+        b"",
+        b"null",
+        b"[]",
+        b"3",
+        b"garbage",
+        b"\x1f\x8b\x08\x00gzip",
+        b"[" * 100_000,
+        b'{"a":' * 50_000,
         b'{"format": "\\ud800", "size": 0, "entries": []}',
         b'{"format": "neffbuild.pack/1", "size": 0, "entries": [], "extra": 1}',
         b'{"format": "neffbuild.pack/1", "size": "0", "entries": []}',
@@ -141,7 +148,9 @@ def test_a_locator_round_trips_and_must_name_its_release() -> None:
     pack = hash_bytes(b"pack")
     release = hash_bytes(b"release")
     data = packs.encode_locator(release, {a: pack, b: pack}, [c])
-    assert packs.decode_locator(release, data, "loc") == packs.Locator(release, {pack: frozenset({a, b})}, frozenset({c}))
+    assert packs.decode_locator(release, data, "loc") == packs.Locator(
+        release, {pack: frozenset({a, b})}, frozenset({c})
+    )
     with pytest.raises(IntegrityError, match="locates release") as err:
         packs.decode_locator(hash_bytes(b"other"), data, "s3://b/locators/x.json")
     assert_integrity_error_naming(err.value, "s3://b/locators/x.json")
@@ -152,8 +161,12 @@ def test_a_locator_round_trips_and_must_name_its_release() -> None:
 
 _text = st.text(st.characters(codec=None), max_size=8)  # lone surrogates included
 _scalars = st.none() | st.booleans() | st.integers() | st.floats() | _text
-_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3), max_leaves=6)
-_digests = st.sampled_from([hash_bytes(bytes([i])) for i in range(4)]) | st.text("0123456789abcdefABCDEF", min_size=31, max_size=33)
+_json = st.recursive(
+    _scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3), max_leaves=6
+)
+_digests = st.sampled_from([hash_bytes(bytes([i])) for i in range(4)]) | st.text(
+    "0123456789abcdefABCDEF", min_size=31, max_size=33
+)
 
 
 def _dumped(value: object, raw: bool) -> bytes:
@@ -191,7 +204,9 @@ def test_fuzz_pack_index_decoder(data: bytes) -> None:
         assert_integrity_error_naming(exc, WHERE)
         return
     assert index.pack_id == pack_id and all(is_digest(e.digest) for e in index.entries)
-    assert [e.offset for e in index.entries] == [sum(e.size for e in index.entries[:i]) for i in range(len(index.entries))]
+    assert [e.offset for e in index.entries] == [
+        sum(e.size for e in index.entries[:i]) for i in range(len(index.entries))
+    ]
     assert index.size == sum(e.size for e in index.entries)
 
 
@@ -207,7 +222,11 @@ _locator_like = st.fixed_dictionaries(
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=200), _deep, st.tuples(_locator_like | _json, st.booleans()).map(lambda t: _dumped(*t))))
+@given(
+    st.one_of(
+        st.binary(max_size=200), _deep, st.tuples(_locator_like | _json, st.booleans()).map(lambda t: _dumped(*t))
+    )
+)
 def test_fuzz_locator_decoder(data: bytes) -> None:
     where = "s3://bucket/p/locators/r.json"
     try:

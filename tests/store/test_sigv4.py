@@ -33,7 +33,10 @@ def parts(url: str) -> tuple[str, str, dict[str, str]]:
 
 @pytest.mark.parametrize(
     ("endpoint_url", "endpoint"),
-    [("http://127.0.0.1:8333", Endpoint("http", "127.0.0.1:8333", "/bkt")), (None, Endpoint("https", "bkt.s3.amazonaws.com", ""))],
+    [
+        ("http://127.0.0.1:8333", Endpoint("http", "127.0.0.1:8333", "/bkt")),
+        (None, Endpoint("https", "bkt.s3.amazonaws.com", "")),
+    ],
 )
 @pytest.mark.parametrize(
     ("operation", "params", "key", "query"),
@@ -64,7 +67,11 @@ STATIC = {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK", "AWS_CONFIG_
 
 def test_environment_that_settles_everything_gets_our_signer() -> None:
     custom = signer_from_env("bkt", "http://127.0.0.1:9000", STATIC)
-    assert custom is not None and custom.endpoint == Endpoint("http", "127.0.0.1:9000", "/bkt") and custom.region == "us-east-1"
+    assert (
+        custom is not None
+        and custom.endpoint == Endpoint("http", "127.0.0.1:9000", "/bkt")
+        and custom.region == "us-east-1"
+    )
     aws = signer_from_env("bkt", None, {**STATIC, "AWS_REGION": "eu-central-1", "AWS_SESSION_TOKEN": "T"})
     assert aws is not None and aws.endpoint.host == "bkt.s3.eu-central-1.amazonaws.com" and aws.credentials.token == "T"
 

@@ -41,7 +41,9 @@ DOC = b'{"format":"x"}'
 
 # "s3" signs its reads itself (static credentials in the environment: store/s3/sigv4.py); "s3-profile"
 # takes credentials from a profile in a credentials file, so botocore resolves and signs them.
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("s3-profile", marks=pytest.mark.s3)])
+@pytest.fixture(
+    params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("s3-profile", marks=pytest.mark.s3)]
+)
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -125,7 +127,9 @@ def test_list_docs_names_documents_of_one_kind(store: Store) -> None:
 # ---- listing, reading many, deleting: what inspection and gc use --------------------------------
 
 
-def test_list_objects_reports_every_key_with_its_size_and_time(store: Store, env: dict[str, str], tmp_path: Path) -> None:
+def test_list_objects_reports_every_key_with_its_size_and_time(
+    store: Store, env: dict[str, str], tmp_path: Path
+) -> None:
     before = time.time()
     [one] = write_files(tmp_path / "src", {"one.bin": 1000})
     store.put_blob(one.digest, one.path)
@@ -138,7 +142,10 @@ def test_list_objects_reports_every_key_with_its_size_and_time(store: Store, env
     sizes = {o.key: o.size for o in listed}
     assert sizes[blob_key(one.digest)] == 1000 and sizes[doc_key("tags", "main")] == len(DOC)
     assert all(before - 2 <= o.mtime <= time.time() + 2 for o in listed)  # S3 keeps whole seconds
-    assert [(o.key, o.size) for o in store.list_objects("releases/")] == [("releases/r1.json", 1), ("releases/r2.json", 2)]
+    assert [(o.key, o.size) for o in store.list_objects("releases/")] == [
+        ("releases/r1.json", 1),
+        ("releases/r2.json", 2),
+    ]
     assert [o.key for o in store.list_objects(f"blobs/{one.digest[:2]}/{one.digest[:5]}")] == [blob_key(one.digest)]
     assert list(store.list_objects("releases/r3")) == [] and list(store.list_objects("locators/")) == []
 
@@ -163,7 +170,9 @@ def test_get_docs_reads_many_at_once(store: Store) -> None:
         store.get_docs("releases", ["../escape"], jobs=2)
 
 
-def test_delete_objects_removes_exactly_the_keys_given(store: Store, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_delete_objects_removes_exactly_the_keys_given(
+    store: Store, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from neffbuild.store.s3 import store as s3
 
     monkeypatch.setattr(s3, "DELETE_BATCH", 2)  # several DeleteObjects requests on S3
@@ -173,7 +182,10 @@ def test_delete_objects_removes_exactly_the_keys_given(store: Store, env: dict[s
     for name in ("a", "b", "c", "d"):
         store.put_doc("releases", name, DOC)
     before = keys_of(store, env)
-    doomed = [doc_key("releases", n) for n in ("a", "b", "c")] + [blob_key(sources[0].digest), blob_key(hash_bytes(b"never stored"))]
+    doomed = [doc_key("releases", n) for n in ("a", "b", "c")] + [
+        blob_key(sources[0].digest),
+        blob_key(hash_bytes(b"never stored")),
+    ]
     store.delete_objects(doomed)
     assert keys_of(store, env) == before - set(doomed)
     assert store.get_doc("releases", "a") is None and store.get_doc("releases", "d") == DOC
@@ -182,8 +194,12 @@ def test_delete_objects_removes_exactly_the_keys_given(store: Store, env: dict[s
     store.delete_objects([])
 
 
-@pytest.mark.parametrize("key", [MARKER, "", "../x", "blobs/../neffbuild-store.json", "blobs//x", "locks/tag-main.lock", "/blobs/x"])
-def test_delete_objects_refuses_what_is_no_store_object_and_deletes_nothing(store: Store, env: dict[str, str], key: str) -> None:
+@pytest.mark.parametrize(
+    "key", [MARKER, "", "../x", "blobs/../neffbuild-store.json", "blobs//x", "locks/tag-main.lock", "/blobs/x"]
+)
+def test_delete_objects_refuses_what_is_no_store_object_and_deletes_nothing(
+    store: Store, env: dict[str, str], key: str
+) -> None:
     store.put_doc("releases", "r", DOC)
     before = keys_of(store, env)
     with pytest.raises(InputError, match="cannot delete"):
@@ -291,7 +307,9 @@ def test_a_source_that_does_not_match_its_digest_is_not_stored(store: Store, tmp
         lying = BlobSource(hash_bytes(b"other bytes"), s.size, s.path)
         with pytest.raises(IntegrityError, match="changed while publishing") as err:
             store.put_blobs([lying], jobs=2)
-        assert str(s.path) in err.value.message and f"{store.url}/" in err.value.message  # the file and the store object
+        assert (
+            str(s.path) in err.value.message and f"{store.url}/" in err.value.message
+        )  # the file and the store object
         assert store.missing_blobs({lying.digest}) == {lying.digest}
 
 
@@ -359,7 +377,9 @@ def test_s3_packs_small_blobs_with_an_index(s3_url: str, s3_env: dict[str, str],
 
 
 @pytest.mark.s3
-def test_s3_many_loose_blobs_are_checked_by_listing(s3_url: str, s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_many_loose_blobs_are_checked_by_listing(
+    s3_url: str, s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from neffbuild.store.s3 import packs as s3packs
 
     store = open_store(s3_url, create=True, env=s3_env)
@@ -371,7 +391,9 @@ def test_s3_many_loose_blobs_are_checked_by_listing(s3_url: str, s3_env: dict[st
 
 
 @pytest.mark.s3
-def test_s3_upload_corrupted_in_flight_is_rejected(s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path) -> None:
+def test_s3_upload_corrupted_in_flight_is_rejected(
+    s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path
+) -> None:
     from tests.tcpproxy import TcpProxy
 
     open_store(s3_url, create=True, env=s3_env)
@@ -417,7 +439,9 @@ def test_listings_follow_every_page(kind: str, store: Store) -> None:
 
 
 @pytest.mark.s3
-def test_s3_reads_with_static_credentials_never_import_botocore(s3_url: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+def test_s3_reads_with_static_credentials_never_import_botocore(
+    s3_url: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
     import subprocess
     import sys
 
@@ -438,7 +462,9 @@ targets = [BlobTarget(d, n, Path({str(tmp_path)!r}) / "out" / d) for d, n in {[(
 store.download_blobs(targets, 4)
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("botocore", "boto3", "awscrt")))
 """
-    done = subprocess.run([sys.executable, "-c", reader], env={**os.environ, **s3_env}, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", reader], env={**os.environ, **s3_env}, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(s.digest for s in sources)
@@ -489,7 +515,9 @@ def _read(store: Store, key: str, env: dict[str, str]) -> bytes:
 
 
 @pytest.mark.s3
-def test_s3_downloads_survive_dropped_connections(s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path, large_path: str) -> None:
+def test_s3_downloads_survive_dropped_connections(
+    s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path, large_path: str
+) -> None:
     from tests.tcpproxy import TcpProxy
 
     store = open_store(s3_url, create=True, env=s3_env)
@@ -516,7 +544,9 @@ BAD_MARKERS = {
 
 
 @pytest.mark.parametrize("content", BAD_MARKERS.values(), ids=BAD_MARKERS.keys())
-def test_a_damaged_marker_is_a_store_error_naming_it(store: Store, store_url: str, env: dict[str, str], content: bytes) -> None:
+def test_a_damaged_marker_is_a_store_error_naming_it(
+    store: Store, store_url: str, env: dict[str, str], content: bytes
+) -> None:
     _write(store, MARKER, content, env)
     with pytest.raises(StoreError) as err:
         open_store(store_url, env=env)
@@ -541,7 +571,9 @@ _markers = st.one_of(
     st.binary(max_size=200),
     st.tuples(st.sampled_from([b"[", b'{"format":']), st.integers(1, 3000)).map(lambda t: t[0] * t[1]),
     st.tuples(_json, st.booleans()).map(lambda t: json.dumps(t[0], ensure_ascii=t[1]).encode("utf-8", "surrogatepass")),
-    st.dictionaries(st.just("format") | _text, _json | st.just(STORE_FORMAT), max_size=3).map(lambda d: json.dumps(d).encode()),
+    st.dictionaries(st.just("format") | _text, _json | st.just(STORE_FORMAT), max_size=3).map(
+        lambda d: json.dumps(d).encode()
+    ),
 )
 
 
@@ -561,7 +593,9 @@ def test_fuzz_store_marker_parser(data: bytes) -> None:
 # ---- locators: which packs hold a release's blobs ------------------------------------------------
 
 
-def test_a_published_release_has_a_locator_where_the_store_packs(store: Store, env: dict[str, str], tmp_path: Path) -> None:
+def test_a_published_release_has_a_locator_where_the_store_packs(
+    store: Store, env: dict[str, str], tmp_path: Path
+) -> None:
     from neffbuild.store import packs
 
     sources = small_and_large(tmp_path / "src", small=30)
@@ -588,7 +622,13 @@ def test_only_the_s3_store_modules_import_botocore() -> None:
     importers = set()
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n.split(".")[0] in ("botocore", "boto3") for n in names):
                 importers.add(path.relative_to(root).as_posix())
     assert importers and all(p.startswith("store/s3") for p in importers), importers

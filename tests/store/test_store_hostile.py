@@ -39,7 +39,9 @@ def publish(
     return publish_release_of(store, files, sources, name=f"rel-{tag}", tag=tag), sources
 
 
-def pull_cli(store_url: str, tag: str, cache: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def pull_cli(
+    store_url: str, tag: str, cache: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`neffbuild pull` as a host runs it; a pull that blocks fails the test instead of hanging it."""
     return subprocess.run(
         [sys.executable, "-m", "neffbuild", "pull", tag, "--store", store_url, "--cache-dir", str(cache)],
@@ -86,7 +88,9 @@ def index_holding(store: Store, env: dict[str, str], digest: str) -> str:
 
 
 @contextmanager
-def proxied(s3_server, s3_env: dict[str, str], store_url: str, paths: tuple[str, ...]) -> Iterator[tuple[Store, dict[str, str], object]]:
+def proxied(
+    s3_server, s3_env: dict[str, str], store_url: str, paths: tuple[str, ...]
+) -> Iterator[tuple[Store, dict[str, str], object]]:
     """The store seen through a proxy that makes GET bodies for `paths` endless."""
     from tests.tcpproxy import TcpProxy
 
@@ -116,7 +120,9 @@ def test_a_local_blob_that_never_ends_fails_the_pull_naming_it(tmp_path: Path, k
     done = pull_cli(store.url, "t", cache)
     assert done.returncode == 4, done.stderr
     assert str(cache / "x.bin") in done.stderr and str(blob) in done.stderr
-    assert {"fifo": "FIFO", "dev-zero": "character device", "sparse-terabyte": "longer than the 5000 bytes"}[kind] in done.stderr
+    assert {"fifo": "FIFO", "dev-zero": "character device", "sparse-terabyte": "longer than the 5000 bytes"}[
+        kind
+    ] in done.stderr
     assert len(done.stderr.strip().splitlines()) == 2  # error and hint, no traceback
     assert landed(cache) == []
 
@@ -137,7 +143,9 @@ def test_a_local_marker_or_document_that_is_not_a_file_is_refused_without_blocki
     marker.unlink()
     marker.symlink_to(marker.name)  # a symlink loop: the filesystem refuses it
     done = pull_cli(store.url, "t", tmp_path / "cache")
-    assert done.returncode == 3 and "neffbuild-store.json: cannot read it" in done.stderr, done.stderr  # the store's fault
+    assert done.returncode == 3 and "neffbuild-store.json: cannot read it" in done.stderr, (
+        done.stderr
+    )  # the store's fault
 
 
 def test_a_local_store_that_cannot_hold_a_temp_file_is_a_disk_error(tmp_path: Path) -> None:
@@ -155,7 +163,9 @@ def test_a_local_store_that_cannot_hold_a_temp_file_is_a_disk_error(tmp_path: Pa
 
 
 @pytest.mark.s3
-def test_an_s3_blob_without_an_end_fails_the_pull_naming_it(s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path) -> None:
+def test_an_s3_blob_without_an_end_fails_the_pull_naming_it(
+    s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path
+) -> None:
     store = open_store(s3_url, create=True, env=s3_env)
     _, [src] = publish(store, tmp_path, {"x.bin": 5000}, loose=("x.bin",))
     cache = tmp_path / "cache"
@@ -177,7 +187,9 @@ def test_the_s3_marker_is_read_only_as_far_as_a_marker_goes(s3_url: str, s3_env:
 
 
 @pytest.mark.s3
-def test_a_pack_range_without_an_end_is_read_only_as_far_as_needed(s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path) -> None:
+def test_a_pack_range_without_an_end_is_read_only_as_far_as_needed(
+    s3_url: str, s3_env: dict[str, str], s3_server, tmp_path: Path
+) -> None:
     store = open_store(s3_url, create=True, env=s3_env)
     _, sources = publish(store, tmp_path, {f"{i}.bin": 1000 + i for i in range(20)})
     cache = tmp_path / "cache"
@@ -218,7 +230,9 @@ def test_a_damaged_pack_index_fails_only_the_pulls_that_need_it(
 
 
 @pytest.mark.s3
-def test_publishing_the_blobs_of_a_damaged_index_again_repairs_it(s3_url: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+def test_publishing_the_blobs_of_a_damaged_index_again_repairs_it(
+    s3_url: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
     store = open_store(s3_url, create=True, env=s3_env)
     _, b = publish(store, tmp_path, {f"b{i}.bin": 2000 + i for i in range(10)}, tag="b")
     damaged = index_holding(store, s3_env, b[0].digest)
@@ -382,7 +396,12 @@ def test_every_integrity_error_of_a_pull_names_the_cache_file_and_the_store_obje
     where: str, scenario: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if where == "local":
-        store, env, damage, server = open_store(str(tmp_path / "store"), create=True), {}, LOCAL_SCENARIOS[scenario], None
+        store, env, damage, server = (
+            open_store(str(tmp_path / "store"), create=True),
+            {},
+            LOCAL_SCENARIOS[scenario],
+            None,
+        )
     else:
         env = request.getfixturevalue("s3_env")
         store, damage = open_store(request.getfixturevalue("s3_url"), create=True, env=env), S3_SCENARIOS[scenario]
@@ -395,4 +414,3 @@ def test_every_integrity_error_of_a_pull_names_the_cache_file_and_the_store_obje
             pull(reader, "t", cache)
     assert_refused(err.value, cache, store_object)
     assert reader.url in err.value.message or store_object.startswith("/")
-

@@ -145,9 +145,9 @@ def test_warmup_only_arguments_keep_every_key(manifest: Path) -> None:
 @pytest.mark.parametrize(
     "change",
     [
-        'max_sequence_length = 128',  # the text sequence: every graph's shape
-        'guidance_scale = 1.0',  # toggles classifier-free guidance in pipelines that have it: doubles the batch
-        'text_encoder_out_layers = [1, 2]',  # the embedding width
+        "max_sequence_length = 128",  # the text sequence: every graph's shape
+        "guidance_scale = 1.0",  # toggles classifier-free guidance in pipelines that have it: doubles the batch
+        "text_encoder_out_layers = [1, 2]",  # the embedding width
         'prompt = ["a cat", "a dog"]',  # two prompts: a batch of two
     ],
 )
@@ -160,16 +160,27 @@ def test_arguments_that_change_shapes_change_every_key(manifest: Path, change: s
 def test_prompt_text_stays_in_the_key_where_the_pipeline_is_not_known_to_pad(tmp_path: Path) -> None:
     # QwenImage tokenizes with padding=True (to the longest prompt) and drops the padding again:
     # another text is another sequence length.
-    write_model_index(tmp_path / "model", {"_class_name": "QwenImagePipeline", "transformer": ["diffusers", "QwenImageTransformer2DModel"]})
+    write_model_index(
+        tmp_path / "model",
+        {"_class_name": "QwenImagePipeline", "transformer": ["diffusers", "QwenImageTransformer2DModel"]},
+    )
     path = tmp_path / "m.toml"
-    path.write_text(MANIFEST.replace("Flux2KleinPipeline", "QwenImagePipeline").replace("num_inference_steps = 2", 'prompt = "a cat"'))
+    path.write_text(
+        MANIFEST.replace("Flux2KleinPipeline", "QwenImagePipeline").replace(
+            "num_inference_steps = 2", 'prompt = "a cat"'
+        )
+    )
     before = keys(path)
     edit(path, 'prompt = "a cat"', 'prompt = "a dog on a skateboard"')
     assert set(keys(path).values()).isdisjoint(before.values())
 
 
 def test_plan_json_shows_what_the_key_leaves_out(manifest: Path, cli) -> None:
-    edit(manifest, "num_inference_steps = 2", 'num_inference_steps = 2\nprompt = ["a cat", "a dog"]\nmax_sequence_length = 64')
+    edit(
+        manifest,
+        "num_inference_steps = 2",
+        'num_inference_steps = 2\nprompt = ["a cat", "a dog"]\nmax_sequence_length = 64',
+    )
     unit = plan_document(make_plan(load_manifest(manifest), {}, facts_provider()))["units"][0]
     assert unit["left_out_of_key"] == {"num_inference_steps": 2, "prompt": ["a cat", "a dog"]}
     assert unit["unit"]["call"] == {"max_sequence_length": 64, "prompt": ["<text>", "<text>"]}
@@ -183,7 +194,10 @@ def test_plan_json_shows_what_the_key_leaves_out(manifest: Path, cli) -> None:
     [
         ("FluxPipeline", {"prompt", "prompt_2", "negative_prompt", "negative_prompt_2"}),
         ("Flux2KleinPipeline", {"prompt"}),
-        ("StableDiffusion3Pipeline", {"prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3"}),
+        (
+            "StableDiffusion3Pipeline",
+            {"prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3"},
+        ),
         ("StableDiffusionXLPipeline", {"prompt", "prompt_2", "negative_prompt", "negative_prompt_2"}),
         ("StableDiffusionPipeline", {"prompt", "negative_prompt"}),
         ("QwenImagePipeline", set()),  # padding=True: to the longest prompt, so the text is a length
@@ -215,10 +229,18 @@ PLAN_CHECKS = {
         ('pipeline = "Flux2KleinPipeline"', 'pipeline = "Flux2KlienPipeline"'),
         ["model[klein].pipeline", "no pipeline 'Flux2KlienPipeline'", "did you mean 'Flux2KleinPipeline'"],
     ),
-    "not a pipeline class": (('pipeline = "Flux2KleinPipeline"', 'pipeline = "AutoencoderKL"'), ["model[klein].pipeline", "not a pipeline class"]),
+    "not a pipeline class": (
+        ('pipeline = "Flux2KleinPipeline"', 'pipeline = "AutoencoderKL"'),
+        ["model[klein].pipeline", "not a pipeline class"],
+    ),
     "component typo": (
         ('dtype = "float32"', 'dtype = "float32"\ncomponents = ["transfomer"]'),
-        ["model[klein].components", "'transfomer' is not a component", "did you mean 'transformer'", "model_index.json lists"],
+        [
+            "model[klein].components",
+            "'transfomer' is not a component",
+            "did you mean 'transformer'",
+            "model_index.json lists",
+        ],
     ),
     "component method typo": (
         ('dtype = "float32"', 'dtype = "float32"\ncomponents = ["vae.decod"]'),
@@ -238,9 +260,16 @@ PLAN_CHECKS = {
     ),
     "call argument typo": (
         ("num_inference_steps = 2", "num_inference_step = 2"),
-        ["model[klein].call.num_inference_step", "no parameter 'num_inference_step'", "did you mean 'num_inference_steps'"],
+        [
+            "model[klein].call.num_inference_step",
+            "no parameter 'num_inference_step'",
+            "did you mean 'num_inference_steps'",
+        ],
     ),
-    "cuda on a host without cuda": (('dtype = "float32"', 'dtype = "float32"\ndevice = "cuda"'), ["model[klein].device", "no CUDA device", "device = 'cpu'"]),
+    "cuda on a host without cuda": (
+        ('dtype = "float32"', 'dtype = "float32"\ndevice = "cuda"'),
+        ["model[klein].device", "no CUDA device", "device = 'cpu'"],
+    ),
     "neuron without torch-neuronx": (
         ('dtype = "float32"', 'dtype = "float32"\nbackend = "neuron"'),
         ["model[klein].backend", "torch-neuronx is not importable", "[toolchain]"],
@@ -264,7 +293,9 @@ def test_each_plan_check_is_one_line_exit_2_with_its_hint(case: str, manifest: P
     assert err.value.exit_code == 2 and err.value.hint
     assert err.value.message.startswith(f"{manifest}: ") and "\n" not in err.value.message
     for fragment in expected:
-        assert fragment in f"{err.value.message} {err.value.hint}", f"{fragment!r} not in {err.value.message!r} / {err.value.hint!r}"
+        assert fragment in f"{err.value.message} {err.value.hint}", (
+            f"{fragment!r} not in {err.value.message!r} / {err.value.hint!r}"
+        )
 
 
 @pytest.mark.parametrize("case", ["pipeline class typo", "component method typo"])
@@ -336,12 +367,20 @@ def test_toolchain_plans_neuron_keys_for_another_host(manifest: Path, cli) -> No
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["host"] == "declared by [toolchain]"
-    assert any(n.startswith("planning for another host") and "neuronx-cc '2.21.33' (here 'absent')" in n for n in doc["notes"])
+    assert any(
+        n.startswith("planning for another host") and "neuronx-cc '2.21.33' (here 'absent')" in n for n in doc["notes"]
+    )
     fingerprint = doc["units"][0]["fingerprint"]
-    assert fingerprint["neuronx-cc"] == "2.21.33" and fingerprint["neuron.target"] == "trn2" and fingerprint["device"] == "neuron"
+    assert (
+        fingerprint["neuronx-cc"] == "2.21.33"
+        and fingerprint["neuron.target"] == "trn2"
+        and fingerprint["device"] == "neuron"
+    )
     assert "absent" not in json.dumps(doc["units"])
     # The same table on another planning host gives the same keys: they come from the manifest.
-    plan = make_plan(load_manifest(manifest), {}, lambda backend, env, device: {"torch": "2.13.0", "neuronx-cc": "absent"})
+    plan = make_plan(
+        load_manifest(manifest), {}, lambda backend, env, device: {"torch": "2.13.0", "neuronx-cc": "absent"}
+    )
     assert [u.key for u in plan.units] == [u["key"] for u in doc["units"]]
     with pytest.raises(EnvironmentMismatch, match=r"\[toolchain\] plans for another host"):
         check_buildable(plan)
@@ -356,8 +395,12 @@ def test_an_incomplete_toolchain_never_yields_absent_keys(manifest: Path) -> Non
 
 def test_toolchain_names_are_checked(manifest: Path) -> None:
     neuron_manifest(manifest, TOOLCHAIN.replace("neuronx-cc =", "neuronx_cc ="))
-    with pytest.raises(ManifestError, match="toolchain.neuronx_cc: not a fact of the neuron backend; did you mean 'neuronx-cc'"):
+    with pytest.raises(
+        ManifestError, match="toolchain.neuronx_cc: not a fact of the neuron backend; did you mean 'neuronx-cc'"
+    ):
         make_plan(load_manifest(manifest), {}, facts_provider())
+
+
 def test_changed_model_config_changes_keys_weights_do_not(manifest: Path, tmp_path: Path) -> None:
     before = keys(manifest)
     (tmp_path / "model" / "transformer" / "weights.safetensors").write_bytes(b"\1" * 64)
@@ -386,7 +429,12 @@ def test_environment_fingerprint_changes_keys(manifest: Path, fact: str, value: 
 
 @pytest.mark.parametrize(
     "env",
-    [{"OMP_NUM_THREADS": "4"}, {"ATEN_CPU_CAPABILITY": "avx2"}, {"TORCH_COMPILE_CACHE_KEY_TAG": "x"}, {"TORCHINDUCTOR_FREEZING": "1"}],
+    [
+        {"OMP_NUM_THREADS": "4"},
+        {"ATEN_CPU_CAPABILITY": "avx2"},
+        {"TORCH_COMPILE_CACHE_KEY_TAG": "x"},
+        {"TORCHINDUCTOR_FREEZING": "1"},
+    ],
 )
 def test_compiler_env_vars_change_keys(manifest: Path, env: dict[str, str]) -> None:
     assert set(keys(manifest, env).values()).isdisjoint(keys(manifest).values())

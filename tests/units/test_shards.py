@@ -18,7 +18,12 @@ from neffbuild.hashing import hash_bytes
 from neffbuild.units.shards import ShardSpec, assign, parse_shard, shard_from_env
 from tests.conftest import ROOT
 
-UNITS = [(f"m{e}/{h}x{w}x1", hash_bytes(f"{e}-{h}-{w}".encode())) for e in range(3) for h in (64, 128, 256) for w in (64, 128, 256, 512)]
+UNITS = [
+    (f"m{e}/{h}x{w}x1", hash_bytes(f"{e}-{h}-{w}".encode()))
+    for e in range(3)
+    for h in (64, 128, 256)
+    for w in (64, 128, 256, 512)
+]
 
 
 @pytest.mark.parametrize("count", range(1, 9))
@@ -51,7 +56,9 @@ def test_the_partition_is_the_same_in_other_processes_and_for_any_input_order() 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(min_value=0.5, max_value=3600), min_size=1, max_size=60), st.integers(1, 8))
-def test_with_recorded_durations_the_longest_shard_exceeds_the_shortest_by_at_most_one_unit(seconds: list[float], count: int) -> None:
+def test_with_recorded_durations_the_longest_shard_exceeds_the_shortest_by_at_most_one_unit(
+    seconds: list[float], count: int
+) -> None:
     units = [(f"e/{i}", hash_bytes(str(i).encode())) for i in range(len(seconds))]
     durations = {u: s for (u, _), s in zip(units, seconds, strict=True)}
     result = assign(units, count, durations)
@@ -82,7 +89,9 @@ def test_shard_flags_and_engine_variables() -> None:
         with pytest.raises(InputError):
             parse_shard(bad)
     assert shard_from_env({}) is None
-    assert shard_from_env({"JOB_COMPLETION_INDEX": "3", "NEFFBUILD_SHARDS": "4"}) == ShardSpec(3, 4, "JOB_COMPLETION_INDEX")
+    assert shard_from_env({"JOB_COMPLETION_INDEX": "3", "NEFFBUILD_SHARDS": "4"}) == ShardSpec(
+        3, 4, "JOB_COMPLETION_INDEX"
+    )
     assert shard_from_env({"JOB_COMPLETION_INDEX": "1"}, count=2) == ShardSpec(1, 2, "JOB_COMPLETION_INDEX")
     batch = {"AWS_BATCH_JOB_ARRAY_INDEX": "0", "AWS_BATCH_JOB_ARRAY_SIZE": "10"}
     assert shard_from_env(batch) == ShardSpec(0, 10, "AWS_BATCH_JOB_ARRAY_INDEX")

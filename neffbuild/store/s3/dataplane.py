@@ -41,7 +41,9 @@ WINDOW = 4  # ranges of one large blob in flight (bounds memory: WINDOW * PART p
 ERROR_BODY_MAX = 64 << 10  # an S3 error body is a few hundred bytes; only its <Code> is read
 LIST_PAGE_MAX = 64 << 20  # a page of 1,000 keys is ~300 KB
 CORRUPT_HINT = "the store object is corrupt: re-push the release; nothing was written"
-CREDENTIALS_HINT = "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
+CREDENTIALS_HINT = (
+    "check the AWS credentials (AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket policy"
+)
 _T = TypeVar("_T")
 # A body that stops short: urllib3's errors, http.client's IncompleteRead, socket errors and timeouts.
 _READ_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
@@ -70,7 +72,10 @@ def ranges_in_order(
             buffers.give(buf)
             raise
 
-    pending = deque(fetchers.submit(retry.carried(lambda s=start: fetch(s))) for start in range(0, min(target.size, WINDOW * PART), PART))
+    pending = deque(
+        fetchers.submit(retry.carried(lambda s=start: fetch(s)))
+        for start in range(0, min(target.size, WINDOW * PART), PART)
+    )
     next_start = WINDOW * PART
     try:
         while pending:
@@ -194,7 +199,9 @@ class DataPlane:
                     finish(response)
 
             return self.retried(rel, attempt)
-        view = memoryview(into if into is not None and len(into) >= end - start else bytearray(end - start))[: end - start]
+        view = memoryview(into if into is not None and len(into) >= end - start else bytearray(end - start))[
+            : end - start
+        ]
         got = 0  # a retry asks only for the rest of the range
 
         def rest() -> memoryview:
@@ -211,7 +218,9 @@ class DataPlane:
 
         return self.retried(rel, rest)
 
-    def stream(self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None) -> urllib3.BaseHTTPResponse:
+    def stream(
+        self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None
+    ) -> urllib3.BaseHTTPResponse:
         """An open response for [start, end) (the whole object if end is None); the caller reads
         what it expects of it and no more, then finish()es it."""
 
@@ -291,7 +300,10 @@ class DataPlane:
         except ValueError:
             when = None
         if key is None or size is None or when is None:
-            raise StoreError(f"{self.where(rel_prefix)}: a listing entry without a key, size or time", hint="the endpoint is not an S3 server")
+            raise StoreError(
+                f"{self.where(rel_prefix)}: a listing entry without a key, size or time",
+                hint="the endpoint is not an S3 server",
+            )
         name = html.unescape(key.group(1).decode(errors="replace"))
         return ObjectInfo((urllib.parse.unquote(name) if encoded else name)[cut:], int(size.group(1)), when)
 
@@ -304,7 +316,10 @@ class DataPlane:
         finally:
             finish(response)
         if len(page) > LIST_PAGE_MAX:
-            raise StoreError(f"{self.where(rel_prefix)}: a listing page over {LIST_PAGE_MAX} bytes", hint="the endpoint is not an S3 server")
+            raise StoreError(
+                f"{self.where(rel_prefix)}: a listing page over {LIST_PAGE_MAX} bytes",
+                hint="the endpoint is not an S3 server",
+            )
         return page
 
     def exists(self, rel: str) -> bool:
@@ -378,7 +393,13 @@ def error_code(body: bytes) -> str:
 
 
 def read_body(
-    response: urllib3.BaseHTTPResponse, where: str, wanted: int | None, into: Buffer | None, *, needed: str | None, limit: int
+    response: urllib3.BaseHTTPResponse,
+    where: str,
+    wanted: int | None,
+    into: Buffer | None,
+    *,
+    needed: str | None,
+    limit: int,
 ) -> memoryview:
     """Read a body into one buffer with readinto (no per-chunk bytes objects: this is the hot loop).
 
@@ -448,7 +469,9 @@ def short_range(where: str, length: int | None, wanted: int, needed: str | None)
 
 
 def too_long(where: str, limit: int, needed: str | None) -> IntegrityError:
-    return IntegrityError(f"{where}: longer than {limit} bytes, more than such an object holds{needed_for(needed)}", hint=CORRUPT_HINT)
+    return IntegrityError(
+        f"{where}: longer than {limit} bytes, more than such an object holds{needed_for(needed)}", hint=CORRUPT_HINT
+    )
 
 
 def finish(response: urllib3.BaseHTTPResponse) -> None:
@@ -479,15 +502,25 @@ def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None
     code = error_code(body)
     if code == "NoSuchBucket":
         bucket = base.removeprefix("s3://").split("/", 1)[0]
-        return StoreError(f"bucket {bucket!r} does not exist", hint="create it (e.g. aws s3 mb), or publish to it (that creates it)")
-    if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException") or status in (301, 307):
-        return StoreError(f"{where}: the bucket is in another region ({code or status})", hint="set AWS_REGION to the bucket's region")
+        return StoreError(
+            f"bucket {bucket!r} does not exist", hint="create it (e.g. aws s3 mb), or publish to it (that creates it)"
+        )
+    if code in (
+        "PermanentRedirect",
+        "AuthorizationHeaderMalformed",
+        "IllegalLocationConstraintException",
+    ) or status in (301, 307):
+        return StoreError(
+            f"{where}: the bucket is in another region ({code or status})", hint="set AWS_REGION to the bucket's region"
+        )
     if status == 404:
         return NotFoundError(f"{where} is missing{needed_for(needed)}", hint="re-push the release to this store")
     if status == 403:
         return StoreError(f"access denied to {where} ({code or status})", hint=CREDENTIALS_HINT)
     if status == 416:
-        return IntegrityError(f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT)
+        return IntegrityError(
+            f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT
+        )
     if status >= 500 or status == 429:  # throttled (503 SlowDown, 429) or failing: worth another try
         shown = code if code.isascii() and code.isalnum() else ""  # the server's words, printed: only a plain code
         return Transient(f"HTTP {status} {shown}".rstrip(), throttled=status in (429, 503))
@@ -496,14 +529,22 @@ def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None
 
 def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManager:
     """The data plane's pool; honours AWS_CA_BUNDLE and HTTP(S)_PROXY/NO_PROXY as botocore does."""
-    kwargs: dict[str, Any] = {"maxsize": 64, "retries": False, "timeout": urllib3.Timeout(connect=retry.CONNECT_S, read=retry.READ_S)}
+    kwargs: dict[str, Any] = {
+        "maxsize": 64,
+        "retries": False,
+        "timeout": urllib3.Timeout(connect=retry.CONNECT_S, read=retry.READ_S),
+    }
     if env.get("AWS_CA_BUNDLE"):
         kwargs["ca_certs"] = env["AWS_CA_BUNDLE"]
     scheme, host = "https", "s3.amazonaws.com"
     if endpoint:
         parsed = urllib.parse.urlsplit(endpoint)
         scheme, host = parsed.scheme, parsed.hostname or ""
-    proxies = {k.lower().removesuffix("_proxy"): v for k, v in env.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}
+    proxies = {
+        k.lower().removesuffix("_proxy"): v
+        for k, v in env.items()
+        if k.lower() in ("http_proxy", "https_proxy", "no_proxy")
+    }
     proxy = proxies.get(scheme)
     if proxy and not urllib.request.proxy_bypass_environment(host, proxies):
         return urllib3.ProxyManager(proxy, **kwargs)

@@ -18,8 +18,22 @@ DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Expire
 CORRUPT = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "XAmzContentSHA256Mismatch"}
 LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}  # a conditional write did not hold
 ABSENT_BUCKET = ("404", "NoSuchBucket", "NotFound")
-THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "RequestTimeout", "InternalError"}
-SLOW_DOWN = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}  # the store is up
+THROTTLED = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "RequestTimeout",
+    "InternalError",
+}
+SLOW_DOWN = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+}  # the store is up
 
 
 @contextmanager
@@ -47,7 +61,9 @@ def translated(location: S3Location, rel: str, *, transient: bool = False) -> It
         message = exc.response.get("Error", {}).get("Message", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if transient and (code in THROTTLED or status == 429 or status >= 500):
-            raise Transient(f"HTTP {status} {code}".rstrip(), throttled=code in SLOW_DOWN or status in (429, 503)) from None
+            raise Transient(
+                f"HTTP {status} {code}".rstrip(), throttled=code in SLOW_DOWN or status in (429, 503)
+            ) from None
         if code == "NoSuchBucket":
             raise StoreError(
                 f"bucket {location.bucket!r} does not exist",
@@ -70,7 +86,9 @@ def translated(location: S3Location, rel: str, *, transient: bool = False) -> It
     except (BotoConnectionError, HTTPClientError) as exc:
         if transient:  # refused, dropped or timed out
             raise Transient(str(exc), hint="check --endpoint-url / AWS_ENDPOINT_URL and the network") from None
-        raise StoreError(f"cannot reach S3 for {where}: {exc}", hint="check --endpoint-url / AWS_ENDPOINT_URL and the network") from None
+        raise StoreError(
+            f"cannot reach S3 for {where}: {exc}", hint="check --endpoint-url / AWS_ENDPOINT_URL and the network"
+        ) from None
     except BotoCoreError as exc:
         raise StoreError(f"{where}: {exc}") from None
 

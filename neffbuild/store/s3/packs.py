@@ -203,7 +203,9 @@ class PackCatalog:
             have = {d for d, ok in zip(sorted(digests), present, strict=True) if ok}
         else:
             shards = sorted({d[:2] for d in digests})
-            listed = dataplane.run_all([lambda s=s: self._reader.list(f"blobs/{s}/", self._store_prefix) for s in shards], 16)
+            listed = dataplane.run_all(
+                [lambda s=s: self._reader.list(f"blobs/{s}/", self._store_prefix) for s in shards], 16
+            )
             have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys} & digests
         with self._lock:
             self._loose |= have

@@ -19,7 +19,9 @@ Put = Callable[..., bool]  # put(rel, body, **condition): False if the condition
 
 
 class ConditionalProbe:
-    def __init__(self, url: str, read_marker: Callable[[], bytes | None], put: Put, *, allow_unconditional: bool) -> None:
+    def __init__(
+        self, url: str, read_marker: Callable[[], bytes | None], put: Put, *, allow_unconditional: bool
+    ) -> None:
         self.url = url
         self.allow_unconditional = allow_unconditional
         self._read_marker = read_marker
@@ -35,7 +37,9 @@ class ConditionalProbe:
                 return
             marker = self._read_marker() or b""
             try:
-                honoured = not self._put(MARKER, marker, IfNoneMatch="*") and not self._put(MARKER, marker, IfMatch='"0"')
+                honoured = not self._put(MARKER, marker, IfNoneMatch="*") and not self._put(
+                    MARKER, marker, IfMatch='"0"'
+                )
             except StoreError as exc:  # some servers refuse the headers outright
                 if "NotImplemented" not in exc.message:
                     raise

@@ -59,7 +59,13 @@ class Signer:
     endpoint: Endpoint
 
     def presign(
-        self, method: str, key: str, params: Mapping[str, str] | None = None, *, expires: int = 3600, now: datetime | None = None
+        self,
+        method: str,
+        key: str,
+        params: Mapping[str, str] | None = None,
+        *,
+        expires: int = 3600,
+        now: datetime | None = None,
     ) -> str:
         """A URL that performs method on key (with query params) until expires seconds from now."""
         when = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
@@ -76,7 +82,14 @@ class Signer:
             query["X-Amz-Security-Token"] = self.credentials.token
         canonical_query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(query.items()))
         request = "\n".join(
-            [method, self.endpoint.path(key), canonical_query, f"host:{self.endpoint.host}\n", "host", "UNSIGNED-PAYLOAD"]
+            [
+                method,
+                self.endpoint.path(key),
+                canonical_query,
+                f"host:{self.endpoint.host}\n",
+                "host",
+                "UNSIGNED-PAYLOAD",
+            ]
         )
         to_sign = "\n".join([ALGORITHM, when, scope, hashlib.sha256(request.encode()).hexdigest()])
         signature = hmac.new(self._signing_key(when[:8]), to_sign.encode(), hashlib.sha256).hexdigest()

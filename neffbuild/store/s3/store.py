@@ -77,7 +77,10 @@ class S3Store:
         self.catalog = PackCatalog(self.reader, location.prefix)
         self._transfers = Transfers(self.reader, self.catalog, self._put)
         self._probe = ConditionalProbe(
-            location.url, lambda: self.get_object(MARKER, limit=MARKER_MAX), self._put, allow_unconditional=allow_unconditional
+            location.url,
+            lambda: self.get_object(MARKER, limit=MARKER_MAX),
+            self._put,
+            allow_unconditional=allow_unconditional,
         )
 
     @classmethod
@@ -117,7 +120,10 @@ class S3Store:
             self._create()
             marker = self.get_object(MARKER, limit=MARKER_MAX)
         if marker is None:
-            raise StoreError(f"no neffbuild store at {self.url}", hint="publish or push into it first (that creates it), or check the URL")
+            raise StoreError(
+                f"no neffbuild store at {self.url}",
+                hint="publish or push into it first (that creates it), or check the URL",
+            )
         check_marker(marker, f"{self.url}/{MARKER}")
 
     def _ensure_bucket(self) -> None:
@@ -132,7 +138,9 @@ class S3Store:
         self._sent("", ensure)
 
     def _create(self) -> None:
-        listed = self._sent("", lambda: self.client.list_objects_v2(Bucket=self.location.bucket, Prefix=self.location.prefix, MaxKeys=1))
+        listed = self._sent(
+            "", lambda: self.client.list_objects_v2(Bucket=self.location.bucket, Prefix=self.location.prefix, MaxKeys=1)
+        )
         if listed.get("KeyCount", 0):
             raise StoreError(f"{self.url} is not empty and not a neffbuild store", hint="choose an empty or new prefix")
         self._put(MARKER, f'{{"format":"{STORE_FORMAT}"}}'.encode(), IfNoneMatch="*")
@@ -149,7 +157,9 @@ class S3Store:
 
     def get_docs(self, kind: DocKind, names: Iterable[str], jobs: int) -> dict[str, bytes | None]:
         unique = sorted(set(names))
-        return dict(zip(unique, dataplane.run_all([lambda n=n: self.get_doc(kind, n) for n in unique], jobs), strict=True))
+        return dict(
+            zip(unique, dataplane.run_all([lambda n=n: self.get_doc(kind, n) for n in unique], jobs), strict=True)
+        )
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         names = [rel[len(kind) + 1 : -len(".json")] for rel in self._list(f"{kind}/") if rel.endswith(".json")]
@@ -161,7 +171,9 @@ class S3Store:
 
     def _within_limit(self, rel: str, data: bytes) -> bytes:
         if len(data) > DOC_MAX:
-            raise IntegrityError(f"{self.reader.where(rel)}: over {DOC_MAX} bytes, not a document", hint=dataplane.CORRUPT_HINT)
+            raise IntegrityError(
+                f"{self.reader.where(rel)}: over {DOC_MAX} bytes, not a document", hint=dataplane.CORRUPT_HINT
+            )
         return data
 
     def swap_tag(self, name: str, data: bytes, expected: str | None) -> bool:
@@ -183,7 +195,9 @@ class S3Store:
         for start in range(0, len(todo), DELETE_BATCH):
             batch = todo[start : start + DELETE_BATCH]
             delete = {"Objects": [{"Key": self.location.key(k)} for k in batch], "Quiet": True}
-            answer = self._sent(batch[0], lambda d=delete: self.client.delete_objects(Bucket=self.location.bucket, Delete=d))
+            answer = self._sent(
+                batch[0], lambda d=delete: self.client.delete_objects(Bucket=self.location.bucket, Delete=d)
+            )
             for error in answer.get("Errors", ()):
                 key = str(error.get("Key", "")).removeprefix(self.location.prefix)
                 failures.append((key, f"{error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")))
@@ -293,4 +307,6 @@ class S3Store:
         else:
             operation, args = ("head_object" if method == "HEAD" else "get_object"), {"Key": key}
         with translated(self.location, rel):
-            return self.client.generate_presigned_url(operation, Params={"Bucket": self.location.bucket, **args}, ExpiresIn=3600)
+            return self.client.generate_presigned_url(
+                operation, Params={"Bucket": self.location.bucket, **args}, ExpiresIn=3600
+            )

@@ -64,9 +64,14 @@ class Transfers:
     def upload_loose(self, source: BlobSource) -> int:
         """One blob as an object of its own."""
         if source.size > SINGLE_PUT_MAX:
-            raise StoreError(f"{source.path}: {source.size} bytes is over S3's single-upload limit", hint="files over 5 GiB are not supported yet")
+            raise StoreError(
+                f"{source.path}: {source.size} bytes is over S3's single-upload limit",
+                hint="files over 5 GiB are not supported yet",
+            )
         key = blob_key(source.digest)
-        crc = _crc32c_of_file(source, self._reader.where(key))  # also checks the file still has the digest we publish it under
+        crc = _crc32c_of_file(
+            source, self._reader.where(key)
+        )  # also checks the file still has the digest we publish it under
         with source.path.open("rb") as body:
             written = self._put(key, body, IfNoneMatch="*", crc=crc, length=source.size)
         self._catalog.added_loose(source.digest)
@@ -77,12 +82,18 @@ class Transfers:
         body = bytearray(index.size)
         view = memoryview(body)
         for source, entry in zip(group, index.entries, strict=True):
-            _read_exact(source, view[entry.offset : entry.offset + entry.size], self._reader.where(packs.pack_key(index.pack_id)))
+            _read_exact(
+                source,
+                view[entry.offset : entry.offset + entry.size],
+                self._reader.where(packs.pack_key(index.pack_id)),
+            )
         # A pack whose index was found damaged is written again: its name fixes its bytes, so
         # replacing it with them is safe, and a conditional write would keep the damage.
         condition = {} if self._catalog.is_damaged(index.pack_id) else {"IfNoneMatch": "*"}
         written = self._put(packs.pack_key(index.pack_id), body, **condition)
-        self._put(packs.index_key(index.pack_id), index_bytes, **condition)  # after the pack: an index means a whole pack
+        self._put(
+            packs.index_key(index.pack_id), index_bytes, **condition
+        )  # after the pack: an index means a whole pack
         self._catalog.added_pack(index)
         return index.size if written else 0
 
@@ -130,7 +141,9 @@ class Transfers:
             return
         buffers = dataplane.Buffers(dataplane.PART)
         writers = threading.BoundedSemaphore(max(1, jobs // dataplane.WINDOW))
-        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="neffbuild-s3-part") as parts:  # tasks carry the deadline (ranges_in_order)
+        with ThreadPoolExecutor(
+            max_workers=jobs, thread_name_prefix="neffbuild-s3-part"
+        ) as parts:  # tasks carry the deadline (ranges_in_order)
 
             def write_large(target: BlobTarget) -> None:
                 with writers:
@@ -146,7 +159,11 @@ class Transfers:
         (a dropped connection continues from the bytes received: DataPlane.resumed)."""
         key = blob_key(target.digest)
         with chunks.lend() as buf:
-            write_verified(target, self._reader.resumed(key, target.size, buf, needed=str(target.dest)), origin=self._reader.where(key))
+            write_verified(
+                target,
+                self._reader.resumed(key, target.size, buf, needed=str(target.dest)),
+                origin=self._reader.where(key),
+            )
         retry.landed()
 
     def _stream_range(self, fetch: packs.RangeFetch, chunks: dataplane.Buffers) -> None:
@@ -165,7 +182,9 @@ class Transfers:
                     for piece in pieces:
                         at = fetch.start + piece.start
                         body.skip(at - pos)
-                        write_verified(piece.target, body.take(piece.size), origin=f"{self._reader.where(key)} at byte {at}")
+                        write_verified(
+                            piece.target, body.take(piece.size), origin=f"{self._reader.where(key)} at byte {at}"
+                        )
                         pos = at + piece.size
                         landed += 1
                         retry.landed()
@@ -194,7 +213,8 @@ def _read_exact(source: BlobSource, into: memoryview, where: str) -> None:
 
 def _changed(source: BlobSource, where: str) -> IntegrityError:
     return IntegrityError(
-        f"{source.path}: changed while publishing to {where} (expected {source.size} bytes, {source.digest})", hint="rebuild, then publish"
+        f"{source.path}: changed while publishing to {where} (expected {source.size} bytes, {source.digest})",
+        hint="rebuild, then publish",
     )
 
 
