@@ -22,7 +22,11 @@ def test_verbose_json_logs_are_one_object_per_line_from_the_module_that_acted(tm
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     pulled = [r for r in records if r["logger"] == "neffbuild.host.pull"]
-    assert pulled and pulled[0]["level"] == "info" and f"release {release_id}, fetching 2 of 2 files" in pulled[0]["message"]
+    assert (
+        pulled
+        and pulled[0]["level"] == "info"
+        and f"release {release_id}, fetching 2 of 2 files" in pulled[0]["message"]
+    )
     assert all(set(r) == {"time", "level", "logger", "message"} for r in records)
 
 
