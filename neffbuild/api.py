@@ -11,7 +11,7 @@ import os
 from collections.abc import Collection, Mapping, MutableMapping
 from pathlib import Path
 
-from neffbuild.host.pull import PullReport
+from neffbuild.host.pull import PullOptions, PullReport
 from neffbuild.retry import Policy
 from neffbuild.store.base import Store
 
@@ -56,11 +56,11 @@ def ensure_cache(
     def opened() -> Store:
         return open_store(store, env=environ) if isinstance(store, str) else store
 
-    return pull_or_stale(
-        opened, ref, Path(cache_dir), allow_stale=allow_stale, host_env=environ if host_check else None, timeout=timeout, verify=verify,
-        allow_env=host_allow(allow_env, environ),
+    options = PullOptions(
+        allow_env=host_allow(allow_env, environ), host_env=environ if host_check else None, timeout=timeout, verify=verify,
         policy=policy,
     )  # fmt: skip
+    return pull_or_stale(opened, ref, Path(cache_dir), options, allow_stale=allow_stale)
 
 
 def apply_exports(report: PullReport, environ: MutableMapping[str, str] | None = None) -> None:

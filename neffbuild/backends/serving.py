@@ -21,7 +21,7 @@ class ServingEnv:
     prefixes: tuple[str, ...]  # ... by name or by prefix
     # Directories inside the cache dir that the serving process writes even when every lookup
     # hits: pull creates them, so that a host serving from a read-only cache dir can mount a
-    # writable dir over each (README, "Serving from a read-only cache dir"). All else is only read.
+    # writable dir over each (docs/hosts.md, "Serving from a read-only cache dir"). All else is only read.
     writable: tuple[str, ...] = ()
     # Names inside `prefixes` that only the host may set (by --allow-env): see the module docstring.
     host_only: frozenset[str] = frozenset()

@@ -32,7 +32,6 @@ from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyComp
 from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
 from neffbuild.runner.jobs import (
-    DEFAULT_LOGS_DIR,
     OnPhase,
     Progress,
     WorkerJob,
@@ -117,21 +116,38 @@ class _Run:
     keep_work: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    """How units are built: the tag a complete build moves (default: the manifest's name), workers
+    in parallel, scratch space (and its logs/ for failed units), tries after a first failure."""
+
+    tag: str | None = None
+    jobs: int = 1
+    work_dir: Path | None = None
+    keep_work: bool = False
+    retries: int = 0
+    logs_dir: Path | None = None  # None: logs_dir_for(work_dir)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetChoice:
+    """Which units this process builds (a shard, from --shard or the engine's environment, or a
+    plan document's), and where its report goes."""
+
+    shard: ShardSpec | None = None
+    shard_count: int | None = None
+    plan_file: Path | None = None
+    report_file: Path | None = None
+
+
 def build_manifest(
     manifest: Path,
     store: StoreChoice,
     *,
     env: Mapping[str, str],
-    tag: str | None = None,
-    jobs: int = 1,
-    work_dir: Path | None = None,
-    keep_work: bool = False,
+    options: BuildOptions | None = None,
+    fleet: FleetChoice | None = None,
     progress: Progress = no_progress,
-    shard: ShardSpec | None = None,
-    shard_count: int | None = None,
-    plan_file: Path | None = None,
-    retries: int = 0,
-    report_file: Path | None = None,
 ) -> BuildReport:
     """`neffbuild build`: plan the manifest (or check --plan's against this host), open (or
     create) its store, build every unit or this shard's.
@@ -139,19 +155,17 @@ def build_manifest(
     A plan that cannot be built is refused before the store is created, so it leaves nothing
     behind; failed units' logs go to --work-dir's logs/ (jobs.logs_dir_for).
     """
+    o, f = options or BuildOptions(), fleet or FleetChoice()
     loaded = load_manifest(manifest)
     plan = make_plan(loaded, env)
     check_buildable(plan)
-    document = checked_document(plan, plan_file)
+    document = checked_document(plan, f.plan_file)
     opened = store.open(env, manifest_default=loaded.manifest.store, create=True)
-    chosen = select(plan, opened, env=env, shard=shard, shard_count=shard_count, document=document, tag=tag)
+    chosen = select(plan, opened, env=env, shard=f.shard, shard_count=f.shard_count, document=document, tag=o.tag)
     label = chosen.shard.label if chosen.shard and chosen.shard.count > 1 else None
     with progress(len(chosen.units)) as notify:
-        report = build(
-            plan, opened, env=env, tag=tag, jobs=jobs, work_dir=work_dir, keep_work=keep_work, logs_dir=logs_dir_for(work_dir),
-            notify=notify, units=chosen.units, retries=retries, shard=label,
-        )  # fmt: skip
-    emit(from_build(report), report_file, env)
+        report = build(plan, opened, env=env, options=o, notify=notify, units=chosen.units, shard=label)
+    emit(from_build(report), f.report_file, env)
     return report
 
 
@@ -160,29 +174,28 @@ def build(
     store: Store,
     *,
     env: Mapping[str, str],
-    tag: str | None = None,
-    jobs: int = 1,
-    work_dir: Path | None = None,
-    keep_work: bool = False,
-    logs_dir: Path = DEFAULT_LOGS_DIR,
+    options: BuildOptions | None = None,
     notify: Notify | None = None,
     units: Sequence[BuildUnit] | None = None,
-    retries: int = 0,
     shard: str | None = None,
 ) -> BuildReport:
     """Build `units` (default: all of the plan's, in the order given: long ones first pays off),
     each up to 1 + retries times. Only a build of every unit in this one process releases and
     moves the tag; a shard leaves that to `neffbuild release`, which sees every shard's bundles."""
+    o = options or BuildOptions()
     check_buildable(plan)
     chosen = tuple(plan.units if units is None else units)
     backend = get_backend(plan.backend_name)
-    work_root = make_scratch_root(work_dir, "neffbuild-work-")
-    run_logs = logs_dir.expanduser().resolve() / run_name()
-    with supervised(cleanup=(lambda: None) if keep_work else (lambda: remove_tree(work_root))) as workers:
+    work_root = make_scratch_root(o.work_dir, "neffbuild-work-")
+    run_logs = (o.logs_dir or logs_dir_for(o.work_dir)).expanduser().resolve() / run_name()
+    cleanup = (lambda: None) if o.keep_work else (lambda: remove_tree(work_root))
+    with supervised(cleanup=cleanup) as workers:
         notify = notify or (lambda unit_id, status: None)
-        run = _Run(backend, store, env, work_root, run_logs, notify, workers, retries, units_root(work_dir), keep_work)
-        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, jobs, workers)
-    name = tag or plan.loaded.manifest.name
+        run = _Run(
+            backend, store, env, work_root, run_logs, notify, workers, o.retries, units_root(o.work_dir), o.keep_work
+        )
+        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, workers)
+    name = o.tag or plan.loaded.manifest.name
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
     if report.failed or not report.complete:
         return report

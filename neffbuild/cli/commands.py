@@ -180,24 +180,24 @@ def build(
 ) -> None:  # fmt: skip
     """Warmup-compile every unit of MANIFEST (or one shard's), publish bundles; a build of every
     unit then publishes a release and moves its tag."""
-    from neffbuild.build.compile import build_manifest, failure
+    from neffbuild.build.compile import BuildOptions, FleetChoice, build_manifest, failure
     from neffbuild.units.shards import parse_shard
 
     console = Console(as_json)
+    options = BuildOptions(tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, retries=retries)
+    fleet = FleetChoice(
+        shard=parse_shard(shard_text) if shard_text is not None else None,
+        shard_count=shard_count,
+        plan_file=plan_file,
+        report_file=report_file,
+    )
     report = build_manifest(
         manifest,
         store,
         env=os.environ,
-        tag=tag,
-        jobs=jobs or 1,
-        work_dir=work_dir,
-        keep_work=keep_work,
+        options=options,
+        fleet=fleet,
         progress=lambda total: console.units_progress("building", total),
-        shard=parse_shard(shard_text) if shard_text is not None else None,
-        shard_count=shard_count,
-        plan_file=plan_file,
-        retries=retries,
-        report_file=report_file,
     )
     console.build(report)
     if report.failed:
@@ -314,13 +314,14 @@ def pull(
     checking that this host would hit them (exit 7 naming each field that differs)."""
     from neffbuild.host.exports import host_allow
     from neffbuild.host.fallback import pull_or_stale
+    from neffbuild.host.pull import PullOptions
 
-    host_env = None if no_host_check else os.environ
-    report = pull_or_stale(
-        lambda: store.open(os.environ), ref, cache_dir, allow_stale=allow_stale,
-        jobs=jobs or 16, allow_env=host_allow(allow_env, os.environ), env_file=env_file, host_env=host_env, lock_timeout=lock_timeout, verify=verify,
-        timeout=timeout, policy=retry_policy(os.environ),
+    options = PullOptions(
+        jobs=jobs or 16, allow_env=host_allow(allow_env, os.environ), env_file=env_file,
+        host_env=None if no_host_check else os.environ, lock_timeout=lock_timeout, timeout=timeout, verify=verify,
+        policy=retry_policy(os.environ),
     )  # fmt: skip
+    report = pull_or_stale(lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale)
     _report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
 
 

@@ -24,7 +24,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 BackendName = Literal["inductor", "neuron"]
 Mode = Literal["eager", "full", "regional"]
 
-# Limits (README, "Limits"): far above any real manifest, low enough that a typo such as an extra
+# Limits (docs/manifest.md, "Types and limits"): far above any real manifest, low enough that a typo such as an extra
 # zero, or a hostile file, fails here instead of in a worker or a key computation.
 MAX_SIDE = 16384  # pixels, height and width
 MAX_IMAGES = 256  # images per call: batch x prompts

@@ -21,7 +21,7 @@ from pathlib import Path
 from neffbuild.errors import HostNotReady, InputError
 
 _NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)  # the filesystem has no O_TMPFILE
-README_SECTION = "README, 'Serving from a read-only cache dir'"
+README_SECTION = "docs/hosts.md, 'Serving from a read-only cache dir'"
 
 
 def can_write(directory: Path) -> bool:

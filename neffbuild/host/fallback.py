@@ -10,97 +10,79 @@ edited since the pull (its mtime moves) fails closed.
 
 from __future__ import annotations
 
-import os
 import stat
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from neffbuild.documents.records import FileEntry
 from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError
 from neffbuild.fs.confined import Beneath
+from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.exports import env_file_text, exports_for, write_env_file
-from neffbuild.host.pull import PullReport, preflight, pull
-from neffbuild.host.state import CacheState, Installed, open_existing, read_state, state_path
-from neffbuild.retry import Policy, bounded, operation
+from neffbuild.host.pull import PullOptions, PullReport, preflight, pull
+from neffbuild.host.state import CacheState, Installed
+from neffbuild.retry import bounded, operation
 from neffbuild.store.base import Store
 
 
 def pull_or_stale(
-    open_store: Callable[[], Store],
-    ref: str,
-    cache_dir: Path,
-    *,
-    allow_stale: bool = False,
-    env_file: Path | None = None,
-    host_env: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    allow_env: Collection[str] = (),
-    policy: Policy | None = None,
-    **pull_options: object,
+    open_store: Callable[[], Store], ref: str, cache_dir: Path, options: PullOptions, *, allow_stale: bool = False
 ) -> PullReport:
     """pull (the store opened inside, so that failing to open it counts as unreachable); with
     allow_stale, a StoreError returns a stale report of the release cache_dir holds, when it is
     REF's (its tag or id) and fully installed; otherwise the StoreError is raised as it was.
-    timeout (seconds) bounds opening the store and the pull together (pull's deadline): past it
-    is a StoreError too (DeadlineExceeded). policy: how requests are retried and paced, opening
-    the store included (retry.Policy; default retry.DEFAULT)."""
+    options.timeout (seconds) bounds opening the store and the pull together (pull's deadline):
+    past it is a StoreError too (DeadlineExceeded). options.policy: how requests are retried and
+    paced, opening the store included (retry.Policy; default retry.DEFAULT)."""
     started = time.perf_counter()
-    with operation(policy, f"pulling {ref}") as op:
+    with operation(options.policy, f"pulling {ref}") as op:
         try:
-            with bounded(timeout, f"pulling {ref}"):
-                return pull(
-                    open_store(),
-                    ref,
-                    cache_dir,
-                    env_file=env_file,
-                    host_env=host_env,
-                    allow_env=allow_env,
-                    **pull_options,
-                )  # type: ignore[arg-type]
+            with bounded(options.timeout, f"pulling {ref}"):
+                # The deadline and the operation are this function's: pull runs inside both.
+                return pull(open_store(), ref, cache_dir, replace(options, timeout=None, policy=None))
         except StoreError as exc:
             counts = op.counts()
             failure = exc
-    installed = fully_installed(cache_dir.expanduser().resolve(), ref) if allow_stale else None
+    with CacheDir.opened(cache_dir) as cache:
+        installed = fully_installed(cache, ref) if allow_stale else None
     if installed is None:
         raise failure
-    reason = failure.message
     # What the state says pull exported is no permission: the exports are made again from the
     # installed release under this host's allow, as a pull would make them.
-    cache_dir = cache_dir.expanduser().resolve()
-    exports = exports_for(installed.release, cache_dir, str(state_path(cache_dir)), allow_env)
+    exports = exports_for(installed.release, cache.path, str(cache.state_path), options.allow_env)
     # The host check needs no store: a mismatch is never booted, stale or not.
+    host_env = options.host_env
     warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
-    if env_file is not None:
-        write_env_file(env_file, env_file_text(exports))
+    if options.env_file is not None:
+        write_env_file(options.env_file, env_file_text(exports))
     release = installed.release
     return PullReport(
-        release_id=installed.release_id, tag=installed.tag or None, cache_dir=cache_dir,
+        release_id=installed.release_id, tag=installed.tag or None, cache_dir=cache.path,
         files_total=len(release.files), files_fetched=0, bytes_fetched=0, bytes_total=release.total_size,
         seconds=time.perf_counter() - started, exports=exports, host_checked=host_env is not None,
-        host_warnings=warnings, stale=True, stale_reason=reason, installed_at=installed.installed_at, allowed=tuple(allow_env),
+        host_warnings=warnings, stale=True, stale_reason=failure.message, installed_at=installed.installed_at,
+        allowed=tuple(options.allow_env),
     ).with_counts(counts)  # fmt: skip
 
 
-def fully_installed(cache_dir: Path, ref: str | None = None) -> Installed | None:
-    """The release cache_dir's state records as installed, if REF names it (tag or id; None: any)
-    and every one of its files is a regular file at the size and mtime pull recorded."""
-    root = open_existing(cache_dir)
-    if root is None:
+def fully_installed(cache: CacheDir, ref: str | None = None) -> Installed | None:
+    """The release the cache dir's state records as installed, if REF names it (tag or id; None:
+    any) and every one of its files is a regular file at the size and mtime pull recorded."""
+    if not cache.exists:
         return None
     try:
-        state = read_state(root, cache_dir)[1].trusted(state_path(cache_dir))
+        state = cache.state()
         installed = state.installed
         if installed is None or ref not in (None, installed.release_id, installed.tag):
             return None
-        with Beneath(root, cache_dir) as tree:
+        with cache.beneath() as tree:
             return installed if all(_as_recorded(tree, f, state) for f in installed.release.files) else None
     except StateCorrupt:  # said as such, not hidden behind the store's error
         raise
     except (NeffbuildError, OSError):  # a link or an unreadable dir: not fully installed; the store error stands
         return None
-    finally:
-        os.close(root)
 
 
 def _as_recorded(tree: Beneath, entry: FileEntry, state: CacheState) -> bool:

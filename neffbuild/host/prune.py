@@ -18,8 +18,8 @@ from pathlib import Path
 from neffbuild.documents.refs import resolve
 from neffbuild.errors import NotFoundError
 from neffbuild.fs.confined import disk_error
-from neffbuild.host.pull import LOCK_FILE, open_root, pull_lock
-from neffbuild.host.state import load_state, open_state_dir, state_path
+from neffbuild.host.cachedir import CacheDir
+from neffbuild.host.state import load_state
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.store.base import Store
 
@@ -41,25 +41,21 @@ def prune_cache_dir(cache_dir: Path, *, store: Store | None = None, dry_run: boo
     )
     if not cache_dir.is_dir():
         raise not_pulled
-    with open_root(cache_dir) as root:
-        state_dir = open_state_dir(root, cache_dir, create=False)
-        if state_dir is None:
+    with CacheDir.opened(cache_dir) as cache:
+        if not cache.has_state_dir():
             raise not_pulled
-        try:
-            with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE):
-                state = load_state(state_dir)[1].trusted(state_path(cache_dir))
-                if state.release_id is None:
-                    raise not_pulled
-                keep = set(state.files)
-                if state.installed is not None:
-                    keep |= {f.path for f in state.installed.release.files}
-                if store is not None:
-                    keep |= {f.path for f in resolve(store, state.release_id).release.files}
-                doomed = _unlisted(cache_dir, keep)
-                if not dry_run:
-                    _remove(cache_dir, doomed)
-        finally:
-            os.close(state_dir)
+        with cache.locked() as state_dir:
+            state = load_state(state_dir)[1].trusted(cache.state_path)
+            if state.release_id is None:
+                raise not_pulled
+            keep = set(state.files)
+            if state.installed is not None:
+                keep |= {f.path for f in state.installed.release.files}
+            if store is not None:
+                keep |= {f.path for f in resolve(store, state.release_id).release.files}
+            doomed = _unlisted(cache_dir, keep)
+            if not dry_run:
+                _remove(cache_dir, doomed)
     return CachePrune(cache_dir, state.release_id, len(keep), tuple(sorted(doomed)), sum(doomed.values()), not dry_run)
 
 

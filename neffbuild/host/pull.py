@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from neffbuild import retry
 from neffbuild.documents.records import FileEntry
@@ -58,6 +59,7 @@ from neffbuild.fs.confined import (
 )
 from neffbuild.fs.locks import acquire
 from neffbuild.fs.room import require_room, room_for
+from neffbuild.host.cachedir import LOCK_FILE, LOCK_HINT, CacheDir
 from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, write_env_file
 from neffbuild.host.state import (
     STATE_FILE,
@@ -66,19 +68,12 @@ from neffbuild.host.state import (
     encode_state,
     find_target,
     load_state,
-    open_existing,
-    open_state_dir,
-    read_cache_state,
-    read_state,
     release_units,
-    state_path,
 )
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
 from neffbuild.store.base import Store
 
-LOCK_FILE = "pull.lock"
-_LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
 HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
 # Files this large on average are hashed by several threads (their reads and hashes run without
 # the GIL). Measured on 2 cores: 10,000 files of 34 KiB, 0.145 s in one thread, 0.17 s in two.
@@ -148,8 +143,9 @@ def serving_env(
     no recorded release (never pulled, or by a neffbuild before state version 2) resolves REF in
     the store as before, and even then refuses a release other than the one it recorded.
     """
-    cache_dir = cache_dir.expanduser().resolve()
-    state = read_cache_state(cache_dir)[1].trusted(state_path(cache_dir))
+    with CacheDir.opened(cache_dir) as cache:
+        state = cache.state()
+    cache_dir = cache.path
     target = find_target(state, cache_dir, ref, open_store, with_units=False)
     if state.release_id not in (None, target.release_id):
         raise NotFoundError(
@@ -163,22 +159,24 @@ def serving_env(
     return exports
 
 
-def pull(
-    store: Store,
-    ref: str,
-    cache_dir: Path,
-    *,
-    jobs: int = 16,
-    allow_env: Collection[str] = (),
-    env_file: Path | None = None,
-    host_env: Mapping[str, str] | None = None,
-    lock_timeout: float | None = LOCK_TIMEOUT_S,
-    timeout: float | None = None,
-    verify: str = "fast",
-    direct_writes: bool = True,
-    policy: retry.Policy | None = None,
-) -> PullReport:
+@dataclass(frozen=True, kw_only=True)
+class PullOptions:
+    """How a pull runs (each field is documented at `pull`); the CLI and ensure_cache fill it."""
+
+    jobs: int = 16
+    allow_env: tuple[str, ...] = ()
+    env_file: Path | None = None
+    host_env: Mapping[str, str] | None = None
+    lock_timeout: float | None = LOCK_TIMEOUT_S
+    timeout: float | None = None
+    verify: str = "fast"
+    direct_writes: bool = True
+    policy: retry.Policy | None = None
+
+
+def pull(store: Store, ref: str, cache_dir: Path, options: PullOptions | None = None, **changes: Any) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
+    options: a PullOptions, its fields replaced by changes (`pull(store, ref, dir, verify="full")`).
 
     Everything that can refuse (the release, its exports, this host, room on the disk, a link in
     the cache dir) is checked before anything is written; a cache that is complete is only read.
@@ -204,77 +202,67 @@ def pull(
     the report counts what the store put them through, and the first request to fail for good
     stops the others.
     """
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
-    with retry.operation(policy, f"pulling {ref}") as op, retry.bounded(timeout, f"pulling {ref}"):
+    o = replace(options or PullOptions(), **changes)
+    if o.verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, not {o.verify!r}")
+    with (
+        retry.operation(o.policy, f"pulling {ref}") as op,
+        retry.bounded(o.timeout, f"pulling {ref}"),
+        CacheDir.opened(cache_dir) as cache,  # opened, not made: a refused pull leaves no trace
+    ):
         started = time.perf_counter()
         deadline = retry.current()
         retry.doing(f"resolving {ref}")
-        cache_dir = cache_dir.expanduser().resolve()  # once: where the root points is the operator's choice
-        _, old = read_cache_state(cache_dir)  # makes nothing: a refused pull leaves no trace
-        resolved = resolve(
-            store, ref, known=(old.installed.release_id, old.installed.release) if old.installed else None
-        )
+        _, old = cache.read_state()
+        known = (old.installed.release_id, old.installed.release) if old.installed else None
+        resolved = resolve(store, ref, known=known)
         retry.check(store.url)
-        exports = release_exports(resolved, cache_dir, allow_env)
-        env_text = env_file_text(exports) if env_file is not None else ""
+        exports = release_exports(resolved, cache.path, o.allow_env)
+        env_text = env_file_text(exports) if o.env_file is not None else ""
         retry.doing(f"reading the bundles of release {resolved.release_id}")
-        installed = _installed(store, resolved, exports, old, jobs)
+        installed = _installed(store, resolved, exports, old, o.jobs)
         retry.check(store.url)
+        lock_timeout = o.lock_timeout
         if deadline is not None:
             lock_timeout = deadline.left() if lock_timeout is None else min(lock_timeout, deadline.left())
+        o = replace(o, lock_timeout=lock_timeout)
         retry.doing("checking the cache dir")
-        warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
-        root = open_existing(cache_dir)  # nothing is made before the room check: a refusal leaves no trace
-        try:
-            scan, missing = _missing_that_fits(root, cache_dir, installed, old.files, lock_timeout, jobs, verify)
-            if root is None:
-                root = _open_dir(cache_dir)
-            if missing or not _recorded(old, installed, scan.found):
-                retry.check(store.url)
-                retry.doing(
-                    f"fetching {len(missing)} of {len(installed.release.files)} files ({sum(f.size for f in missing)} bytes)"
-                )
-                log.info(
-                    "%s: release %s, fetching %d of %d files",
-                    ref,
-                    resolved.release_id,
-                    len(missing),
-                    len(installed.release.files),
-                )
-                with _repairing(old, cache_dir):
-                    missing = _complete(
-                        store, resolved, root, cache_dir, scan, jobs, installed, lock_timeout, verify, direct_writes
-                    )
-            else:
-                log.info("%s: release %s already complete in %s", ref, resolved.release_id, cache_dir)
-        finally:
-            if root is not None:
-                os.close(root)
-        make_serving_dirs(cache_dir, serving_dirs(resolved.release.backend))
-        if env_file is not None:
-            write_env_file(env_file, env_text)
+        warnings = preflight(installed, {**o.host_env, **exports}) if o.host_env is not None else ()
+        scan, missing = _missing_that_fits(cache, installed, old.files, o)
+        cache.make()
+        if missing or not _recorded(old, installed, scan.found):
+            retry.check(store.url)
+            files = len(installed.release.files)
+            retry.doing(f"fetching {len(missing)} of {files} files ({sum(f.size for f in missing)} bytes)")
+            log.info("%s: release %s, fetching %d of %d files", ref, resolved.release_id, len(missing), files)
+            with _repairing(old, cache.state_path):
+                missing = _complete(store, resolved, cache, scan, installed, o)
+        else:
+            log.info("%s: release %s already complete in %s", ref, resolved.release_id, cache.path)
+        make_serving_dirs(cache.path, serving_dirs(resolved.release.backend))
+        if o.env_file is not None:
+            write_env_file(o.env_file, env_text)
         return PullReport(
             release_id=resolved.release_id,
             tag=resolved.tag,
-            cache_dir=cache_dir,
+            cache_dir=cache.path,
             files_total=len(resolved.release.files),
             files_fetched=len(missing),
             bytes_fetched=sum(f.size for f in missing),
             bytes_total=resolved.release.total_size,
             seconds=time.perf_counter() - started,
             exports=exports,
-            host_checked=host_env is not None,
+            host_checked=o.host_env is not None,
             host_warnings=warnings,
             files_rehashed=scan.hashed,
             files_repaired=sum(f.path in scan.damaged for f in missing),
-            allowed=tuple(allow_env),
+            allowed=tuple(o.allow_env),
             state_replaced=old.problem,
         ).with_counts(op.counts())
 
 
 @contextmanager
-def _repairing(old: CacheState, cache_dir: Path) -> Iterator[None]:
+def _repairing(old: CacheState, shown: Path) -> Iterator[None]:
     """A corrupt state is read as nothing known and rewritten; where the cache dir cannot be
     written (a read-only mount), say that the state is what is wrong, not only the disk."""
     try:
@@ -283,7 +271,7 @@ def _repairing(old: CacheState, cache_dir: Path) -> Iterator[None]:
         if old.problem is None:
             raise
         raise StateCorrupt(
-            f"{state_path(cache_dir)}: {old.problem}; it cannot be rewritten: {exc.message}",
+            f"{shown}: {old.problem}; it cannot be rewritten: {exc.message}",
             hint="pull into this dir where it is writable (every file is re-verified), or remove the state file there",
         ) from None
 
@@ -294,50 +282,37 @@ def _trusted(state: State, verify: str) -> State:
 
 
 def _missing_that_fits(
-    root: int | None,
-    cache_dir: Path,
-    installed: Installed,
-    state: State,
-    lock_timeout: float | None,
-    jobs: int,
-    verify: str,
+    cache: CacheDir, installed: Installed, state: State, o: PullOptions
 ) -> tuple[Scan, list[FileEntry]]:
     """(what the cache holds, the files to fetch), once its filesystem has room for them: else
     DiskError, with nothing written. Short of room while another pull holds the lock, whatever
     that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
-    scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(state, verify), jobs)
+    scan, missing, sizes = _missing(cache, installed, _trusted(state, o.verify), o.jobs)
     if (
         missing
-        and root is not None
-        and not room_for(cache_dir, sizes).fits
-        and _wait_for_other_pull(root, cache_dir, lock_timeout)
+        and cache.exists
+        and not room_for(cache.path, sizes).fits
+        and _wait_for_other_pull(cache, o.lock_timeout)
     ):
-        fresh = read_state(root, cache_dir)[1].files
-        scan, missing, sizes = _missing(root, cache_dir, installed, _trusted(fresh, verify), jobs)
+        fresh = cache.read_state()[1].files
+        scan, missing, sizes = _missing(cache, installed, _trusted(fresh, o.verify), o.jobs)
     if missing:
-        require_room(cache_dir, sizes, f"pulling {len(missing)} files of {installed.release.name}")
+        require_room(cache.path, sizes, f"pulling {len(missing)} files of {installed.release.name}")
     return scan, missing
 
 
-def _missing(
-    root: int | None, cache_dir: Path, installed: Installed, state: State, jobs: int
-) -> tuple[Scan, list[FileEntry], list[int]]:
+def _missing(cache: CacheDir, installed: Installed, state: State, jobs: int) -> tuple[Scan, list[FileEntry], list[int]]:
     """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
     files = installed.release.files
-    scan = (
-        _scan(root, cache_dir, files, state, jobs) if root is not None else Scan(dict.fromkeys(f.path for f in files))
-    )
+    scan = _scan(cache, files, state, jobs) if cache.exists else Scan(dict.fromkeys(f.path for f in files))
     missing = [f for f in files if scan.found[f.path] is None]
-    return (
-        scan,
-        missing,
-        [*(f.size for f in missing), _state_size(installed)] if missing else [],
-    )  # a no-op pull encodes nothing
+    sizes = [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
+    return scan, missing, sizes
 
 
-def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> bool:
-    """Whether another pull held cache_dir's lock (then it has finished); only opens what exists."""
-    state_dir = open_state_dir(root, cache_dir, create=False)
+def _wait_for_other_pull(cache: CacheDir, timeout: float | None) -> bool:
+    """Whether another pull held the cache dir's lock (then it has finished); only opens what exists."""
+    state_dir = cache.state_dir(create=False)
     if state_dir is None:
         return False
     try:
@@ -351,7 +326,7 @@ def _wait_for_other_pull(root: int, cache_dir: Path, timeout: float | None) -> b
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return False
         except BlockingIOError:
-            acquire(fd, cache_dir / STATE_DIR / LOCK_FILE, timeout, "pull lock", _LOCK_HINT)
+            acquire(fd, cache.lock_path, timeout, "pull lock", LOCK_HINT)
             return True
     finally:
         os.close(fd)
@@ -376,43 +351,30 @@ def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ..
 
 
 def _complete(
-    store: Store,
-    resolved: ResolvedRelease,
-    root: int,
-    cache_dir: Path,
-    scan: Scan,
-    jobs: int,
-    installed: Installed,
-    lock_timeout: float | None,
-    verify: str,
-    direct_writes: bool,
+    store: Store, resolved: ResolvedRelease, cache: CacheDir, scan: Scan, installed: Installed, o: PullOptions
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
-    state_dir = open_state_dir(root, cache_dir, create=True)
-    assert state_dir is not None
-    try:
-        # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
-        with pull_lock(state_dir, cache_dir / STATE_DIR / LOCK_FILE, lock_timeout):
-            old_state, state = load_state(state_dir)
-            found = scan.found
-            # Another pull may have landed some while we waited for the lock.
-            missing = [f for f in resolved.release.files if found[f.path] is None]
-            found.update(_scan(root, cache_dir, missing, _trusted(state.files, verify), jobs).found)
-            missing = [f for f in missing if found[f.path] is None]
-            # Killed pulls' temp files: in the whole tree when files move, else only where a
-            # state file was being written (all files in: the next pull fetches nothing).
-            remove_stale_temp_files(cache_dir if missing else cache_dir / STATE_DIR)
-            if missing:
-                targets = [
-                    BlobTarget(f.digest, f.size, cache_dir / f.path, fsync=False, root=cache_dir, direct=direct_writes)
-                    for f in missing
-                ]
-                store.download_blobs(targets, jobs, release=resolved.release_id)
-                with Beneath(root, cache_dir) as tree:
-                    found.update({f.path: _stat(tree, f.path, cache_dir) for f in missing})
-            _save_state(state_dir, cache_dir, _state_bytes(installed, found), old_state)
-    finally:
-        os.close(state_dir)
+    # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
+    with cache.locked(o.lock_timeout) as state_dir:
+        old_state, state = load_state(state_dir)
+        found = scan.found
+        # Another pull may have landed some while we waited for the lock.
+        missing = [f for f in resolved.release.files if found[f.path] is None]
+        found.update(_scan(cache, missing, _trusted(state.files, o.verify), o.jobs).found)
+        missing = [f for f in missing if found[f.path] is None]
+        # Killed pulls' temp files: in the whole tree when files move, else only where a
+        # state file was being written (all files in: the next pull fetches nothing).
+        remove_stale_temp_files(cache.path if missing else cache.path / STATE_DIR)
+        if missing:
+            root = cache.path
+            targets = [
+                BlobTarget(f.digest, f.size, root / f.path, fsync=False, root=root, direct=o.direct_writes)
+                for f in missing
+            ]
+            store.download_blobs(targets, o.jobs, release=resolved.release_id)
+            with cache.beneath() as tree:
+                found.update({f.path: _stat(tree, f.path, root) for f in missing})
+        _save_state(state_dir, cache.path, _state_bytes(installed, found), old_state)
     return missing
 
 
@@ -425,7 +387,7 @@ class Scan:
     damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
 
 
-def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
+def _scan(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
     """What the cache already holds of files (only reads). One stat per file; a file of the right
     size the state does not vouch for is read and hashed, in parallel where that pays. With no
     state to vouch for anything (verify="full", a first pull), each file is opened once instead:
@@ -434,9 +396,9 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
     damaged = set()
     if state:
         unsure = []
-        with Beneath(root, cache_dir) as tree:
+        with cache.beneath() as tree:
             for f in files:
-                st = found[f.path] = _stat(tree, f.path, cache_dir)
+                st = found[f.path] = _stat(tree, f.path, cache.path)
                 if st is None:
                     continue
                 if st.st_size != f.size:
@@ -447,7 +409,7 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
     else:
         unsure = list(files)
     hashed = 0
-    for f, look in zip(unsure, _look_all(root, cache_dir, unsure, jobs), strict=True):
+    for f, look in zip(unsure, _look_all(cache, unsure, jobs), strict=True):
         found[f.path] = None
         if look is None:  # absent, a link, not a regular file
             continue
@@ -460,20 +422,18 @@ def _scan(root: int, cache_dir: Path, files: Collection[FileEntry], state: State
     return Scan(found, hashed, frozenset(damaged))
 
 
-def _look_all(
-    root: int, cache_dir: Path, files: list[FileEntry], jobs: int
-) -> list[tuple[os.stat_result, str | None] | None]:
+def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, str | None] | None]:
     """Beneath.look of each file, in runs of neighbouring files (their directories stay open)
     spread over up to jobs threads, each with its own Beneath."""
 
     def looks(run: list[FileEntry]) -> list[tuple[os.stat_result, str | None] | None]:
         done: list[tuple[os.stat_result, str | None] | None] = []
-        with Beneath(root, cache_dir) as tree:
+        with cache.beneath() as tree:
             try:
                 for f in run:
                     done.append(tree.look(f.path, f.size))
             except OSError as exc:
-                raise disk_error(exc, cache_dir / run[len(done)].path) from None
+                raise disk_error(exc, cache.path / run[len(done)].path) from None
         return done
 
     jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
@@ -503,45 +463,12 @@ def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
 
 def make_serving_dirs(cache_dir: Path, names: Collection[str]) -> None:
     """Make the dirs the server writes even on a hit, now, while the cache dir is writable: a
-    host serving it read-only mounts a writable dir over each (README, read-only cache dir)."""
+    host serving it read-only mounts a writable dir over each (docs/hosts.md, read-only cache dir)."""
     for name in names:
         try:
             (cache_dir / name).mkdir(exist_ok=True)
         except OSError as exc:
             raise disk_error(exc, cache_dir / name) from None
-
-
-@contextmanager
-def open_root(cache_dir: Path) -> Iterator[int]:
-    fd = _open_dir(cache_dir)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _open_dir(cache_dir: Path) -> int:
-    """cache_dir (made if missing), open."""
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        return os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise disk_error(exc, cache_dir) from None
-
-
-@contextmanager
-def pull_lock(state_dir: int, shown: Path, timeout: float | None = None) -> Iterator[None]:
-    """An advisory lock (flock) held while the block runs; the kernel drops it if we die, so a
-    dead holder never blocks. ConflictError if another process holds it for timeout seconds."""
-    try:
-        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=state_dir)
-    except OSError as exc:
-        raise disk_error(exc, shown) from None
-    try:
-        acquire(fd, shown, timeout, "pull lock", _LOCK_HINT)
-        yield
-    finally:
-        os.close(fd)
 
 
 def remove_stale_temp_files(cache_dir: Path) -> int:

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Literal
 
 from neffbuild.errors import StatusMiss
 from neffbuild.fs.confined import Beneath, disk_error
+from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.exports import exports_for
-from neffbuild.host.hostcheck import FieldDiff, HostReport, check_host
-from neffbuild.host.state import CacheState, Files, InstalledUnit, Target, find_target, read_cache_state, state_path
+from neffbuild.host.hostcheck import FieldDiff, check_host
+from neffbuild.host.state import CacheState, Files, Target, find_target
 
 if TYPE_CHECKING:
     from neffbuild.documents.records import FileEntry
@@ -69,38 +70,44 @@ class StatusReport:
         return sum(u.state == state for u in self.units)
 
 
-# units, as the server will run (this environment, the release's exports over it) -> the host's verdict
-HostCheck = Callable[[Sequence[InstalledUnit], Mapping[str, str]], HostReport]
+@dataclass(frozen=True, kw_only=True)
+class StatusQuery:
+    """What `status` judges against: a tag where it points now (store_named) or as installed,
+    a manifest's plan (its tag and units), sizes or digests (verify), and this host's allow."""
+
+    store_named: bool = False
+    verify: bool = False
+    plan: Plan | None = None
+    allow_env: tuple[str, ...] = ()
 
 
 def status(
     cache_dir: Path,
-    ref: str | None = None,
+    ref: str | None,
     *,
     env: Mapping[str, str],
     open_store: Callable[[], Store] | None = None,
-    store_named: bool = False,
-    verify: bool = False,
-    host_check: HostCheck = check_host,
-    plan: Plan | None = None,
-    allow_env: Collection[str] = (),
+    query: StatusQuery | None = None,
 ) -> StatusReport:
     """Judge cache_dir for REF's release (default: the installed one) on this host. A tag is
     judged where it points now if a store is named (store_named), else as it was installed.
     With a manifest's plan, REF is its tag, and units the manifest declares that the release
     lacks (by id, or with another normalised unit) are reported too."""
-    cache_dir = cache_dir.expanduser().resolve()
-    state = read_cache_state(cache_dir)[1].trusted(state_path(cache_dir))
+    q = query or StatusQuery()
+    with CacheDir.opened(cache_dir) as cache:
+        state = cache.state()
+    cache_dir = cache.path
+    plan = q.plan
     if plan is not None:
         ref = plan.loaded.manifest.name
-    target = find_target(state, cache_dir, ref, open_store, store_named=store_named)
+    target = find_target(state, cache_dir, ref, open_store, store_named=q.store_named)
     # The host as the server will run: this environment with the release's exports applied.
-    exports = exports_for(target.release, cache_dir, target.source, allow_env)
-    checked = host_check(target.units, {**env, **exports}).units if target.units else ()
+    exports = exports_for(target.release, cache_dir, target.source, q.allow_env)
+    checked = check_host(target.units, {**env, **exports}).units if target.units else ()
     changes: dict[str, Sequence[FieldDiff]] = {u.unit_id: u.diffs for u in checked}
     if plan is not None:
         changes = _manifest_changes(plan, target, changes)
-    report = judge(cache_dir, state, target, changes, {u.unit_id: u.host_key for u in checked}, verify=verify)
+    report = judge(cache_dir, state, target, changes, {u.unit_id: u.host_key for u in checked}, verify=q.verify)
     if plan is None:
         return report
     have = {u.unit_id for u in target.units}
@@ -129,10 +136,10 @@ def status_of(
         plan = make_plan(load_manifest(Path(ref)), env)
         manifest_store = plan.loaded.manifest.store
     named = bool(store.url or env.get("NEFFBUILD_STORE"))  # then a tag is judged where it points now
+    query = StatusQuery(store_named=named, verify=verify, plan=plan, allow_env=tuple(allow_env))
     return status(
-        cache_dir, ref, env=env, open_store=lambda: store.open(env, manifest_default=manifest_store), store_named=named, verify=verify, plan=plan,
-        allow_env=allow_env,
-    )  # fmt: skip
+        cache_dir, ref, env=env, open_store=lambda: store.open(env, manifest_default=manifest_store), query=query
+    )
 
 
 def _manifest_changes(

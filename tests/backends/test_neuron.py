@@ -823,7 +823,7 @@ def load_bundle(store, key: str):
 
 
 def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(tmp_path, tiny_model):
-    from neffbuild.build.compile import build
+    from neffbuild.build.compile import BuildOptions, build
     from neffbuild.errors import DiskError
     from neffbuild.fs.room import require_scratch
     from neffbuild.store import open_store
@@ -849,7 +849,7 @@ def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(
         make_plan(load_manifest(path), env),
         open_store(str(tmp_path / "store"), create=True),
         env=env,
-        logs_dir=tmp_path / "logs",
+        options=BuildOptions(logs_dir=tmp_path / "logs"),
     )
     assert [o.status for o in report.outcomes] == ["failed", "failed"]
     assert all(

@@ -1,0 +1,125 @@
+"""A host's cache dir, opened once per command: its path, its directory, its state, its lock.
+
+The path is resolved once (where a symlink at the root points is the operator's choice); below
+it nothing follows a link (fs/confined.py). The directory is opened, not made: a pull makes it
+only once every check has passed, so a refused pull leaves no trace. Its state file is read
+through host/state.py (strictly: a corrupt state is StateCorrupt for commands that only read),
+and its lock is pull's flock under `.neffbuild/`, which saves duplicate work when two pulls race
+(correctness comes from unique temp files and rename, never from the lock).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from neffbuild.fs.confined import Beneath, disk_error
+from neffbuild.fs.locks import acquire
+from neffbuild.fs.readonly import writable_dirs
+from neffbuild.host.state import CacheState, open_existing, open_state_dir, read_state, state_path
+from neffbuild.names import STATE_DIR
+
+LOCK_FILE = "pull.lock"
+LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
+
+
+class CacheDir:
+    """One cache dir for the life of a command; `with CacheDir.opened(path) as cache:`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.expanduser().resolve()
+        self.fd: int | None = open_existing(self.path)  # None: it does not exist (yet)
+
+    @classmethod
+    @contextmanager
+    def opened(cls, path: Path) -> Iterator[CacheDir]:
+        cache = cls(path)
+        try:
+            yield cache
+        finally:
+            cache.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    @property
+    def exists(self) -> bool:
+        return self.fd is not None
+
+    @property
+    def state_path(self) -> Path:
+        return state_path(self.path)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / STATE_DIR / LOCK_FILE
+
+    def make(self) -> int:
+        """The dir's descriptor, the dir made first if it is missing."""
+        if self.fd is None:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise disk_error(exc, self.path) from None
+        return self.fd
+
+    def read_state(self) -> tuple[bytes | None, CacheState]:
+        """(the state file's bytes, what it says), corrupt or not; makes nothing."""
+        return (None, CacheState()) if self.fd is None else read_state(self.fd, self.path)
+
+    def state(self) -> CacheState:
+        """What the state says, for a command that only reads: StateCorrupt if it is corrupt."""
+        return self.read_state()[1].trusted(self.state_path)
+
+    def state_dir(self, *, create: bool) -> int | None:
+        """`.neffbuild/` open (made with the dir if create), else None when missing."""
+        if self.fd is None and not create:
+            return None
+        return open_state_dir(self.make(), self.path, create=create)
+
+    def has_state_dir(self) -> bool:
+        """Whether a pull ever recorded anything here (`.neffbuild/` exists; a link there is refused)."""
+        state_dir = self.state_dir(create=False)
+        if state_dir is None:
+            return False
+        os.close(state_dir)
+        return True
+
+    def beneath(self) -> Beneath:
+        """The confined view of what lies below the dir (which must exist)."""
+        return Beneath(self.make(), self.path)
+
+    @contextmanager
+    def locked(self, timeout: float | None = None) -> Iterator[int]:
+        """Hold pull's lock while the block runs (ConflictError after timeout seconds); yields
+        the open state dir. The kernel drops the lock if this process dies."""
+        state_dir = self.state_dir(create=True)
+        assert state_dir is not None
+        try:
+            with lock_in(state_dir, self.lock_path, timeout):
+                yield state_dir
+        finally:
+            os.close(state_dir)
+
+    def writable_dirs(self, allowed: Collection[str]) -> list[Path]:
+        """Dirs this process could write, outside allowed (read-only detection)."""
+        return writable_dirs(self.path, allowed)
+
+
+@contextmanager
+def lock_in(state_dir: int, shown: Path, timeout: float | None = None) -> Iterator[None]:
+    """An advisory lock (flock) on state_dir's lock file, held while the block runs."""
+    try:
+        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=state_dir)
+    except OSError as exc:
+        raise disk_error(exc, shown) from None
+    try:
+        acquire(fd, shown, timeout, "pull lock", LOCK_HINT)
+        yield
+    finally:
+        os.close(fd)
