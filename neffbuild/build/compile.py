@@ -195,6 +195,9 @@ def build(
             backend, store, env, work_root, run_logs, notify, workers, o.retries, units_root(o.work_dir), o.keep_work
         )
         outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, workers)
+    # Built longest first (fleet.select); reported in the manifest's order, as plan lists them.
+    order = {u.unit_id: i for i, u in enumerate(plan.units)}
+    outcomes = sorted(outcomes, key=lambda outcome: order.get(outcome.unit_id, len(order)))
     name = o.tag or plan.loaded.manifest.name
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
     if report.failed or not report.complete:
