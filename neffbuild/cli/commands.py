@@ -526,7 +526,7 @@ def schema() -> None:
     click.echo(json.dumps(manifest_json_schema(), indent=2))
 
 
-# ---- status (issue 11) ----------------------------------------------------------------------
+# ---- status -------------------------------------------------------------------------------
 
 
 @cli.command()
@@ -664,7 +664,7 @@ def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None
     output.usage(Console(as_json), disk_usage(store.open(os.environ), reclaim=reclaimable(policy)))
 
 
-# ---- gc and verify --store (issue 11) ------------------------------------------------------
+# ---- gc and verify --store ------------------------------------------------------------------
 
 
 @cli.command("gc")

@@ -27,13 +27,16 @@ if TYPE_CHECKING:
     from neffbuild.build.push import PushResult
     from neffbuild.documents.records import TagRecord
     from neffbuild.host.doctor import DoctorReport
+    from neffbuild.host.prune import CachePrune
     from neffbuild.host.pull import PullReport
     from neffbuild.host.status import StatusReport
-    from neffbuild.host.verify import ReplayReport, UnitFiles
+    from neffbuild.host.verify import ReplayReport, UnitFiles, UnitReplay
     from neffbuild.inspect.diff import Diff, HostDiff
     from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
+    from neffbuild.maint.gc import GcPlan, GcResult
+    from neffbuild.maint.storecheck import StoreCheck
     from neffbuild.units.plan import Plan
 
 
@@ -356,7 +359,7 @@ class Console:
             markup=False,
         )
 
-    def _would_write(self, u: Any, shown: int = 10) -> None:
+    def _would_write(self, u: UnitReplay, shown: int = 10) -> None:
         if not u.written:
             self.out.print(f"{u.unit_id}: compiled {u.compiles} graph(s) but wrote no cache file", markup=False)
             return
@@ -510,7 +513,7 @@ def _plain_progress(heartbeat_s: float) -> Iterator[Callable[[str, str], None]]:
         beat.join()
 
 
-# ---- status (issue 11) ----------------------------------------------------------------------
+# ---- status ----------------------------------------------------------------------------------
 
 
 _STYLES.update({"mismatch": "red", "missing": "red", "absent": "red", "stale": "yellow"})
@@ -812,10 +815,10 @@ def usage(console: Console, usage: Usage) -> None:
     )
 
 
-# ---- gc and verify --store (issue 11) ----------------------------------------------------------
+# ---- gc and verify --store ----------------------------------------------------------------------
 
 
-def print_gc_plan(console: Console, plan: Any) -> None:
+def print_gc_plan(console: Console, plan: GcPlan) -> None:
     """A GcPlan: what a sweep deletes, per kind, and what stays."""
     if console.as_json:
         console._json(plan)
@@ -842,7 +845,7 @@ def print_gc_plan(console: Console, plan: Any) -> None:
         say_err(f"warning: pack {pack_id} has a damaged index: kept (run `neffbuild verify --store`)")
 
 
-def print_gc_result(console: Console, result: Any) -> None:
+def print_gc_result(console: Console, result: GcResult) -> None:
     if console.as_json:
         console._json(
             {
@@ -860,7 +863,7 @@ def print_gc_result(console: Console, result: Any) -> None:
     )
 
 
-def print_cache_prune(console: Console, prune: Any) -> None:
+def print_cache_prune(console: Console, prune: CachePrune) -> None:
     if console.as_json:
         console._json(prune)
         return
@@ -873,7 +876,7 @@ def print_cache_prune(console: Console, prune: Any) -> None:
         console.out.print(f"  {path}", markup=False)
 
 
-def print_store_check(console: Console, check: Any) -> None:
+def print_store_check(console: Console, check: StoreCheck) -> None:
     if check.orphans:  # on stderr, with --json too
         say_err(
             f"warning: {len(check.orphans)} orphan objects ({_size(check.orphan_bytes)}) no record names; gc removes them after its grace period"
