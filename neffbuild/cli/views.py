@@ -129,13 +129,14 @@ class Console:
 
     @contextmanager
     def units_progress(
-        self, verb: str, total: int, *, heartbeat_s: float = HEARTBEAT_S
+        self, verb: str, total: int, *, heartbeat_s: float = HEARTBEAT_S, clock: Callable[[], float] = time.monotonic
     ) -> Iterator[Callable[[str, str], None]]:
         """A notify(unit_id, status) callback, on stderr. On a terminal: a live line per running
         unit (its phase and elapsed time) under a done/total count. Without one (CI logs, pipes):
-        a plain line per phase change, and one per unit still in a phase every heartbeat_s."""
+        a plain line per phase change, and one per unit still in a phase every heartbeat_s.
+        clock: where elapsed times are read (tests pass their own)."""
         if not self.interactive:  # progress goes to stderr: also with --json, CI is never silent
-            with _plain_progress(heartbeat_s) as notify:
+            with _plain_progress(heartbeat_s, clock) as notify:
                 yield notify
         else:
             with self._live_progress(verb, total) as notify:
@@ -468,20 +469,21 @@ def _cell(text: str) -> Any:
 class _UnitClock:
     """When each unit was first heard of, for the elapsed time shown beside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.lock = threading.RLock()
         self._started: dict[str, float] = {}
 
     def seen(self, unit_id: str) -> float:
         """Seconds since unit_id was first seen (0 now if this is the first time)."""
-        now = time.monotonic()
+        now = self.clock()
         with self.lock:
             return now - self._started.setdefault(unit_id, now)
 
 
 @contextmanager
-def _plain_progress(heartbeat_s: float) -> Iterator[Callable[[str, str], None]]:
-    clock = _UnitClock()
+def _plain_progress(heartbeat_s: float, now: Callable[[], float]) -> Iterator[Callable[[str, str], None]]:
+    clock = _UnitClock(now)
     phases: dict[str, str] = {}  # units still running, and the phase each is in
 
     say = say_err
