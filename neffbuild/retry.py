@@ -34,13 +34,15 @@ continues from the bytes it has). Every boot host would carry one more dependenc
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
 import math
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -208,6 +210,10 @@ class Pacer:
     - there is no burst: a request goes once 1 / rate has passed since the previous one; a waiting
       request looks again every window_s (the rate may have grown or been cut since) and wakes for
       the operation's stop and its deadline;
+    - requests go in the order they asked (a ticket queue), and a retry asks again after its
+      backoff, behind those already waiting: without it, whichever waiter looked first went, and
+      requests retried over and over could starve one that had never been sent (a 404 among
+      throttled blobs then waited for the deadline instead of failing the pull at once);
     - before a window of sending has been measured, the rate is estimated from the requests sent
       since the start (over at least a tenth of a window): AWS takes 0 then, and falls to its
       floor at the first 503, so a host throttled on its first requests crawled for tens of
@@ -229,15 +235,32 @@ class Pacer:
         self._measured: float | None = None  # requests/s sent, smoothed over windows (None: no window yet)
         self._window = math.floor(self._start / policy.window_s) * policy.window_s
         self._in_window = 0
+        self._tickets = itertools.count()
+        self._waiting: deque[int] = deque()  # tickets not yet let go, in the order they asked
 
-    def take(self) -> float:
-        """0 if a request may go now (it is counted as sent), else the seconds to wait first."""
+    def join(self) -> int:
+        """A ticket: this request's place in the queue (give it to take, and to leave if it gives up)."""
+        with self._lock:
+            ticket = next(self._tickets)
+            self._waiting.append(ticket)
+            return ticket
+
+    def leave(self, ticket: int) -> None:
+        """The request gave up waiting (stopped, past the deadline): those behind it move up."""
+        with self._lock, suppress(ValueError):
+            self._waiting.remove(ticket)
+
+    def take(self, ticket: int) -> float:
+        """0 if the request holding ticket may go now (it is counted as sent and leaves the
+        queue), else about the seconds to wait first (its turn, at the current rate)."""
         with self._lock:
             now = self._clock()
             if self.enabled:
-                if now < self._next:
-                    return self._next - now
+                ahead = self._waiting.index(ticket)
+                if ahead or now < self._next:
+                    return max(self._next - now, 0.0) + ahead / self.rate
                 self._next = now + 1.0 / self.rate
+            self._waiting.remove(ticket)
             window = math.floor(now / self.policy.window_s) * self.policy.window_s
             self._in_window += 1
             if window > self._window:
@@ -511,13 +534,17 @@ def paced(where: str, tries: Tries) -> None:
     op = _OPERATION.get()
     if op is None:
         return
-    while (delay := op.pacer.take()) > 0:
-        deadline = _CURRENT.get()
-        if deadline is not None and delay >= deadline.left():
-            _wait(op, deadline.left())
-        else:
-            _wait(op, min(delay, op.policy.window_s))  # the rate may change meanwhile: look again
-        check(where)
+    ticket = op.pacer.join()
+    try:
+        while (delay := op.pacer.take(ticket)) > 0:
+            deadline = _CURRENT.get()
+            if deadline is not None and delay >= deadline.left():
+                _wait(op, deadline.left())
+            else:
+                _wait(op, min(delay, op.policy.window_s))  # the rate may change meanwhile: look again
+            check(where)
+    finally:
+        op.pacer.leave(ticket)
     tries.sent_at = op.pacer.now()
 
 

@@ -170,9 +170,18 @@ class Clock:
         return self.now
 
 
+def _take(pacer: retry.Pacer) -> float:
+    """One request asking once, alone in the queue: 0 if it went, else the seconds to wait."""
+    ticket = pacer.join()
+    delay = pacer.take(ticket)
+    pacer.leave(ticket)
+    return delay
+
+
 def _send(pacer: retry.Pacer, clock: Clock, *, throttled: bool) -> None:
     """One request through the pacer once it may go (the clock moves there), then its answer."""
-    while (delay := pacer.take()) > 0:
+    ticket = pacer.join()
+    while (delay := pacer.take(ticket)) > 0:
         clock.now += delay
     sent = clock.now
     clock.now += 0.001
@@ -186,7 +195,7 @@ def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
     clock = Clock()
     pacer = retry.Pacer(retry.DEFAULT, clock)
     for _ in range(200):  # unthrottled: no limit at all
-        assert pacer.take() == 0
+        assert _take(pacer) == 0
         clock.now += 0.01
     assert not pacer.enabled
     _send(pacer, clock, throttled=True)
@@ -198,7 +207,7 @@ def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
         rates.append(pacer.rate)
     assert all(b < a for a, b in zip(rates, rates[1:], strict=False)) and rates[-1] >= retry.DEFAULT.min_rate
     # No burst: the next request waits 1 / rate.
-    assert pacer.take() == pytest.approx(1 / pacer.rate, rel=0.01)
+    assert _take(pacer) == pytest.approx(1 / pacer.rate, rel=0.01)
     low = pacer.rate
     for _ in range(30):
         _send(pacer, clock, throttled=False)
@@ -209,11 +218,11 @@ def test_a_pacer_never_goes_below_its_floor_and_cuts_once_per_round() -> None:
     clock = Clock()
     pacer = retry.Pacer(retry.DEFAULT, clock)
     for _ in range(100):  # sending about 100 requests/s
-        pacer.take()
+        _take(pacer)
         clock.now += 0.01
     sent = clock.now
     for _ in range(16):  # sixteen requests in flight together...
-        pacer.take()
+        _take(pacer)
     clock.now += 0.1
     for _ in range(16):  # ...all answered 503: one cut
         pacer.throttled(sent)
@@ -222,6 +231,30 @@ def test_a_pacer_never_goes_below_its_floor_and_cuts_once_per_round() -> None:
     for _ in range(100):
         _send(pacer, clock, throttled=True)
     assert pacer.rate == retry.DEFAULT.min_rate < once
+
+
+def test_a_throttled_pacer_lets_requests_go_in_the_order_they_asked() -> None:
+    """A retry asking again after its backoff goes behind a request that has waited since before
+    it: however often retries look first, the first request goes first (no starvation)."""
+    clock = Clock()
+    pacer = retry.Pacer(retry.DEFAULT, clock)
+    for _ in range(10):
+        _take(pacer)
+        clock.now += 0.1
+    pacer.throttled(clock.now)  # now paced at about 5 requests/s
+    gap = 1 / pacer.rate
+    first, second = pacer.join(), pacer.join()
+    clock.now += gap
+    retried = pacer.join()
+    for _ in range(5):  # the later ones look first, and again, and are told to wait their turn
+        assert pacer.take(retried) == pytest.approx(2 * gap)
+        assert pacer.take(second) == pytest.approx(gap)
+    assert pacer.take(first) == 0
+    assert pacer.take(retried) == pytest.approx(2 * gap)  # two slots away: second's, then its own
+    clock.now += gap
+    pacer.leave(second)  # second gave up (its operation stopped): retried moves up
+    assert pacer.take(retried) == 0
+    assert pacer.take(pacer.join()) == pytest.approx(gap)
 
 
 def test_a_stopped_operation_wakes_its_waits_and_raises_abandoned() -> None:
