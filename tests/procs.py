@@ -71,14 +71,18 @@ def started_by(neffbuild_pid: int) -> set[int]:
     return found
 
 
-def start_cli(*args: str, stderr: Path, cwd: Path | None = None) -> subprocess.Popen[bytes]:
-    """`neffbuild ARGS` in its own process group, as a shell starts a job; stderr to a file."""
+def start_cli(
+    *args: str, stderr: Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`neffbuild ARGS` in its own process group, as a shell starts a job; stderr to a file; env
+    is added to this process's environment."""
     with stderr.open("wb") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "neffbuild", *args],
             stdout=subprocess.DEVNULL,
             stderr=err,
             cwd=cwd,
+            env={**os.environ, **(env or {})},
             start_new_session=True,
         )
 

@@ -7,11 +7,14 @@ is the same one `build --store s3://` takes for new units (publish_bundle -> S3S
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_manifest
+from tests.conftest import BuiltStore, write_manifest
+from tests.procs import gone, start_cli, wait_for, wait_until_compiling
 from tests.test_e2e import replay
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
@@ -56,3 +59,36 @@ def test_fresh_build_publishes_straight_to_s3_and_replays_with_zero_misses(
     (outcome,) = json.loads(built.stdout)["outcomes"]
     assert outcome["status"] == "built" and outcome["uploaded"] > 0 and outcome["compiles"] > 0
     pull_and_replay(cli, manifest, s3_url, s3_env, tmp_path)
+
+
+def test_concurrent_shards_one_killed_and_rerun_release_what_one_process_built(
+    built: BuiltStore, tiny_manifest: Path, s3_url: str, s3_env: dict[str, str], tmp_path: Path, cli
+) -> None:
+    """A Kubernetes Indexed Job of two completions: each shard takes its index from
+    JOB_COMPLETION_INDEX and builds its units into one S3 store, at the same time. Shard 1 is
+    SIGKILLed while compiling: release names its unit as missing and moves nothing; shard 1 rerun
+    builds just that unit; then release gives the very release id the one-process build gave."""
+    shard = {i: {**s3_env, "JOB_COMPLETION_INDEX": str(i), "NEFFBUILD_SHARDS": "2"} for i in (0, 1)}
+    args = ("build", str(tiny_manifest), "--store", s3_url, "--json")
+    killed = start_cli(*args, stderr=tmp_path / "shard1.err", env=shard[1])
+    try:
+        running = wait_until_compiling(killed, tmp_path / "shard1.err", "compiling")
+        first = cli(*args, env=shard[0])  # shard 0 builds meanwhile
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(30)
+        assert wait_for(lambda: all(gone(p) for p in running), 10), running
+    finally:
+        killed.kill()
+    assert first.returncode == 0, first.stderr
+    assert [o["status"] for o in json.loads(first.stdout)["outcomes"]] == ["built"]
+    release = ("release", str(tiny_manifest), "--store", s3_url, "--json")
+    short = cli(*release, env=s3_env)
+    assert short.returncode == 14, short.stderr
+    assert "klein/128x" in short.stderr and "missing" in short.stderr
+    rerun = cli(*args, env=shard[1])
+    assert rerun.returncode == 0, rerun.stderr
+    assert [o["status"] for o in json.loads(rerun.stdout)["outcomes"]] == ["built"]
+    released = cli(*release, env=s3_env)
+    assert released.returncode == 0, released.stderr
+    assert json.loads(released.stdout)["release_id"] == built.second_build["release_id"]
+    pull_and_replay(cli, tiny_manifest, s3_url, s3_env, tmp_path)

@@ -8,9 +8,9 @@ Those times are read only to log the time a hit saves, so the worker records the
 before each entry is pickled. Where a torch version lacks these methods nothing is patched:
 builds still work, their entries just differ from build to build (docs/ci.md says so).
 
-An AOTAutograd entry also keeps the lines that explain its graph key, for a log line on a miss;
-they show functions by repr, with their address in the compiling process: those addresses are
-written as `0x?`.
+Graph and AOTAutograd entries also keep the lines that explain their key, for a log line on a
+miss; they show functions by repr, with their address in the compiling process: those addresses
+are written as `0x?`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ def zero_compile_times() -> bool:
         def _save_graph(key: str, compiled_graph: Any, *args: Any, **kwargs: Any) -> None:
             if hasattr(compiled_graph, "_time_taken_ns"):
                 compiled_graph._time_taken_ns = 0
+            lines = getattr(compiled_graph, "_fx_graph_cache_debug_lines", None)
+            if isinstance(lines, list):
+                compiled_graph._fx_graph_cache_debug_lines = _scrubbed(lines)
             return save_graph(key, compiled_graph, *args, **kwargs)
 
         _save_graph.neffbuild_patched = True  # type: ignore[attr-defined]
@@ -71,5 +74,8 @@ def _without_addresses(compiled: Any) -> None:
     info = getattr(compiled, "fx_graph_cache_info", None)
     if not (isinstance(info, tuple) and len(info) == 2 and isinstance(info[1], list)):
         return
-    lines = [_ADDRESS.sub(" at 0x?>", line) if isinstance(line, str) else line for line in info[1]]
-    object.__setattr__(compiled, "fx_graph_cache_info", (info[0], lines))
+    object.__setattr__(compiled, "fx_graph_cache_info", (info[0], _scrubbed(info[1])))
+
+
+def _scrubbed(lines: list[Any]) -> list[Any]:
+    return [_ADDRESS.sub(" at 0x?>", line) if isinstance(line, str) else line for line in lines]

@@ -12,6 +12,7 @@ SIGTERM stops every worker, removes the scratch and raises Interrupted (jobs.sup
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,12 +48,15 @@ from neffbuild.runner.jobs import (
     supervised,
     unit_dir_name,
 )
+from neffbuild.runner.memory import MemoryGate, available_memory
 from neffbuild.runner.unitdir import unit_scratch, units_root
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
 from neffbuild.units.shards import ShardSpec
 from neffbuild.version import __version__
+
+log = logging.getLogger(__name__)
 
 # (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
 # "publishing", then a final status ("built", "present", "failed").
@@ -114,6 +118,8 @@ class _Run:
     retries: int = 0
     units_root: Path = Path()  # where each unit compiles at a path of its own (unitdir.py)
     keep_work: bool = False
+    gate: MemoryGate = field(default_factory=lambda: MemoryGate(None))
+    unit_memory: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +133,8 @@ class BuildOptions:
     keep_work: bool = False
     retries: int = 0
     logs_dir: Path | None = None  # None: logs_dir_for(work_dir)
+    unit_memory: int | None = None  # bytes one unit's compile needs (None: workers bounded by jobs only)
+    memory_budget: int | None = None  # bytes the units may share (None: what is available at the start)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,8 +200,9 @@ def build(
     with supervised(cleanup=cleanup) as workers:
         notify = notify or (lambda unit_id, status: None)
         run = _Run(
-            backend, store, env, work_root, run_logs, notify, workers, o.retries, units_root(o.work_dir), o.keep_work
-        )
+            backend, store, env, work_root, run_logs, notify, workers, o.retries, units_root(o.work_dir), o.keep_work,
+            _gate(o, len(chosen)), o.unit_memory,
+        )  # fmt: skip
         outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, workers)
     # Built longest first (fleet.select); reported in the manifest's order, as plan lists them.
     order = {u.unit_id: i for i, u in enumerate(plan.units)}
@@ -230,15 +239,39 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
     if run.store.get_doc("bundles", unit.key) is not None:
         run.notify(unit.unit_id, "present")
         return UnitOutcome(unit.unit_id, unit.key, "present")
-    started = time.monotonic()
-    for attempt in range(1, run.retries + 2):
-        outcome = _attempt(unit, run, started)
-        if outcome.status != "failed" or attempt > run.retries:
-            if outcome.status == "failed":
-                run.notify(unit.unit_id, "failed")
-            return replace(outcome, attempts=attempt)
-        run.notify(unit.unit_id, f"retrying ({attempt} of {run.retries} retries) after: {outcome.error}")
+    with run.gate.share(run.unit_memory):
+        started = time.monotonic()
+        for attempt in range(1, run.retries + 2):
+            outcome = _attempt(unit, run, started)
+            if outcome.status != "failed" or attempt > run.retries:
+                if outcome.status == "failed":
+                    run.notify(unit.unit_id, "failed")
+                return replace(outcome, attempts=attempt)
+            run.notify(unit.unit_id, f"retrying ({attempt} of {run.retries} retries) after: {outcome.error}")
     raise AssertionError("unreachable: the last attempt returns")
+
+
+def _gate(o: BuildOptions, units: int) -> MemoryGate:
+    """The memory gate of --unit-memory: the budget given, or what is available now."""
+    if o.unit_memory is None:
+        return MemoryGate(None)
+    budget = o.memory_budget if o.memory_budget is not None else available_memory()
+    if budget is None:
+        log.warning("--unit-memory: the available memory cannot be read here; workers are bounded by --jobs only")
+    else:
+        fits = max(1, budget // o.unit_memory)
+        log.info(
+            "memory: %s for %s per unit: up to %d of %d workers at once",
+            _gib(budget),
+            _gib(o.unit_memory),
+            min(fits, o.jobs),
+            o.jobs,
+        )
+    return MemoryGate(budget)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 def _attempt(unit: BuildUnit, run: _Run, started: float) -> UnitOutcome:

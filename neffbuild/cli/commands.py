@@ -173,18 +173,34 @@ def plan(
     metavar="FILE",
     help="Write a JSON report of every unit (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).",
 )
+@click.option(
+    "--unit-memory", metavar="SIZE",
+    help="Memory one unit's compile needs (e.g. 6GiB): a worker starts only while the units running fit in the memory budget [default: bounded by --jobs only].",
+)  # fmt: skip
+@click.option(
+    "--memory-budget", metavar="SIZE",
+    help="Memory the units may share, with --unit-memory [default: what is available when the build starts, within the cgroup's limit].",
+)  # fmt: skip
 @json_option
 def build(
     manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool,
-    shard_text: str | None, shard_count: int | None, plan_file: Path | None, retries: int, report_file: Path | None, as_json: bool,
+    shard_text: str | None, shard_count: int | None, plan_file: Path | None, retries: int, report_file: Path | None,
+    unit_memory: str | None, memory_budget: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Warmup-compile every unit of MANIFEST (or one shard's), publish bundles; a build of every
     unit then publishes a release and moves its tag."""
     from neffbuild.build.compile import BuildOptions, FleetChoice, build_manifest, failure
+    from neffbuild.runner.memory import parse_size
     from neffbuild.units.shards import parse_shard
 
     console = Console(as_json)
-    options = BuildOptions(tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, retries=retries)
+    if memory_budget is not None and unit_memory is None:
+        raise InputError("--memory-budget: it bounds --unit-memory's shares", hint="give --unit-memory SIZE too")
+    options = BuildOptions(
+        tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, retries=retries,
+        unit_memory=parse_size(unit_memory, "--unit-memory") if unit_memory is not None else None,
+        memory_budget=parse_size(memory_budget, "--memory-budget") if memory_budget is not None else None,
+    )  # fmt: skip
     fleet = FleetChoice(
         shard=parse_shard(shard_text) if shard_text is not None else None,
         shard_count=shard_count,
