@@ -135,6 +135,7 @@ class BuildOptions:
     logs_dir: Path | None = None  # None: logs_dir_for(work_dir)
     unit_memory: int | None = None  # bytes one unit's compile needs (None: workers bounded by jobs only)
     memory_budget: int | None = None  # bytes the units may share (None: what is available at the start)
+    may_release: bool = True  # False: never release, even having built every unit (a Ray task's driver does)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,7 +210,7 @@ def build(
     outcomes = sorted(outcomes, key=lambda outcome: order.get(outcome.unit_id, len(order)))
     name = o.tag or plan.loaded.manifest.name
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
-    if report.failed or not report.complete:
+    if report.failed or not report.complete or not o.may_release:
         return report
     records = [
         load_doc(store, BundleRecord, u.key, hint=f"{u.unit_id}: it vanished during the build; rerun it")

@@ -21,6 +21,7 @@ from neffbuild.printable import printable
 from neffbuild.version import __version__
 
 if TYPE_CHECKING:
+    from neffbuild.build.compile import BuildOptions
     from neffbuild.retry import Policy
     from neffbuild.store import StoreChoice
 
@@ -181,11 +182,15 @@ def plan(
     "--memory-budget", metavar="SIZE",
     help="Memory the units may share, with --unit-memory [default: what is available when the build starts, within the cgroup's limit].",
 )  # fmt: skip
+@click.option(
+    "--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+    help="Build each unit as a task on a Ray cluster (ADDRESS, e.g. auto or ray://head:10001; alone: a local Ray instance), then release [needs neffbuild[ray]].",
+)  # fmt: skip
 @json_option
 def build(
     manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool,
     shard_text: str | None, shard_count: int | None, plan_file: Path | None, retries: int, report_file: Path | None,
-    unit_memory: str | None, memory_budget: str | None, as_json: bool,
+    unit_memory: str | None, memory_budget: str | None, ray_address: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Warmup-compile every unit of MANIFEST (or one shard's), publish bundles; a build of every
     unit then publishes a release and moves its tag."""
@@ -201,6 +206,11 @@ def build(
         unit_memory=parse_size(unit_memory, "--unit-memory") if unit_memory is not None else None,
         memory_budget=parse_size(memory_budget, "--memory-budget") if memory_budget is not None else None,
     )  # fmt: skip
+    if ray_address is not None:
+        if shard_text or shard_count or plan_file:
+            raise InputError("--ray: Ray places every unit itself", hint="drop --shard, --shards and --plan")
+        _build_on_ray(manifest, store, options, ray_address, report_file, Console(as_json))
+        return
     fleet = FleetChoice(
         shard=parse_shard(shard_text) if shard_text is not None else None,
         shard_count=shard_count,
@@ -218,6 +228,18 @@ def build(
     console.build(report)
     if report.failed:
         raise failure(report)
+
+
+def _build_on_ray(
+    manifest: Path, store: StoreChoice, options: BuildOptions, address: str, report_file: Path | None, console: Console
+) -> None:
+    from neffbuild.build.fanin import incomplete
+    from neffbuild.build.rayfleet import build_on_ray
+
+    result = build_on_ray(manifest, store, env=os.environ, options=options, address=address, report_file=report_file)
+    console.release(result.release)
+    if result.release.missing:
+        raise incomplete(result.release)
 
 
 @cli.command("release")
