@@ -28,6 +28,7 @@ from neffbuild.build.report import emit, from_build
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
 from neffbuild.documents.refs import load_doc
+from neffbuild.documents.signing import Signing
 from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyCompiledError, WorkerKilled
 from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
@@ -127,6 +128,7 @@ class BuildOptions:
     keep_work: bool = False
     retries: int = 0
     logs_dir: Path | None = None  # None: logs_dir_for(work_dir)
+    signing: Signing | None = None  # --sign-key / --expires: sign the release and its tag statement
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +210,7 @@ def build(
     ]
     release = make_release(plan, records, backend)
     release_id = publish_release(store, release)
-    move_tag(store, name, release_id)
+    move_tag(store, name, release_id, signing=o.signing)
     return replace(report, release_id=release_id, tag=name)
 
 
@@ -330,7 +332,7 @@ def build_unit(
         unit=dict(unit.normalized),
         backend=backend.name,
         fingerprint=dict(unit.fingerprint),
-        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest) for p, s in files),
+        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest, sha256=s.sha256) for p, s in files),
         counters=run.counters,
         inputs=dict(run.inputs),
         timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
@@ -356,7 +358,7 @@ def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSour
     out = []
     for rel in backend.select_files(cache_dir):
         digest = hash_file(cache_dir / rel)
-        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel)))
+        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel, digest.sha256)))
     return out
 
 
