@@ -71,6 +71,18 @@ def trust_from(paths: Sequence[Path], env: Mapping[str, str], pin: str | None = 
     return Trust(keys, check_digest(pin, "--release") if pin is not None else None)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Signed:
+    """Who signed what, and until when: what `status` and `pull` report."""
+
+    release_id: str
+    signed_by: str
+    tag: str | None
+    tag_signed_by: str | None
+    tag_version: int | None
+    tag_expires: str | None
+
+
 @dataclass(frozen=True, slots=True)
 class Verified:
     """A release that passed every check, with the documents it was checked from."""
@@ -80,6 +92,17 @@ class Verified:
     signer: str  # the trusted key whose release signature verified
     tag: TagClaim | None  # None: pinned by id
     tag_signer: str | None
+
+    def summary(self) -> Signed:
+        tag = self.tag
+        return Signed(
+            release_id=self.resolved.release_id,
+            signed_by=self.signer,
+            tag=tag.tag if tag else None,
+            tag_signed_by=self.tag_signer,
+            tag_version=tag.version if tag else None,
+            tag_expires=tag.expires.isoformat() if tag else None,
+        )
 
     def accepted(self, before: Mapping[str, int]) -> dict[str, int]:
         """The highest tag versions accepted once this pull completes."""

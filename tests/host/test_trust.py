@@ -5,6 +5,9 @@ byte-identical (each test first installs a good release, then snapshots the dir)
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -259,3 +262,54 @@ def test_without_trusted_keys_nothing_changes(fleet: Fleet) -> None:
     move_tag(fleet.store, "plain", fleet.one)
     report = pull(fleet.store, "plain", fleet.cache)
     assert report.signed_by is None and report.files_fetched == 0
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "neffbuild", *args], capture_output=True, text=True, env=full, check=False
+    )
+
+
+def test_cli_keygen_sign_pull_status_and_refusals(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store", create=True)
+    release_id = publish_release_of(store, tmp_path / "src", write_files(tmp_path / "src", {"a.so": 100}), name="m")
+    made = _cli("keygen", "ci.example-1", str(tmp_path / "ci.key"))
+    assert made.returncode == 0, made.stderr
+    signed = _cli(
+        "tag", "prod", release_id, "--store", store.url, "--sign-key", str(tmp_path / "ci.key"), "--expires", "7d"
+    )
+    assert signed.returncode == 0, signed.stderr
+    pub = str(tmp_path / "ci.key.pub")
+    cache = str(tmp_path / "cache")
+    pulled = _cli(
+        "pull", "prod", "--store", store.url, "--cache-dir", cache, "--trusted-key", pub, "--json", "--no-host-check"
+    )
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["signed_by"] == "ci.example-1"
+    shown = _cli("status", "--store", store.url, "--cache-dir", cache, "--json", env={"NEFFBUILD_TRUSTED_KEYS": pub})
+    signed_view = json.loads(shown.stdout)["signed"]
+    assert (signed_view["signed_by"], signed_view["tag"], signed_view["tag_version"]) == ("ci.example-1", "prod", 1)
+    assert signed_view["tag_expires"] > datetime.now(UTC).isoformat()
+    # An untrusted key: exit 16, one line naming both keys, nothing written.
+    _cli("keygen", "ci.other-1", str(tmp_path / "other.key"))
+    before = snapshot(tmp_path / "cache")
+    refused = _cli(
+        "pull", "prod", "--store", store.url, "--cache-dir", cache, "--trusted-key", str(tmp_path / "other.key.pub")
+    )
+    assert refused.returncode == 16
+    assert "signed by 'ci.example-1', none of them trusted (trusted: 'ci.other-1')" in refused.stderr
+    assert snapshot(tmp_path / "cache") == before
+    pinned = _cli(
+        "pull",
+        "--release",
+        release_id,
+        "--store",
+        store.url,
+        "--cache-dir",
+        cache,
+        "--trusted-key",
+        pub,
+        "--no-host-check",
+    )
+    assert pinned.returncode == 0, pinned.stderr
