@@ -313,3 +313,37 @@ def test_cli_keygen_sign_pull_status_and_refusals(tmp_path: Path) -> None:
         "--no-host-check",
     )
     assert pinned.returncode == 0, pinned.stderr
+
+
+@pytest.mark.s3
+def test_a_read_only_identity_pulls_and_is_refused_on_publish_and_tag(
+    s3_url: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    # The boot reader's policy (docs/security.md): GetObject and ListBucket, nothing else.
+    from neffbuild.build.push import push
+    from neffbuild.store import open_store
+    from tests.s3server import READER_KEY, READER_SECRET
+
+    local = LocalStore(tmp_path / "local", create=True)
+    release_id = publish_release_of(local, tmp_path / "src", write_files(tmp_path / "src", {"a.so": 5000}), name="m")
+    key = generate_key("ci.example-1")
+    (tmp_path / "keys").mkdir()
+    pub = write_key_pair(key, tmp_path / "keys" / "ci")
+    move_tag(local, "prod", release_id, signing=fresh(key))
+    push("prod", local, open_store(s3_url, create=True, env=s3_env), signing=fresh(key))  # CI, as the writer
+    reader = {**s3_env, "AWS_ACCESS_KEY_ID": READER_KEY, "AWS_SECRET_ACCESS_KEY": READER_SECRET}
+    cache = str(tmp_path / "cache")
+    pulled = _cli(
+        "pull", "prod", "--store", s3_url, "--cache-dir", cache, "--trusted-key", str(pub), "--json", "--no-host-check",
+        env=reader,
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["signed_by"] == "ci.example-1"
+    other = publish_release_of(local, tmp_path / "src2", write_files(tmp_path / "src2", {"b.so": 10}), name="m2")
+    published = _cli("push", other, "--from", str(local.root), "--to", s3_url, env=reader)
+    assert published.returncode == 3, published.stderr
+    assert f"{s3_url}: this identity may not write to the store (access denied" in published.stderr
+    moved = _cli("tag", "canary", release_id, "--store", s3_url, env=reader)
+    assert moved.returncode == 3, moved.stderr
+    assert f"{s3_url}: this identity may not write to the store" in moved.stderr
+    assert len(published.stderr.strip().splitlines()) <= 2 and len(moved.stderr.strip().splitlines()) <= 2

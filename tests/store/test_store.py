@@ -152,7 +152,7 @@ def test_list_objects_reports_every_key_with_its_size_and_time(
 
 def test_local_listing_leaves_out_locks_and_writes_in_flight(tmp_path: Path) -> None:
     store = open_store(str(tmp_path / "store"), create=True)
-    assert store.swap_tag("main", DOC, None)  # takes a lock file under locks/
+    assert store.swap_tag("main", DOC, None)  # its versions are hidden: the mirror tags/main.json is the object
     (tmp_path / "store" / "tags" / ".main.json.1.ab.incomplete").write_bytes(b"half")
     assert [o.key for o in store.list_objects("")] == [MARKER, doc_key("tags", "main")]
     with pytest.raises(InputError, match="not a folder of the store"):
