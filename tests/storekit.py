@@ -86,7 +86,8 @@ def s3_client(env: dict[str, str]) -> Any:
 
 
 def keys_of(store: Store, env: dict[str, str] | None = None) -> set[str]:
-    """Every object of the store, relative to its root (local: files other than locks and temps)."""
+    """Every object of the store, relative to its root (local: files other than locks, and other than
+    a tag's versions under tags/.<name>.v/: the tag's object is its mirror tags/<name>.json)."""
     if store.url.startswith("s3://"):
         bucket, _, prefix = store.url.removeprefix("s3://").partition("/")
         prefix = f"{prefix}/" if prefix else ""
@@ -96,7 +97,7 @@ def keys_of(store: Store, env: dict[str, str] | None = None) -> set[str]:
     return {
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
-        if p.is_file() and not p.relative_to(root).as_posix().startswith("locks/")
+        if p.is_file() and not p.relative_to(root).as_posix().startswith(("locks/", "tags/."))
     }
 
 
