@@ -347,3 +347,24 @@ def test_a_read_only_identity_pulls_and_is_refused_on_publish_and_tag(
     assert moved.returncode == 3, moved.stderr
     assert f"{s3_url}: this identity may not write to the store" in moved.stderr
     assert len(published.stderr.strip().splitlines()) <= 2 and len(moved.stderr.strip().splitlines()) <= 2
+
+
+def test_ensure_cache_takes_trusted_keys_from_its_argument_or_the_environment(fleet: Fleet) -> None:
+    from neffbuild.api import ensure_cache
+
+    other = generate_key("ci.other-1")
+    other_pub = write_key_pair(other, fleet.tmp / "keys" / "other")
+    report = ensure_cache("prod", store=fleet.store, cache_dir=fleet.cache, trusted_keys=[fleet.pub], host_check=False)
+    assert report.signed_by == "ci.example-1"
+    with pytest.raises(TrustError, match="none of them trusted \\(trusted: 'ci.other-1'\\)"):
+        ensure_cache("prod", store=fleet.store, cache_dir=fleet.cache, env={"NEFFBUILD_TRUSTED_KEYS": str(other_pub)})
+    pinned = ensure_cache(
+        "ignored",
+        store=fleet.store,
+        cache_dir=fleet.cache,
+        trusted_keys=[fleet.pub],
+        release=fleet.one,
+        host_check=False,
+    )
+    assert (pinned.release_id, pinned.tag) == (fleet.one, None)
+    assert read_cache_state(fleet.cache)[1].accepted == {"prod": 1}
