@@ -190,7 +190,8 @@ def main() -> None:
     p.add_argument("--skip", default="", help="comma-separated parts to skip: loop, pull, verify")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    with tempfile.TemporaryDirectory(prefix="neffbuild-bench-trust-", dir=ROOT / "bench") as tmp:
+    (ROOT / "bench" / ".work").mkdir(parents=True, exist_ok=True)  # ignored by git; the disk pulls land on
+    with tempfile.TemporaryDirectory(prefix="trust-", dir=ROOT / "bench" / ".work") as tmp:
         work = Path(tmp)
         if "loop" not in skip:
             for name, (wall, cpu) in loop_rates().items():
