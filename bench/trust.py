@@ -120,7 +120,7 @@ def pull_ratio(case: str, runs: int, work: Path) -> dict:
     count, size = CASES[case]
     src = work / f"src-{case}"
     make_files(src, count, size)
-    with S3Server(work / "s3") as s3:
+    with S3Server(work / f"s3-{case}") as s3:
         client_for(s3).create_bucket(Bucket="bench")
         env = s3.env()
         store = open_store(f"s3://bench/{case}", create=True, env=env)
