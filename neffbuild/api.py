@@ -28,6 +28,8 @@ def ensure_cache(
     verify: str = "fast",
     allow_env: Collection[str] = (),
     policy: Policy | None = None,
+    trusted_keys: Collection[str | os.PathLike[str]] = (),
+    release: str | None = None,
 ) -> PullReport:
     """Make cache_dir hold REF's release (a tag or release id) from store (a URL or an open Store);
     a complete cache fetches nothing. The report's `exports` are what the server must export.
@@ -46,9 +48,13 @@ def ensure_cache(
     policy: how requests are retried and paced (neffbuild.retry.Policy; None: the default). The
     report counts what the store put the pull through: retries, throttled (503 SlowDown or 429
     answers), waited_s (backoff and pacing) and paced_to (the rate it ended at, if throttled).
+    trusted_keys: public key files (else env's NEFFBUILD_TRUSTED_KEYS): serve only what CI signed,
+    fresh and never older (TrustError before anything is written; docs/security.md); release: a
+    signed release id to pull instead of REF's tag (pull --release).
     """
     from neffbuild.host.exports import host_allow
     from neffbuild.host.fallback import pull_or_stale
+    from neffbuild.host.trust import trust_from
     from neffbuild.store import open_store
 
     environ = dict(os.environ if env is None else env)  # a copy: nothing here may change the caller's
@@ -58,7 +64,7 @@ def ensure_cache(
 
     options = PullOptions(
         allow_env=host_allow(allow_env, environ), host_env=environ if host_check else None, timeout=timeout, verify=verify,
-        policy=policy,
+        policy=policy, trust=trust_from([Path(k) for k in trusted_keys], environ, release),
     )  # fmt: skip
     return pull_or_stale(opened, ref, Path(cache_dir), options, allow_stale=allow_stale)
 

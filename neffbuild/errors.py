@@ -136,6 +136,13 @@ class WorkerKilled(BuildError):
     how = "killed"  # "killed by SIGKILL", "killed by the OOM killer (...)"
 
 
+class TrustError(NeffbuildError):
+    """With trusted keys: a signature or signed statement is missing, malformed, expired, rolled
+    back, by an untrusted key, or does not match what the store holds. Nothing was written."""
+
+    exit_code = 16
+
+
 class Interrupted(NeffbuildError):
     """SIGINT or SIGTERM stopped a build or replay; its exit code is the shell's 128 + signal."""
 

@@ -27,7 +27,7 @@ def write_files(root: Path, sizes: dict[str, int], *, seed: int = 0) -> list[Blo
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(rng.randbytes(size))
         d = hash_file(path)
-        sources.append(BlobSource(d.hex, d.size, path))
+        sources.append(BlobSource(d.hex, d.size, path, d.sha256))
     return sources
 
 
@@ -52,7 +52,10 @@ def publish_release_of(
     """Publish sources as one bundle and one release (as `neffbuild build` would); its id."""
     files = tuple(
         sorted(
-            (FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest) for s in sources),
+            (
+                FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest, sha256=s.sha256)
+                for s in sources
+            ),
             key=lambda f: f.path,
         )
     )
@@ -83,7 +86,8 @@ def s3_client(env: dict[str, str]) -> Any:
 
 
 def keys_of(store: Store, env: dict[str, str] | None = None) -> set[str]:
-    """Every object of the store, relative to its root (local: files other than locks and temps)."""
+    """Every object of the store, relative to its root (local: files other than locks, and other than
+    a tag's versions under tags/.<name>.v/: the tag's object is its mirror tags/<name>.json)."""
     if store.url.startswith("s3://"):
         bucket, _, prefix = store.url.removeprefix("s3://").partition("/")
         prefix = f"{prefix}/" if prefix else ""
@@ -93,7 +97,7 @@ def keys_of(store: Store, env: dict[str, str] | None = None) -> set[str]:
     return {
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
-        if p.is_file() and not p.relative_to(root).as_posix().startswith("locks/")
+        if p.is_file() and not p.relative_to(root).as_posix().startswith(("locks/", "tags/."))
     }
 
 

@@ -48,7 +48,7 @@ def test_the_lowest_versions_are_the_declared_floors(lowest: Path) -> None:
         [str(lowest), str(ROOT / "scripts" / "lower_bounds.py")], capture_output=True, text=True, check=True
     )
     names = [line.split("==")[0] for line in pins.stdout.split()]
-    assert {"click", "pydantic", "rich", "xxhash", "botocore", "urllib3", "awscrt"} <= set(names)
+    assert {"click", "cryptography", "pydantic", "rich", "xxhash", "botocore", "urllib3", "awscrt"} <= set(names)
     probe = "import sys, importlib.metadata as m; print(' '.join(m.version(n) for n in sys.argv[1:]))"
     got = subprocess.run([str(lowest), "-c", probe, *names], capture_output=True, text=True, check=True).stdout.split()
     wanted = [line.split("==")[1] for line in pins.stdout.split()]
@@ -106,3 +106,21 @@ def test_push_and_pull_through_s3_run_on_the_floors(
         assert pulled.returncode == 0, (name, pulled.stderr)
         assert json.loads(pulled.stdout)["release_id"] == release_id
         assert (cache / "large.bin").read_bytes() == (tmp_path / "src" / "large.bin").read_bytes()
+
+
+def test_a_signed_pull_runs_on_the_floors(lowest: Path, tmp_path: Path) -> None:
+    # cryptography at its floor: keygen, signing (in CI's process here) and a host's check.
+    from neffbuild.build.publish import move_tag
+    from neffbuild.documents.signing import Signing, parse_expiry, read_signing_key
+
+    store = open_store(str(tmp_path / "store"), create=True)
+    release_id = publish_release_of(store, tmp_path / "src", small_and_large(tmp_path / "src", small=3))
+    made = run_lowest(lowest, "keygen", "ci.example-1", str(tmp_path / "ci.key"))
+    assert made.returncode == 0, made.stderr
+    move_tag(store, "prod", release_id, signing=Signing(read_signing_key(tmp_path / "ci.key"), parse_expiry("1d")))
+    pulled = run_lowest(
+        lowest, "pull", "prod", "--store", store.url, "--cache-dir", str(tmp_path / "cache"), "--json",
+        "--no-host-check", "--trusted-key", str(tmp_path / "ci.key.pub"),
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["signed_by"] == "ci.example-1"

@@ -29,6 +29,7 @@ from neffbuild.build.report import emit, from_build
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
 from neffbuild.documents.refs import load_doc
+from neffbuild.documents.signing import Signing
 from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyCompiledError, WorkerKilled
 from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
@@ -136,6 +137,7 @@ class BuildOptions:
     unit_memory: int | None = None  # bytes one unit's compile needs (None: workers bounded by jobs only)
     memory_budget: int | None = None  # bytes the units may share (None: what is available at the start)
     may_release: bool = True  # False: never release, even having built every unit (a Ray task's driver does)
+    signing: Signing | None = None  # --sign-key / --expires: sign the release and its tag statement
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,7 +220,7 @@ def build(
     ]
     release = make_release(plan, records, backend)
     release_id = publish_release(store, release)
-    move_tag(store, name, release_id)
+    move_tag(store, name, release_id, signing=o.signing)
     return replace(report, release_id=release_id, tag=name)
 
 
@@ -364,7 +366,7 @@ def build_unit(
         unit=dict(unit.normalized),
         backend=backend.name,
         fingerprint=dict(unit.fingerprint),
-        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest) for p, s in files),
+        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest, sha256=s.sha256) for p, s in files),
         counters=run.counters,
         inputs=dict(run.inputs),
         timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
@@ -390,7 +392,7 @@ def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSour
     out = []
     for rel in backend.select_files(cache_dir):
         digest = hash_file(cache_dir / rel)
-        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel)))
+        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel, digest.sha256)))
     return out
 
 

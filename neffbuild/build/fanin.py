@@ -19,8 +19,17 @@ from neffbuild.backends.base import Backend
 from neffbuild.build.publish import move_tag, publish_release
 from neffbuild.build.report import emit, merged, read_reports
 from neffbuild.documents.manifest import load_manifest
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, SharedPath
+from neffbuild.documents.records import (
+    RELEASE_FORMAT,
+    RELEASE_FORMAT_1,
+    BundleRecord,
+    FileEntry,
+    Release,
+    ReleaseUnit,
+    SharedPath,
+)
 from neffbuild.documents.refs import checked_doc, doc_where
+from neffbuild.documents.signing import Signing
 from neffbuild.errors import ConflictError, IncompleteRelease, IntegrityError
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
@@ -42,7 +51,13 @@ class ReleaseResult:
 
 
 def release_manifest(
-    manifest: Path, store: StoreChoice, *, env: Mapping[str, str], tag: str | None = None, plan_file: Path | None = None
+    manifest: Path,
+    store: StoreChoice,
+    *,
+    env: Mapping[str, str],
+    tag: str | None = None,
+    plan_file: Path | None = None,
+    signing: Signing | None = None,
 ) -> ReleaseResult:
     """Release MANIFEST from what the store holds: every unit's bundle, or nothing at all."""
     loaded = load_manifest(manifest)
@@ -67,7 +82,7 @@ def release_manifest(
     release = assemble_release(name, loaded.source_digest, runtime_env, units, records, get_backend(backend_name))
     release_id = publish_release(opened, release)
     moved = tag or name
-    move_tag(opened, moved, release_id)
+    move_tag(opened, moved, release_id, signing=signing)
     log.info("released %s from %d bundles; tag %s", release_id, len(units), moved)
     return ReleaseResult(name, opened.url, units, (), release_id, moved, plan_file is not None)
 
@@ -81,11 +96,12 @@ def release_and_report(
     plan_file: Path | None = None,
     shard_reports: Sequence[Path] = (),
     report_file: Path | None = None,
+    signing: Signing | None = None,
 ) -> ReleaseResult:
     """`neffbuild release`: the fan-in, then the shards' reports merged (read first: a bad one is
     refused before anything is released) into --report and $GITHUB_STEP_SUMMARY."""
     reports = read_reports(shard_reports)
-    result = release_manifest(manifest, store, env=env, tag=tag, plan_file=plan_file)
+    result = release_manifest(manifest, store, env=env, tag=tag, plan_file=plan_file, signing=signing)
     if reports or report_file is not None:
         merged_report = merged(
             reports,
@@ -141,7 +157,9 @@ def assemble_release(
                     hint=f"the {backend.name} backend does not treat this path as a content key; report it",
                 )
             dropped.setdefault(entry.path, set()).add(entry.digest)
+    files = tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path))
     return Release(
+        format=RELEASE_FORMAT if all(f.sha256 for f in files) else RELEASE_FORMAT_1,  # bundles built before SHA-256
         name=name,
         manifest_digest=manifest_digest,
         backend=backend.name,
@@ -149,7 +167,7 @@ def assemble_release(
         env=dict(runtime_env),
         fingerprint=_common_fields([r.fingerprint for r in records]),
         units=tuple(ReleaseUnit(unit_id=unit_id, key=key) for unit_id, key in units),
-        files=tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path)),
+        files=files,
         shared=tuple(
             SharedPath(path=p, kept=chosen[p][0].digest, dropped=tuple(sorted(d))) for p, d in sorted(dropped.items())
         ),

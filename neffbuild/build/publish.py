@@ -7,14 +7,20 @@ references. neffbuild/store/lease.py says why that means no publish ends up refe
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 
-from neffbuild.documents.records import BundleRecord, Release, TagEvent, TagRecord, dump
+from neffbuild.build.sign import sign_release
+from neffbuild.documents.records import TAG_FORMAT_SIGNED, BundleRecord, Release, TagEvent, TagRecord, dump
 from neffbuild.documents.refs import read_tag
+from neffbuild.documents.signing import Signing, sign_statement, tag_statement
 from neffbuild.errors import ConflictError, NotFoundError
+from neffbuild.hashing import sha256_bytes
 from neffbuild.names import check_digest, check_tag
 from neffbuild.retry import backoff
 from neffbuild.store.base import BlobSource, Store
@@ -78,22 +84,34 @@ def publish_release(store: Store, release: Release) -> str:
     return release.release_id
 
 
-def move_tag(store: Store, name: str, release_id: str, *, by: str | None = None) -> TagRecord:
-    """Point a tag at a release by compare-and-swap, keeping its history; retry on a lost race."""
+def move_tag(
+    store: Store, name: str, release_id: str, *, by: str | None = None, signing: Signing | None = None
+) -> TagRecord:
+    """Point a tag at a release by compare-and-swap, keeping its history; retry on a lost race.
+    With signing, the release is signed too and the tag carries a signed statement (tag,
+    release, a version above the last one, the expiry): written even if the tag already points
+    there, as a re-sign renews the expiry."""
     check_tag(name)
     check_digest(release_id, "release")
-    if store.get_doc("releases", release_id) is None:
+    release_data = store.get_doc("releases", release_id)
+    if release_data is None:
         raise NotFoundError(f"release {release_id} is not in {store.url}", hint="publish or push it before tagging")
+    if signing is not None:
+        sign_release(store, release_id, signing.key)
     event = TagEvent(release=release_id, at=datetime.now(UTC).isoformat(timespec="seconds"), by=by or whoami())
     for attempt in range(TAG_RETRIES):
         current = read_tag(store, name)
         history: tuple[TagEvent, ...] = ()
         if current is not None:
             old = current[0]
-            if old.release == release_id:
+            if old.release == release_id and signing is None:
                 return old  # already there: an unchanged re-publish writes nothing
             history = old.history
         record = TagRecord(name=name, release=release_id, history=(*history, event))
+        if signing is not None:
+            version = max(len(record.history), _signed_version(current[0] if current else None) + 1)
+            statement = tag_statement(name, release_id, sha256_bytes(release_data), version, signing.expires)
+            record = replace(record, format=TAG_FORMAT_SIGNED, statement=sign_statement(statement, signing.key))
         if store.swap_tag(name, dump(record), current[1] if current else None):
             log.info("tag %s -> %s (was %s)", name, release_id, current[0].release if current else "absent")
             return _settle_tag(store, record, current)
@@ -101,6 +119,18 @@ def move_tag(store: Store, name: str, release_id: str, *, by: str | None = None)
         # store's own retries are below swap_tag), but the same jitter keeps racers apart.
         time.sleep(backoff(attempt, base=0.05, cap=1.0))
     raise ConflictError(f"tag {name}: lost {TAG_RETRIES} compare-and-swap races", hint="retry the publish")
+
+
+def _signed_version(old: TagRecord | None) -> int:
+    """The version of the tag's current signed statement (read, not verified: only a floor for
+    the next one), or 0."""
+    if old is None or old.statement is None:
+        return 0
+    try:
+        predicate = json.loads(base64.b64decode(old.statement.payload))["predicate"]
+        return int(predicate["version"])
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def _settle_tag(store: Store, record: TagRecord, before: tuple[bytes, str] | None) -> TagRecord:

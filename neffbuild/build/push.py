@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
+from neffbuild.build.sign import sign_release
 from neffbuild.documents.records import FileEntry
 from neffbuild.documents.refs import parse_ref, read_tag, release_bundle, resolve
+from neffbuild.documents.signing import Signing
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
@@ -34,19 +36,35 @@ class PushResult:
     tag_moved: bool
 
 
-def push_between(ref: str, src: StoreChoice, dst: StoreChoice, *, env: Mapping[str, str], jobs: int = 16) -> PushResult:
+def push_between(
+    ref: str,
+    src: StoreChoice,
+    dst: StoreChoice,
+    *,
+    env: Mapping[str, str],
+    jobs: int = 16,
+    signing: Signing | None = None,
+) -> PushResult:
     """`neffbuild push`: open both stores (the destination is created if absent, once ref is known
     to be well formed) and push."""
     parse_ref(ref)
     source = src.open(env)
-    return push(ref, source, dst.open(env, create=True), jobs=jobs)
+    return push(ref, source, dst.open(env, create=True), jobs=jobs, signing=signing)
 
 
 def push(
-    ref: str, src: Store, dst: Store, *, jobs: int = 16, staging_dir: Path | None = None, by: str | None = None
+    ref: str,
+    src: Store,
+    dst: Store,
+    *,
+    jobs: int = 16,
+    staging_dir: Path | None = None,
+    by: str | None = None,
+    signing: Signing | None = None,
 ) -> PushResult:
     """Copy the release `ref` (see neffbuild.documents.refs) from src to dst; move the tag there too if ref
-    is a tag (TAG@N names an old release: it is copied, the tag is not moved)."""
+    is a tag (TAG@N names an old release: it is copied, the tag is not moved). The release's
+    signatures go along; with signing, dst's copy is signed (and its tag statement) by that key."""
     resolved = resolve(src, ref)
     release = resolved.release
     copied = blobs = uploaded = 0
@@ -66,10 +84,22 @@ def push(
         uploaded += dst.put_blobs(extra, jobs)
         blobs += len(extra)
     publish_release(dst, release)
-    moved = resolved.tag is not None and _tag_target(dst, resolved.tag) != resolved.release_id
+    _copy_signatures(src, dst, resolved.release_id)
+    if signing is not None:
+        sign_release(dst, resolved.release_id, signing.key)
+    moved = resolved.tag is not None and (signing is not None or _tag_target(dst, resolved.tag) != resolved.release_id)
     if moved:
-        move_tag(dst, resolved.tag, resolved.release_id, by=by)  # type: ignore[arg-type]
+        move_tag(dst, resolved.tag, resolved.release_id, by=by, signing=signing)  # type: ignore[arg-type]
     return PushResult(resolved.release_id, resolved.tag, src.url, dst.url, copied, blobs, uploaded, moved)
+
+
+def _copy_signatures(src: Store, dst: Store, release_id: str) -> None:
+    """The release's signatures, as src holds them (a host checks them against dst's documents)."""
+    for info in src.list_objects(f"signatures/{release_id}."):
+        name = info.key.removeprefix("signatures/").removesuffix(".json")
+        data = src.get_doc("signatures", name)
+        if data is not None:
+            dst.put_doc("signatures", name, data)
 
 
 def _stage_missing(

@@ -72,7 +72,9 @@ def build_on_ray(
         finally:
             if started_here:
                 ray.shutdown()
-        release = release_manifest(manifest, StoreChoice(opened.url), env=env, tag=options.tag, plan_file=plan_file)
+        release = release_manifest(
+            manifest, StoreChoice(opened.url), env=env, tag=options.tag, plan_file=plan_file, signing=options.signing
+        )
     report = merged(
         reports, release.units, store=release.store, name=release.name,
         release_id=release.release_id or "", tag=release.tag or "",
@@ -151,6 +153,6 @@ def build_unit_task(manifest: str, store_url: str, plan_json: bytes, unit_id: st
         plan = make_plan(loaded, env)
         checked_document(plan, plan_file)  # this node's keys are the driver's, or it fails naming why
     store = StoreChoice(store_url).open(env)
-    one = replace(options, jobs=1, may_release=False)
+    one = replace(options, jobs=1, may_release=False, signing=None)  # the driver signs what it releases
     outcome = build(plan, store, env=env, options=one, units=selected(plan, [unit_id]), shard="ray")
     return json.dumps(to_json(from_build(outcome))).encode()

@@ -22,6 +22,8 @@ from neffbuild.version import __version__
 
 if TYPE_CHECKING:
     from neffbuild.build.compile import BuildOptions
+    from neffbuild.documents.signing import Signing
+    from neffbuild.host.trust import Trust
     from neffbuild.retry import Policy
     from neffbuild.store import StoreChoice
 
@@ -54,7 +56,7 @@ jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=
 
 # `neffbuild --help` lists the commands by who runs them, in the order they run.
 SECTIONS = (
-    ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "schema")),
+    ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "keygen", "schema")),
     ("A serving host", ("pull", "env", "status", "doctor", "verify")),
     ("The store", ("ls", "show", "diff", "du", "gc")),
 )
@@ -91,6 +93,48 @@ def cli(debug: bool, verbose: int, quiet: bool, log_format: str) -> None:
     _DEBUG["on"] = debug
     level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose + 2 * debug, 2)]
     _log_to_stderr(level, log_format)
+
+
+def signing_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--sign-key and --expires, handed to the core as one Signing (or None)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, sign_key: Path | None = None, expires: str | None = None, **kwargs: Any) -> Any:
+        return command(*args, signing=_signing(sign_key, expires), **kwargs)
+
+    key = click.option(
+        "--sign-key", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
+        help="Sign the release (a DSSE in-toto statement beside it in the store) and the tag's statement with this private key (`neffbuild keygen`).",
+    )  # fmt: skip
+    expiry = click.option(
+        "--expires", metavar="DURATION",
+        help="With --sign-key: the signed tag statement expires after this long (7d, 12h, 30m) [default: 30d]; hosts with trusted keys refuse it after.",
+    )  # fmt: skip
+    return key(expiry(run))
+
+
+def _signing(sign_key: Path | None, expires: str | None) -> Signing | None:
+    from neffbuild.documents.signing import DEFAULT_EXPIRY, Signing, parse_expiry, read_signing_key
+
+    if sign_key is None:
+        if expires is not None:
+            raise InputError("--expires dates a signed tag statement", hint="add --sign-key PATH")
+        return None
+    return Signing(read_signing_key(sign_key), parse_expiry(expires or DEFAULT_EXPIRY))
+
+
+def trust_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--trusted-key (repeatable; else NEFFBUILD_TRUSTED_KEYS), handed to the core as trust_keys."""
+    return click.option(
+        "--trusted-key", "trusted_keys", type=click.Path(path_type=Path, dir_okay=False), metavar="PUBFILE", multiple=True,
+        help="Serve only releases and tags signed by this public key (repeatable: several during a rotation) [env NEFFBUILD_TRUSTED_KEYS: files separated by commas].",
+    )(command)  # fmt: skip
+
+
+def _trust(paths: tuple[Path, ...], pin: str | None = None) -> Trust | None:
+    from neffbuild.host.trust import trust_from
+
+    return trust_from(paths, os.environ, pin)
 
 
 _plan_file_option = click.option(
@@ -186,11 +230,13 @@ def plan(
     "--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
     help="Build each unit as a task on a Ray cluster (ADDRESS, e.g. auto or ray://head:10001; alone: a local Ray instance), then release [needs neffbuild[ray]].",
 )  # fmt: skip
+@signing_options
 @json_option
 def build(
     manifest: Path, store: StoreChoice, tag: str | None, jobs: int | None, work_dir: Path | None, keep_work: bool,
     shard_text: str | None, shard_count: int | None, plan_file: Path | None, retries: int, report_file: Path | None,
-    unit_memory: str | None, memory_budget: str | None, ray_address: str | None, as_json: bool,
+    unit_memory: str | None, memory_budget: str | None, ray_address: str | None, signing: Signing | None,
+    as_json: bool,
 ) -> None:  # fmt: skip
     """Warmup-compile every unit of MANIFEST (or one shard's), publish bundles; a build of every
     unit then publishes a release and moves its tag."""
@@ -205,6 +251,7 @@ def build(
         tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, retries=retries,
         unit_memory=parse_size(unit_memory, "--unit-memory") if unit_memory is not None else None,
         memory_budget=parse_size(memory_budget, "--memory-budget") if memory_budget is not None else None,
+        signing=signing,
     )  # fmt: skip
     if ray_address is not None:
         if shard_text or shard_count or plan_file:
@@ -262,6 +309,7 @@ def _build_on_ray(
     metavar="FILE",
     help="Write the merged JSON report (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).",
 )
+@signing_options
 @json_option
 def release_command(
     manifest: Path,
@@ -270,6 +318,7 @@ def release_command(
     plan_file: Path | None,
     shard_reports: tuple[Path, ...],
     report_file: Path | None,
+    signing: Signing | None,
     as_json: bool,
 ) -> None:
     """Fan-in: once every unit of MANIFEST has a bundle in the store (from any shard), publish the
@@ -284,6 +333,7 @@ def release_command(
         plan_file=plan_file,
         shard_reports=shard_reports,
         report_file=report_file,
+        signing=signing,
     )
     if result.missing:
         Console(as_json).release(result)
@@ -302,7 +352,7 @@ _env_file_option = click.option(
 
 
 @cli.command()
-@click.argument("ref", metavar="TAG_OR_RELEASE")
+@click.argument("ref", metavar="TAG_OR_RELEASE", required=False)
 @click.option("--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="Cache dir to fill.")
 @store_option
 @jobs_option
@@ -333,6 +383,11 @@ _env_file_option = click.option(
     "--verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
     help="fast: trust files whose (size, mtime) match what pull recorded; full: rehash every installed file and fetch again any that differ.",
 )  # fmt: skip
+@trust_options
+@click.option(
+    "--release", "pin", metavar="ID",
+    help="With trusted keys: pull this signed release (a whole id), reading no tag (TAG_OR_RELEASE then not needed).",
+)  # fmt: skip
 @json_option
 def pull(
     ref: str,
@@ -346,10 +401,17 @@ def pull(
     timeout: float,
     allow_stale: bool,
     verify: str,
+    trusted_keys: tuple[Path, ...],
+    pin: str | None,
     as_json: bool,
 ) -> None:
     """Materialise a release's cache files into --cache-dir (only missing ones move), after
-    checking that this host would hit them (exit 7 naming each field that differs)."""
+    checking that this host would hit them (exit 7 naming each field that differs) and, with
+    trusted keys, that CI signed it (exit 16 naming what failed; nothing is written)."""
+    if ref is None and pin is None:
+        raise InputError(
+            "pull needs TAG_OR_RELEASE", hint="give a tag or release id (or --release ID with trusted keys)"
+        )
     from neffbuild.host.exports import host_allow
     from neffbuild.host.fallback import pull_or_stale
     from neffbuild.host.pull import PullOptions
@@ -357,7 +419,7 @@ def pull(
     options = PullOptions(
         jobs=jobs or 16, allow_env=host_allow(allow_env, os.environ), env_file=env_file,
         host_env=None if no_host_check else os.environ, lock_timeout=lock_timeout, timeout=timeout, verify=verify,
-        policy=retry_policy(os.environ),
+        policy=retry_policy(os.environ), trust=_trust(trusted_keys, pin),
     )  # fmt: skip
     report = pull_or_stale(lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale)
     _report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
@@ -398,6 +460,7 @@ def retry_policy(env: Mapping[str, str]) -> Policy | None:
     type=click.Path(path_type=Path, file_okay=False),
     help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
 )
+@trust_options
 @json_option
 def verify(
     manifest: Path | None,
@@ -408,6 +471,7 @@ def verify(
     outputs: Path | None,
     in_place: bool,
     work_dir: Path | None,
+    trusted_keys: tuple[Path, ...],
     as_json: bool,
 ) -> None:
     """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
@@ -443,7 +507,7 @@ def verify(
         console.replay(report)
         error = miss_error(report)
     else:
-        check = verify_files(manifest, cache_dir, store, env=os.environ)
+        check = verify_files(manifest, cache_dir, store, env=os.environ, trust=_trust(trusted_keys))
         console.check(check.units)
         error = files_error(check)
     if error:
@@ -531,15 +595,25 @@ def doctor(
 @click.option("--to", "to_url", required=True, metavar="URL", help="Store to copy to; created if absent.")
 @_endpoint_flag
 @jobs_option
+@signing_options
 @json_option
-def push(ref: str, from_url: str, to_url: str, endpoint_url: str | None, jobs: int | None, as_json: bool) -> None:
-    """Copy a release and its tag to another store, uploading only what that store lacks."""
+def push(
+    ref: str,
+    from_url: str,
+    to_url: str,
+    endpoint_url: str | None,
+    jobs: int | None,
+    signing: Signing | None,
+    as_json: bool,
+) -> None:
+    """Copy a release, its signatures and its tag to another store, uploading only what that store lacks."""
     from neffbuild.build.push import push_between
     from neffbuild.store import StoreChoice
 
     result = push_between(
-        ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16
-    )
+        ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16,
+        signing=signing,
+    )  # fmt: skip
     _report_after_change(lambda: Console(as_json).push(result), f"pushed release {result.release_id}")
 
 
@@ -547,13 +621,30 @@ def push(ref: str, from_url: str, to_url: str, endpoint_url: str | None, jobs: i
 @click.argument("name")
 @click.argument("release_id", metavar="RELEASE")
 @store_option
+@signing_options
 @json_option
-def tag(name: str, release_id: str, store: StoreChoice, as_json: bool) -> None:
-    """Point tag NAME at RELEASE (a release id, e.g. from the tag's history): rollback."""
+def tag(name: str, release_id: str, store: StoreChoice, signing: Signing | None, as_json: bool) -> None:
+    """Point tag NAME at RELEASE (a release id, e.g. from the tag's history): rollback. With
+    --sign-key, also (re-)sign it: a new statement version, a new expiry."""
     from neffbuild.build.publish import move_tag
 
-    record = move_tag(store.open(os.environ), name, release_id)
+    record = move_tag(store.open(os.environ), name, release_id, signing=signing)
     _report_after_change(lambda: Console(as_json).tag(record), f"tag {record.name} -> {record.release}")
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+def keygen(name: str, path: Path) -> None:
+    """Write a new Ed25519 signing key NAME (e.g. ci.example-1; bump the suffix on rotation) to
+    PATH (mode 0600) and its public key to PATH.pub, both one line NAME:base64."""
+    from neffbuild.documents.signing import generate_key, write_key_pair
+
+    public = write_key_pair(generate_key(name), path)
+    click.echo(
+        f"wrote {printable(str(path))} (private: give it to CI's --sign-key) and {printable(str(public))} (to hosts' --trusted-key)",
+        err=True,
+    )
 
 
 @cli.command()
@@ -578,6 +669,7 @@ def schema() -> None:
 @store_option
 @click.option("--verify", "verify_digests", is_flag=True, help="Also hash every file (default: sizes only).")
 @_allow_env_option
+@trust_options
 @json_option
 def status(
     ref: str | None,
@@ -585,6 +677,7 @@ def status(
     store: StoreChoice,
     verify_digests: bool,
     allow_env: tuple[str, ...],
+    trusted_keys: tuple[Path, ...],
     as_json: bool,
 ) -> None:
     """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
@@ -595,8 +688,9 @@ def status(
     from neffbuild.host.status import status_error, status_of
 
     report = status_of(
-        ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ)
-    )
+        ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ),
+        trust=_trust(trusted_keys),
+    )  # fmt: skip
     print_status(Console(as_json), report)
     if error := status_error(report):
         raise error

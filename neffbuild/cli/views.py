@@ -276,6 +276,8 @@ class Console:
             )
         for warning in report.host_warnings:
             say_err(f"warning: {warning} (informational: kernels are unaffected)")
+        if report.signed_by:
+            say_err(_signed_line(report.signed_by, report.tag, report.tag_version, report.tag_expires))
         say_err(
             f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
             f"({_size(report.bytes_fetched)} of {_size(report.bytes_total)}) in {report.seconds:.2f} s"
@@ -521,11 +523,22 @@ def _plain_progress(heartbeat_s: float, now: Callable[[], float]) -> Iterator[Ca
 _STYLES.update({"mismatch": "red", "missing": "red", "absent": "red", "stale": "yellow"})
 
 
+def _signed_line(signer: str, tag: str | None, version: int | None, expires: str | None) -> str:
+    """Who signed a release (and its tag statement), from names a store gave: sanitised."""
+    line = f"signed by {printable(signer)}"
+    if tag is not None:
+        line += f"; tag {printable(tag)} statement version {version}, expires {printable(expires or '?')}"
+    return line
+
+
 def print_status(self: Console, report: StatusReport) -> None:
     """A status report: what the cache dir holds, a row per unit, informational differences."""
     if self.as_json:
         self._json({**jsonable(report), "ok": report.ok})
         return
+    if report.signed is not None:
+        s = report.signed
+        say_err(f"release {s.release_id} " + _signed_line(s.signed_by, s.tag, s.tag_version, s.tag_expires))
     installed = report.installed_release_id or "unknown"
     if report.installed_release_id == report.release_id:
         installed = f"this release, since {report.installed_at}" if report.installed_at else "this release"

@@ -39,9 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from neffbuild.errors import DiskError, IntegrityError, StoreError
+from neffbuild.hashing import Hasher
 from neffbuild.names import INCOMPLETE_SUFFIX
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -57,6 +56,9 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 DIRECT_MIN = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 HASH_CHUNK = 4 << 20  # reading back to hash: large reads, few system calls
+
+
+Hashed = tuple[str, str]  # (XXH3-128 hex, SHA-256 hex or "" where not asked for)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,9 @@ class BlobTarget:
     # Write a blob of DIRECT_MIN bytes or more with O_DIRECT (where the filesystem takes it):
     # see DIRECT_MIN for what that trades.
     direct: bool = True
+    # The SHA-256 the release binds the bytes to (version 2 releases), checked in the same pass
+    # as the XXH3; "" checks the XXH3 alone.
+    sha256: str = ""
 
 
 def temp_name_for(name: str) -> str:
@@ -92,7 +97,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
         parent = _open_parent(target)
         fd, named, direct = _open_temp(parent, dest.name, direct=target.direct and target.size >= DIRECT_MIN)
         try:
-            hasher = xxhash.xxh3_128()
+            hasher = Hasher(sha256=bool(target.sha256))
             size = 0
             for chunk in _bounded(chunks, target, origin):
                 hasher.update(chunk)
@@ -100,12 +105,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
                 size += len(chunk)
             if target.fsync:
                 os.fsync(fd)
-            if size != target.size or hasher.hexdigest() != target.digest:
-                raise IntegrityError(
-                    f"{dest}: content from {origin} does not match the release "
-                    f"(got {size} bytes, xxh3 {hasher.hexdigest()}; expected {target.size} bytes, {target.digest})",
-                    hint="the store object is corrupt: rebuild or re-push the release; nothing was written",
-                )
+            _check_written(target, origin, size, hasher)
             _land(fd, named, parent, dest.name)
             landed = True
         finally:
@@ -117,6 +117,23 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
             unlink_quietly(parent, named)
         if parent >= 0:
             os.close(parent)
+
+
+def _check_written(target: BlobTarget, origin: str, size: int, hasher: Hasher) -> None:
+    """IntegrityError unless the bytes written are the release's: size, XXH3, then SHA-256."""
+    if size != target.size or hasher.xxh3() != target.digest:
+        raise IntegrityError(
+            f"{target.dest}: content from {origin} does not match the release "
+            f"(got {size} bytes, xxh3 {hasher.xxh3()}; expected {target.size} bytes, {target.digest})",
+            hint="the store object is corrupt: rebuild or re-push the release; nothing was written",
+        )
+    if target.sha256 and hasher.sha256() != target.sha256:
+        # The XXH3 matched and the SHA-256 did not: bytes crafted to collide with the address.
+        raise IntegrityError(
+            f"{target.dest}: content from {origin} has the release's xxh3 {target.digest} but sha256 "
+            f"{hasher.sha256()}, not {target.sha256}",
+            hint="the store object was forged to match its address: do not serve this store; nothing was written",
+        )
 
 
 def _bounded(chunks: Iterable[bytes | memoryview], target: BlobTarget, origin: str) -> Iterator[bytes | memoryview]:
@@ -377,13 +394,15 @@ class Beneath:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None
-            return self._hash_open(fd, limit, st.st_size)
+            found = self._hash_open(fd, limit, st.st_size, sha256=False)
+            return None if found is None else found[0]
         finally:
             os.close(fd)
 
-    def look(self, rel: str, size: int) -> tuple[os.stat_result, str | None] | None:
-        """rel's status and, if it holds size bytes, their XXH3-128 (None: another length); None
-        if absent or not a regular file. One open answers both: no stat pass before reading."""
+    def look(self, rel: str, size: int, *, sha256: bool = False) -> tuple[os.stat_result, Hashed | None] | None:
+        """rel's status and, if it holds size bytes, their (XXH3-128, SHA-256 if asked, else "")
+        (None: another length); None if absent or not a regular file. One open answers both: no
+        stat pass before reading, and one read feeds both hashes."""
         fd = self._open_file(rel)
         if fd is None:
             return None
@@ -391,7 +410,7 @@ class Beneath:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return None
-            return st, (self._hash_open(fd, size, st.st_size) if st.st_size == size else None)
+            return st, (self._hash_open(fd, size, st.st_size, sha256=sha256) if st.st_size == size else None)
         finally:
             os.close(fd)
 
@@ -410,9 +429,10 @@ class Beneath:
                 return None
             raise
 
-    def _hash_open(self, fd: int, limit: int, expected: int) -> str | None:
-        """XXH3-128 of what fd holds if at most limit bytes, else None; expected: fstat's size."""
-        hasher = xxhash.xxh3_128()
+    def _hash_open(self, fd: int, limit: int, expected: int, *, sha256: bool) -> Hashed | None:
+        """(XXH3-128, SHA-256 or "") of what fd holds if at most limit bytes, else None;
+        expected: fstat's size."""
+        hasher = Hasher(sha256=sha256)
         size = 0
         # Into one reused buffer, read to limit + 1 (one byte more says it is too long): no
         # allocation per chunk, and the read and the hash of a large chunk both drop the GIL.
@@ -428,7 +448,7 @@ class Beneath:
             size += n
             if n < asked and size == expected:  # a regular file reads short only at its end: no read of 0
                 break
-        return hasher.hexdigest() if size <= limit else None
+        return (hasher.xxh3(), hasher.sha256()) if size <= limit else None
 
     def _buffer(self, wanted: int) -> memoryview:
         """A read buffer of at most HASH_CHUNK bytes, grown as files need it."""

@@ -28,7 +28,12 @@ from neffbuild.store.base import Store
 
 
 def pull_or_stale(
-    open_store: Callable[[], Store], ref: str, cache_dir: Path, options: PullOptions, *, allow_stale: bool = False
+    open_store: Callable[[], Store],
+    ref: str | None,
+    cache_dir: Path,
+    options: PullOptions,
+    *,
+    allow_stale: bool = False,
 ) -> PullReport:
     """pull (the store opened inside, so that failing to open it counts as unreachable); with
     allow_stale, a StoreError returns a stale report of the release cache_dir holds, when it is
@@ -37,16 +42,17 @@ def pull_or_stale(
     past it is a StoreError too (DeadlineExceeded). options.policy: how requests are retried and
     paced, opening the store included (retry.Policy; default retry.DEFAULT)."""
     started = time.perf_counter()
-    with operation(options.policy, f"pulling {ref}") as op:
+    wanted = ref or (options.trust.pin if options.trust else None)  # pull --release: the pinned id
+    with operation(options.policy, f"pulling {wanted}") as op:
         try:
-            with bounded(options.timeout, f"pulling {ref}"):
+            with bounded(options.timeout, f"pulling {wanted}"):
                 # The deadline and the operation are this function's: pull runs inside both.
                 return pull(open_store(), ref, cache_dir, replace(options, timeout=None, policy=None))
         except StoreError as exc:
             counts = op.counts()
             failure = exc
     with CacheDir.opened(cache_dir) as cache:
-        installed = fully_installed(cache, ref) if allow_stale else None
+        installed = fully_installed(cache, wanted) if allow_stale else None
     if installed is None:
         raise failure
     # What the state says pull exported is no permission: the exports are made again from the

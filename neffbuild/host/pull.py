@@ -54,6 +54,7 @@ from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.confined import (
     Beneath,
     BlobTarget,
+    Hashed,
     disk_error,
     sync_filesystem,
 )
@@ -67,9 +68,11 @@ from neffbuild.host.state import (
     Installed,
     encode_state,
     find_target,
+    installed_unit,
     load_state,
     release_units,
 )
+from neffbuild.host.trust import Trust, Verified, verify_release
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
 from neffbuild.store.base import Store
@@ -115,6 +118,10 @@ class PullReport:
     throttled: int = 0
     waited_s: float = 0.0
     paced_to: float | None = None
+    signed_by: str | None = None  # with trusted keys: the key whose release signature verified
+    tag_signed_by: str | None = None  # ... and the tag statement's (None: pinned by id)
+    tag_version: int | None = None
+    tag_expires: str | None = None
 
     def with_counts(self, counts: retry.Counts) -> PullReport:
         return replace(
@@ -172,9 +179,12 @@ class PullOptions:
     verify: str = "fast"
     direct_writes: bool = True
     policy: retry.Policy | None = None
+    trust: Trust | None = None  # trusted keys (and a --release pin): host/trust.py says what they require
 
 
-def pull(store: Store, ref: str, cache_dir: Path, options: PullOptions | None = None, **changes: Any) -> PullReport:
+def pull(
+    store: Store, ref: str | None, cache_dir: Path, options: PullOptions | None = None, **changes: Any
+) -> PullReport:
     """Bring the release's files into cache_dir; with env_file, write the exports there last.
     options: a PullOptions, its fields replaced by changes (`pull(store, ref, dir, verify="full")`).
 
@@ -201,26 +211,33 @@ def pull(store: Store, ref: str, cache_dir: Path, options: PullOptions | None = 
     else retry.DEFAULT). The pull is one retry.Operation: its requests share one adaptive rate,
     the report counts what the store put them through, and the first request to fail for good
     stops the others.
+
+    trust: with trusted keys, REF's tag statement and the release's signature are checked before
+    anything is written (TrustError, exit 16, naming what failed), each file's SHA-256 while it
+    lands; the tag's statement version is recorded in the state with the files, so a later pull
+    refuses a lower one. trust.pin (`--release ID`) serves that signed release and reads no tag
+    (ref is then only a label, and may be None).
     """
     o = replace(options or PullOptions(), **changes)
     if o.verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {o.verify!r}")
+    label = ref or (o.trust.pin if o.trust else None) or "?"
     with (
-        retry.operation(o.policy, f"pulling {ref}") as op,
-        retry.bounded(o.timeout, f"pulling {ref}"),
+        retry.operation(o.policy, f"pulling {label}") as op,
+        retry.bounded(o.timeout, f"pulling {label}"),
         CacheDir.opened(cache_dir) as cache,  # opened, not made: a refused pull leaves no trace
     ):
         started = time.perf_counter()
         deadline = retry.current()
-        retry.doing(f"resolving {ref}")
+        retry.doing(f"resolving {label}")
         _, old = cache.read_state()
-        known = (old.installed.release_id, old.installed.release) if old.installed else None
-        resolved = resolve(store, ref, known=known)
+        resolved, verified = _resolved(store, ref, old, o.trust)
+        accepted = verified.accepted(old.accepted) if verified else old.accepted
         retry.check(store.url)
         exports = release_exports(resolved, cache.path, o.allow_env)
         env_text = env_file_text(exports) if o.env_file is not None else ""
         retry.doing(f"reading the bundles of release {resolved.release_id}")
-        installed = _installed(store, resolved, exports, old, o.jobs)
+        installed = _installed(store, resolved, exports, old, o.jobs, verified)
         retry.check(store.url)
         lock_timeout = o.lock_timeout
         if deadline is not None:
@@ -230,15 +247,15 @@ def pull(store: Store, ref: str, cache_dir: Path, options: PullOptions | None = 
         warnings = preflight(installed, {**o.host_env, **exports}) if o.host_env is not None else ()
         scan, missing = _missing_that_fits(cache, installed, old.files, o)
         cache.make()
-        if missing or not _recorded(old, installed, scan.found):
+        if missing or not _recorded(old, installed, scan.found) or accepted != old.accepted:
             retry.check(store.url)
             files = len(installed.release.files)
             retry.doing(f"fetching {len(missing)} of {files} files ({sum(f.size for f in missing)} bytes)")
-            log.info("%s: release %s, fetching %d of %d files", ref, resolved.release_id, len(missing), files)
+            log.info("%s: release %s, fetching %d of %d files", label, resolved.release_id, len(missing), files)
             with _repairing(old, cache.state_path):
-                missing = _complete(store, resolved, cache, scan, installed, o)
+                missing = _complete(store, resolved, cache, scan, installed, o, accepted)
         else:
-            log.info("%s: release %s already complete in %s", ref, resolved.release_id, cache.path)
+            log.info("%s: release %s already complete in %s", label, resolved.release_id, cache.path)
         make_serving_dirs(cache.path, serving_dirs(resolved.release.backend))
         if o.env_file is not None:
             write_env_file(o.env_file, env_text)
@@ -258,7 +275,35 @@ def pull(store: Store, ref: str, cache_dir: Path, options: PullOptions | None = 
             files_repaired=sum(f.path in scan.damaged for f in missing),
             allowed=tuple(o.allow_env),
             state_replaced=old.problem,
+            **_signed(verified),
         ).with_counts(op.counts())
+
+
+def _resolved(
+    store: Store, ref: str | None, old: CacheState, trust: Trust | None
+) -> tuple[ResolvedRelease, Verified | None]:
+    """REF's release: verified against the trusted keys where there are some (read from the
+    bytes that were checked, never from the state), else resolved as before."""
+    if trust is not None:
+        verified = verify_release(store, ref, trust, old.accepted)
+        return verified.resolved, verified
+    if ref is None:
+        raise ValueError("pull needs a ref unless trust pins a release")
+    known = (old.installed.release_id, old.installed.release) if old.installed else None
+    return resolve(store, ref, known=known), None
+
+
+def _signed(verified: Verified | None) -> dict[str, Any]:
+    """What the report says of the signatures checked (nothing without trusted keys)."""
+    if verified is None:
+        return {}
+    tag = verified.tag
+    return {
+        "signed_by": verified.signer,
+        "tag_signed_by": verified.tag_signer,
+        "tag_version": tag.version if tag else None,
+        "tag_expires": tag.expires.isoformat() if tag else None,
+    }
 
 
 @contextmanager
@@ -351,7 +396,13 @@ def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ..
 
 
 def _complete(
-    store: Store, resolved: ResolvedRelease, cache: CacheDir, scan: Scan, installed: Installed, o: PullOptions
+    store: Store,
+    resolved: ResolvedRelease,
+    cache: CacheDir,
+    scan: Scan,
+    installed: Installed,
+    o: PullOptions,
+    accepted: Mapping[str, int],
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
@@ -368,13 +419,16 @@ def _complete(
         if missing:
             root = cache.path
             targets = [
-                BlobTarget(f.digest, f.size, root / f.path, fsync=False, root=root, direct=o.direct_writes)
+                BlobTarget(
+                    f.digest, f.size, root / f.path, fsync=False, root=root, direct=o.direct_writes, sha256=f.sha256
+                )
                 for f in missing
             ]
             store.download_blobs(targets, o.jobs, release=resolved.release_id)
             with cache.beneath() as tree:
                 found.update({f.path: _stat(tree, f.path, root) for f in missing})
-        _save_state(state_dir, cache.path, _state_bytes(installed, found), old_state)
+        # The tag versions accepted go in with the files: only a pull that passed every check records them.
+        _save_state(state_dir, cache.path, _state_bytes(installed, found, accepted), old_state)
     return missing
 
 
@@ -413,25 +467,25 @@ def _scan(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int
         found[f.path] = None
         if look is None:  # absent, a link, not a regular file
             continue
-        st, digest = look
+        st, digests = look
         hashed += st.st_size == f.size  # look reads a file only then
-        if digest == f.digest:
+        if digests is not None and digests[0] == f.digest and digests[1] == f.sha256:
             found[f.path] = st
         else:
             damaged.add(f.path)
     return Scan(found, hashed, frozenset(damaged))
 
 
-def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, str | None] | None]:
+def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, Hashed | None] | None]:
     """Beneath.look of each file, in runs of neighbouring files (their directories stay open)
     spread over up to jobs threads, each with its own Beneath."""
 
-    def looks(run: list[FileEntry]) -> list[tuple[os.stat_result, str | None] | None]:
-        done: list[tuple[os.stat_result, str | None] | None] = []
+    def looks(run: list[FileEntry]) -> list[tuple[os.stat_result, Hashed | None] | None]:
+        done: list[tuple[os.stat_result, Hashed | None] | None] = []
         with cache.beneath() as tree:
             try:
                 for f in run:
-                    done.append(tree.look(f.path, f.size))
+                    done.append(tree.look(f.path, f.size, sha256=bool(f.sha256)))
             except OSError as exc:
                 raise disk_error(exc, cache.path / run[len(done)].path) from None
         return done
@@ -512,8 +566,10 @@ def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
     return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
-def _state_bytes(installed: Installed, found: Mapping[str, os.stat_result | None]) -> bytes:
-    return encode_state(installed, _state_files(installed, found))
+def _state_bytes(
+    installed: Installed, found: Mapping[str, os.stat_result | None], accepted: Mapping[str, int]
+) -> bytes:
+    return encode_state(installed, _state_files(installed, found), accepted)
 
 
 def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:
@@ -537,11 +593,28 @@ def _state_size(installed: Installed) -> int:
 
 
 def _installed(
-    store: Store, resolved: ResolvedRelease, exports: Mapping[str, str], old: CacheState, jobs: int
+    store: Store,
+    resolved: ResolvedRelease,
+    exports: Mapping[str, str],
+    old: CacheState,
+    jobs: int,
+    verified: Verified | None = None,
 ) -> Installed:
     """What the state will record for this pull. The units and the install time carry over from
-    the state when it already holds this release, so a no-op pull reads no bundle and writes nothing."""
+    the state when it already holds this release, so a no-op pull reads no bundle and writes
+    nothing; a verified release's units come from the bundles its check read."""
     same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None
+    if verified is not None:
+        units = tuple(installed_unit(u, b) for u, b in zip(resolved.release.units, verified.bundles, strict=True))
+        return Installed(
+            release_id=resolved.release_id,
+            tag=resolved.tag or "",
+            store=store.url,
+            installed_at=same.installed_at if same else datetime.now(UTC).isoformat(timespec="seconds"),
+            release=resolved.release,
+            exports=dict(exports),
+            units=units,
+        )
     return Installed(
         release_id=resolved.release_id,
         tag=resolved.tag or "",

@@ -7,7 +7,10 @@ Format `neffbuild.cache-state/2`:
      "installed": {"release_id", "tag" ("" if pulled by id), "store" (its URL), "installed_at",
                    "release" (the release document itself), "exports" (what pull printed),
                    "units": [{"unit_id", "key", "backend", "unit", "fingerprint", "paths"}]  (from the bundles)},
-     "files": {path: [size, mtime_ns, digest]}}   (what pull wrote: saves re-hashing)
+     "files": {path: [size, mtime_ns, digest]},   (what pull wrote: saves re-hashing)
+     "accepted": {tag: version}}   (only with trusted keys: the highest signed tag statement version
+                                    a pull accepted, written once that pull passed every check;
+                                    left out while empty)
 
 `installed` answers "which release is this, and what did it set" with no store round trip (a tag
 may have moved since); its units carry what a key is made of, so `status` can recompute each
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neffbuild.documents.records import (
+    BundleRecord,
     Release,
     ReleaseUnit,
     checked_field,
@@ -95,6 +99,7 @@ class CacheState:
     tag: str | None = None
     version: int = 0  # 0: no state, corrupt or a newer format
     problem: str | None = None  # why the state file is corrupt (then all else is unknown)
+    accepted: dict[str, int] = field(default_factory=dict)  # tag -> highest signed version accepted
 
     def trusted(self, path: Path) -> CacheState:
         """self, unless the file is corrupt: then StateCorrupt naming it. Commands that only read
@@ -152,6 +157,7 @@ class _Version2:
     format: str
     installed: dict[str, Any]
     files: dict[str, Any]
+    accepted: dict[str, int] = checked_field(lambda got: _accepted_problem(got))
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +180,20 @@ def _version_1(raw: dict[str, Any]) -> CacheState:
 
 
 def _version_2(raw: dict[str, Any]) -> CacheState:
-    v2 = decode_doc(_Version2, raw, STATE_FILE, field_path=())
+    v2 = decode_doc(_Version2, {"accepted": {}, **raw}, STATE_FILE, field_path=())
     installed = _installed(v2.installed)
-    return CacheState(_files(v2.files), installed, installed.release_id, installed.tag or None, version=2)
+    return CacheState(
+        _files(v2.files), installed, installed.release_id, installed.tag or None, version=2, accepted=v2.accepted
+    )
+
+
+def _accepted_problem(accepted: dict[str, int]) -> str | None:
+    for tag, version in accepted.items():
+        if (problem := tag_problem(tag)) is not None:
+            return problem
+        if version < 0:
+            return f"{tag}: version {version} is negative"
+    return None
 
 
 def _files(value: dict[str, Any]) -> Files:
@@ -218,9 +235,15 @@ def _time_problem(at: str) -> str | None:
     return None
 
 
-def encode_state(installed: Installed, files: Mapping[str, tuple[int, int, str]]) -> bytes:
+def encode_state(
+    installed: Installed, files: Mapping[str, tuple[int, int, str]], accepted: Mapping[str, int] | None = None
+) -> bytes:
     """The state file's bytes: equal inputs give equal bytes (pull writes only when they change)."""
-    doc = {"format": STATE_FORMAT, "installed": to_json(installed), "files": {p: list(v) for p, v in files.items()}}
+    doc: dict[str, Any] = {
+        "format": STATE_FORMAT, "installed": to_json(installed), "files": {p: list(v) for p, v in files.items()},
+    }  # fmt: skip
+    if accepted:
+        doc["accepted"] = dict(accepted)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -340,6 +363,12 @@ def find_target(
     return Target(resolved.release_id, resolved.release, resolved.tag, units, store.url)
 
 
+def installed_unit(unit: ReleaseUnit, record: BundleRecord) -> InstalledUnit:
+    return InstalledUnit(
+        unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files)
+    )
+
+
 def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[InstalledUnit, ...]:
     """Each unit of the release as its bundle records it (read in parallel); a bundle the store
     lacks or that does not match its key is an error: the store is damaged."""
@@ -349,10 +378,7 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
     from neffbuild.retry import carried
 
     def load(unit: ReleaseUnit) -> InstalledUnit:
-        record = release_bundle(store, resolved, unit)
-        return InstalledUnit(
-            unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files)
-        )
+        return installed_unit(unit, release_bundle(store, resolved, unit))
 
     units = resolved.release.units
     with ThreadPoolExecutor(

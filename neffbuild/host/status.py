@@ -29,6 +29,7 @@ from neffbuild.host.state import CacheState, Files, Target, find_target
 
 if TYPE_CHECKING:
     from neffbuild.documents.records import FileEntry
+    from neffbuild.host.trust import Signed, Trust
     from neffbuild.store import StoreChoice
     from neffbuild.store.base import Store
     from neffbuild.units.plan import Plan
@@ -61,6 +62,7 @@ class StatusReport:
     installed_at: str | None
     verified: bool
     units: tuple[UnitStatus, ...]
+    signed: Signed | None = None  # with trusted keys: who signed the release (and its tag), until when
 
     @property
     def ok(self) -> bool:
@@ -123,9 +125,12 @@ def status_of(
     env: Mapping[str, str],
     verify: bool = False,
     allow_env: Collection[str] = (),
+    trust: Trust | None = None,
 ) -> StatusReport:
     """`status` as the CLI names it: REF is a manifest (a .toml file or a path: its tag and its
-    units), a tag, a release, or nothing (the installed release); the store opens only if needed."""
+    units), a tag, a release, or nothing (the installed release); the store opens only if needed.
+    With trusted keys the store always opens: REF's signatures are checked first (TrustError),
+    and the report says who signed the release and its tag, and when the tag statement expires."""
     plan, manifest_store = None, None
     # A path, never a file that happens to lie in the working directory under a tag's name: tags
     # and ids cannot hold "/" and a manifest ends in .toml.
@@ -137,9 +142,31 @@ def status_of(
         manifest_store = plan.loaded.manifest.store
     named = bool(store.url or env.get("NEFFBUILD_STORE"))  # then a tag is judged where it points now
     query = StatusQuery(store_named=named, verify=verify, plan=plan, allow_env=tuple(allow_env))
-    return status(
+    signed = None
+    if trust is not None:
+        signed = _signatures(
+            ref if plan is None else plan.loaded.manifest.name,
+            cache_dir,
+            store.open(env, manifest_default=manifest_store),
+            trust,
+        )
+    report = status(
         cache_dir, ref, env=env, open_store=lambda: store.open(env, manifest_default=manifest_store), query=query
     )
+    return replace(report, signed=signed)
+
+
+def _signatures(ref: str | None, cache_dir: Path, store: Store, trust: Trust) -> Signed:
+    """REF's (else the installed tag's, else the installed release's) signatures, checked."""
+    from neffbuild.errors import NotFoundError
+    from neffbuild.host.state import read_cache_state
+    from neffbuild.host.trust import verify_release
+
+    state = read_cache_state(cache_dir.expanduser())[1]
+    name = ref or state.tag or state.release_id
+    if name is None:
+        raise NotFoundError(f"{cache_dir}: no installed release recorded", hint="name the tag or release to check")
+    return verify_release(store, name, trust, state.accepted).summary()
 
 
 def _manifest_changes(

@@ -45,6 +45,7 @@ from neffbuild.errors import (
 from neffbuild.fs.readonly import require_read_only
 from neffbuild.hashing import hash_file
 from neffbuild.host.exports import serving_dirs
+from neffbuild.host.trust import Trust, verify_release
 from neffbuild.runner.jobs import (
     DEFAULT_LOGS_DIR,
     OnPhase,
@@ -152,10 +153,18 @@ class FilesCheck:
     units: tuple[UnitFiles, ...]
 
 
-def verify_files(manifest: Path, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str]) -> FilesCheck:
-    """`neffbuild verify`: is every file of the manifest's bundles in cache_dir (see check_files)?"""
+def verify_files(
+    manifest: Path, cache_dir: Path, store: StoreChoice, *, env: Mapping[str, str], trust: Trust | None = None
+) -> FilesCheck:
+    """`neffbuild verify`: is every file of the manifest's bundles in cache_dir (see check_files)?
+    With trusted keys, the manifest's tag (its name) must be signed, fresh and not rolled back
+    (host/trust.py) before any file is looked at."""
     loaded, plan = _plan_for(manifest, cache_dir, env)
     opened = store.open(env, manifest_default=loaded.manifest.store)
+    if trust is not None:
+        from neffbuild.host.state import read_cache_state
+
+        verify_release(opened, loaded.manifest.name, trust, read_cache_state(cache_dir)[1].accepted)
     return FilesCheck(cache_dir, opened.url, check_files(plan, opened, cache_dir))
 
 

@@ -6,8 +6,14 @@ The layout below is a contract shared by all stores and asserted by tests:
     blobs/<d[:2]>/<d>           cache file bytes, named by XXH3-128 hex digest d (immutable)
     bundles/<unit key>.json     BundleRecord (immutable)
     releases/<release id>.json  Release (immutable, id = digest of its canonical JSON)
-    tags/<name>.json            TagRecord (the only object that is ever replaced, by compare-and-swap)
+    signatures/<release id>.<key name>.json
+                                a DSSE envelope of an in-toto Statement v1 over the release, signed by
+                                that key (documents/signing.py); written after the release (immutable)
+    tags/<name>.json            TagRecord (the only object that is ever replaced, by compare-and-swap);
+                                a signed one carries its signed tag statement
     locks/                      local store only: lock files that avoid duplicate work
+    tags/.<name>.v/<n>          local store only: the versions a tag's compare-and-swap links into
+                                place (store/local.py); hidden, never listed
     packs/<p>.pack              S3 store only: small blobs (< 8 MiB) of one upload laid end to end (immutable)
     packs/<p>.idx.json          its index {"format": "neffbuild.pack/1", "size", "entries": [[digest, offset, size]]},
                                 written after the pack; p = XXH3-128 of the index bytes (see store/packs.py)
@@ -45,7 +51,7 @@ from neffbuild.errors import InputError, StoreError
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.names import key_problem
 
-DocKind = Literal["bundles", "releases", "tags", "gc"]
+DocKind = Literal["bundles", "releases", "tags", "gc", "signatures"]
 STORE_FORMAT = "neffbuild.store/1"
 MARKER = "neffbuild-store.json"
 MARKER_MAX = 64 << 10  # the marker is a few dozen bytes; a larger one is not ours
@@ -63,7 +69,7 @@ class ObjectInfo:
 
 
 DELETE_BATCH = 1000  # S3's DeleteObjects takes at most this many keys per request
-DELETABLE = ("blobs/", "bundles/", "releases/", "tags/", "packs/", "locators/", "gc/")
+DELETABLE = ("blobs/", "bundles/", "releases/", "tags/", "packs/", "locators/", "gc/", "signatures/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,7 @@ class BlobSource:
     digest: str
     size: int
     path: Path
+    sha256: str = ""  # its SHA-256, where the build computed one (recorded in the bundle)
 
 
 def blob_key(digest: str) -> str:

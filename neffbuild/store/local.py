@@ -1,8 +1,14 @@
 """A store in a local (or network-mounted) directory: the embedded default.
 
 Immutable objects land by hard-linking a process-unique temp file into place, which fails if the
-name exists: the local equivalent of S3's If-None-Match. Tags are swapped under a file lock with a
-compare of their content digest; correctness does not rest on the lock alone (see tags below).
+name exists: the local equivalent of S3's If-None-Match.
+
+A tag's compare-and-swap takes no lock (flock does nothing on some network filesystems): each
+version of the tag is a new file `tags/.<name>.v/<n>`, linked into place, so of two writers that
+read version n only one can create n + 1. The highest version is the tag; `tags/<name>.json`
+mirrors it for listings (gc, inspection) and is brought up to the highest version by every
+writer after its swap. A tag written by a neffbuild before this (only `tags/<name>.json`) is
+read as version 0 and replaced by version 1.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from typing import BinaryIO
 from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.fs.confined import BlobTarget, disk_error, write_verified
-from neffbuild.fs.locks import exclusive
 from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
 from neffbuild.store.base import (
     DOC_MAX,
@@ -36,7 +41,7 @@ from neffbuild.store.base import (
     doc_key,
 )
 
-TAG_LOCK_TIMEOUT_S = 60
+TAG_VERSIONS_KEPT = 16  # older versions are deleted: a reader that loses one to that reads again
 
 
 class LocalStore:
@@ -139,13 +144,10 @@ class LocalStore:
         return self._write_new(doc_key(kind, name), data)
 
     def get_doc(self, kind: DocKind, name: str) -> bytes | None:
-        path = self.root / doc_key(kind, name)
-        data = _read_small(
-            path, DOC_MAX + 1, lambda found: IntegrityError(f"{path} is a {found}, not a document", hint=CORRUPT_HINT)
-        )
-        if data is not None and len(data) > DOC_MAX:
-            raise IntegrityError(f"{path}: over {DOC_MAX} bytes, not a document", hint=CORRUPT_HINT)
-        return data
+        if kind == "tags":  # its highest version, not the mirror (which may lag a swap in flight)
+            current = self.read_tag(name)
+            return None if current is None else current[0]
+        return self._read_doc(doc_key(kind, name))
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         folder = self.root / kind
@@ -178,6 +180,10 @@ class LocalStore:
         failures = []
         for key in [check_deletable(k) for k in keys]:
             try:
+                if key.startswith("tags/") and key.endswith(".json"):  # its versions first: they are the tag
+                    versions = self.root / "tags" / f".{key[5:-5]}.v"
+                    for number in _version_numbers(versions):
+                        (versions / str(number)).unlink(missing_ok=True)
                 (self.root / key).unlink()
             except (FileNotFoundError, NotADirectoryError):
                 pass
@@ -190,22 +196,57 @@ class LocalStore:
         return {}, {}  # every blob is a file of its own
 
     def read_tag(self, name: str) -> tuple[bytes, str] | None:
-        data = self.get_doc("tags", name)
-        return None if data is None else (data, hash_bytes(data))
+        """The highest version's bytes and "v<n>"; a tag from before versions is "v0-<digest>"."""
+        versions = self._tag_versions(name)
+        for _ in range(100):  # a version deleted between the listing and the read: list again
+            found = _highest(versions)
+            if found is None:
+                legacy = self._read_doc(doc_key("tags", name))
+                return None if legacy is None else (legacy, f"v0-{hash_bytes(legacy)}")
+            data = self._read_doc(f"{versions.relative_to(self.root).as_posix()}/{found}")
+            if data is not None:
+                return data, f"v{found}"
+        raise StoreError(f"{versions}: its versions keep vanishing while read", hint="check the store's filesystem")
 
     def swap_tag(self, name: str, data: bytes, expected: str | None) -> bool:
-        target = self.root / doc_key("tags", name)
-        _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
-        # The lock serialises writers on one host (and on NFS where flock works); the content
-        # compare below is what makes the swap conditional.
-        lock_dir = self.root / "locks"
-        _guard(lambda: lock_dir.mkdir(exist_ok=True), lock_dir)
-        with exclusive(lock_dir / f"tag-{name}.lock", timeout=TAG_LOCK_TIMEOUT_S, what=f"tag {name}'s lock"):
-            current = self.read_tag(name)
-            if (current[1] if current else None) != expected:
-                return False
-            write_atomic(target, data)
+        """Create version n + 1 where expected is version n: linking it fails if another writer
+        created it first (and a version 0 expected must still be the file it was)."""
+        versions = self._tag_versions(name)
+        current = self.read_tag(name)
+        if (current[1] if current else None) != expected:
+            return False
+        number = 1 if expected is None or expected.startswith("v0-") else int(expected[1:]) + 1
+        _guard(lambda: versions.mkdir(parents=True, exist_ok=True), versions)
+        if not write_atomic(versions / str(number), data, mode=0o444, replace=False):
+            return False  # another writer made this version first: the swap is lost
+        self._mirror_tag(name, versions)
         return True
+
+    def _tag_versions(self, name: str) -> Path:
+        doc_key("tags", name)  # checks the name
+        return self.root / "tags" / f".{name}.v"
+
+    def _mirror_tag(self, name: str, versions: Path) -> None:
+        """tags/<name>.json := the highest version, checked again after each write so that the
+        last writer leaves it current; versions far below it are deleted."""
+        while (current := self.read_tag(name)) is not None:
+            write_atomic(self.root / doc_key("tags", name), current[0])
+            after = self.read_tag(name)
+            if after is None or after[1] == current[1]:
+                break
+        highest = _highest(versions) or 0
+        for old in _version_numbers(versions):
+            if old <= highest - TAG_VERSIONS_KEPT:
+                (versions / str(old)).unlink(missing_ok=True)
+
+    def _read_doc(self, key: str) -> bytes | None:
+        path = self.root / key
+        data = _read_small(
+            path, DOC_MAX + 1, lambda found: IntegrityError(f"{path} is a {found}, not a document", hint=CORRUPT_HINT)
+        )
+        if data is not None and len(data) > DOC_MAX:
+            raise IntegrityError(f"{path}: over {DOC_MAX} bytes, not a document", hint=CORRUPT_HINT)
+        return data
 
     def _write_new(self, key: str, data: bytes) -> bool:
         target = self.root / key
@@ -216,6 +257,20 @@ class LocalStore:
 
 
 CORRUPT_HINT = "the store is damaged: restore the object, or push the release into a new store"
+
+
+def _version_numbers(versions: Path) -> list[int]:
+    try:
+        with os.scandir(versions) as entries:
+            return [int(e.name) for e in entries if e.name.isascii() and e.name.isdigit()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise _read_error(versions, exc) from None
+
+
+def _highest(versions: Path) -> int | None:
+    return max(_version_numbers(versions), default=None)
 
 
 class _NotRegular(Exception):
@@ -294,7 +349,8 @@ def _walk(folder: Path, root: Path) -> Iterator[tuple[str, int, float]]:
                 f"{exc.filename}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions"
             )
 
-    for path, _, files in os.walk(folder, onerror=fail):
+    for path, dirs, files in os.walk(folder, onerror=fail):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # a tag's versions: its mirror is the object
         for name in files:
             if name.startswith("."):
                 continue

@@ -132,7 +132,7 @@ def record_of(unit, files: dict[str, str], **fingerprint: str):
 
     return BundleRecord(
         key=unit.key, unit_id=unit.unit_id, unit=dict(unit.normalized), backend="inductor",
-        fingerprint={**unit.fingerprint, **fingerprint}, files=tuple(FileEntry(p, 1, d) for p, d in sorted(files.items())),
+        fingerprint={**unit.fingerprint, **fingerprint}, files=tuple(FileEntry(p, 1, d, "5" * 64) for p, d in sorted(files.items())),
         counters={}, timings=Timings(), created_at="2026-01-01T00:00:00Z", neffbuild_version="t",
     )  # fmt: skip
 

@@ -29,7 +29,7 @@ from neffbuild.documents.records import (
     dump,
     unit_key,
 )
-from neffbuild.hashing import hash_bytes
+from neffbuild.hashing import hash_bytes, sha256_bytes
 from neffbuild.host.exports import shell_lines, shell_word
 from neffbuild.printable import printable
 from neffbuild.store.base import BlobSource, Store
@@ -117,7 +117,9 @@ def publish_with(store: Store, work: Path, text: str, path_text: str) -> Publish
         data = f"kernel {version} {text}".encode()
         source = work / f"src{version}.so"
         source.write_bytes(data)
-        entry = FileEntry(path=f"k{version}/{path_text}.so", size=len(data), digest=hash_bytes(data))
+        entry = FileEntry(
+            path=f"k{version}/{path_text}.so", size=len(data), digest=hash_bytes(data), sha256=sha256_bytes(data)
+        )
         key = unit_key(unit, fingerprint)
         record = BundleRecord(
             key=key, unit_id=f"{text}/128x128x{version}", unit=unit, backend="inductor", fingerprint=fingerprint,

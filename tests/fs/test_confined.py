@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -246,8 +247,8 @@ def test_beneath_never_reports_a_link_or_a_fifo_as_a_file(cache_and_outside) -> 
                 tree.lstat("dir/keep.txt")
             # look: the status and the digest from one open, the same rules
             assert tree.look("f.bin", 15) is None and tree.look("pipe.bin", 0) is None
-            st, digest = tree.look("real.bin", 7)
-            assert (st.st_size, digest) == (7, xxhash.xxh3_128_hexdigest(b"outside"))
+            st, digests = tree.look("real.bin", 7)
+            assert (st.st_size, digests) == (7, (xxhash.xxh3_128_hexdigest(b"outside"), ""))
             assert tree.look("real.bin", 6)[1] is None  # another size: its status, no digest, not read
             assert tree.look("missing/x", 1) is None
             with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
@@ -266,9 +267,13 @@ def test_look_hashes_every_byte_at_each_size_around_the_read_buffer(tmp_path: Pa
     root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with materialize.Beneath(root, tmp_path) as tree:
-            assert tree.look("a/f", size)[1] == xxhash.xxh3_128_hexdigest(data)
+            # Both digests from the one read (verify --full and pull's re-hash of version 2 releases).
+            whole = (xxhash.xxh3_128_hexdigest(data), hashlib.sha256(data).hexdigest())
+            assert tree.look("a/f", size, sha256=True)[1] == whole
+            assert tree.look("a/f", size)[1] == (whole[0], "")
             if size:
                 (tmp_path / "a" / "f").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-                assert tree.look("a/f", size)[1] not in (None, xxhash.xxh3_128_hexdigest(data))
+                changed = tree.look("a/f", size, sha256=True)[1]
+                assert changed is not None and changed[0] != whole[0] and changed[1] != whole[1]
     finally:
         os.close(root)

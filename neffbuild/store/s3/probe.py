@@ -41,6 +41,12 @@ class ConditionalProbe:
                     MARKER, marker, IfMatch='"0"'
                 )
             except StoreError as exc:  # some servers refuse the headers outright
+                if exc.message.startswith("access denied"):  # the first write of a publish: say which
+                    raise StoreError(
+                        f"{self.url}: this identity may not write to the store ({exc.message})",
+                        hint="publishing (build, release, push, tag) needs CI's writer credentials; "
+                        "serving hosts pull with a read-only identity (docs/security.md)",
+                    ) from None
                 if "NotImplemented" not in exc.message:
                     raise
                 honoured = False
