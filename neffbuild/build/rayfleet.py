@@ -95,6 +95,7 @@ def _run_tasks(
     ray: Any, plan: Plan, manifest: Path, store_url: str, plan_json: bytes, options: BuildOptions
 ) -> list[Report]:
     task = ray.remote(max_retries=0)(build_unit_task)  # a retry is the user's --retries, inside the task
+    options = replace(options, signing=None)  # the driver signs what it releases: no key travels to a node
     pending = {
         task.options(**unit_resources(unit, plan.backend_name, options.unit_memory)).remote(
             str(manifest), store_url, plan_json, unit.unit_id, options
@@ -153,6 +154,6 @@ def build_unit_task(manifest: str, store_url: str, plan_json: bytes, unit_id: st
         plan = make_plan(loaded, env)
         checked_document(plan, plan_file)  # this node's keys are the driver's, or it fails naming why
     store = StoreChoice(store_url).open(env)
-    one = replace(options, jobs=1, may_release=False, signing=None)  # the driver signs what it releases
+    one = replace(options, jobs=1, may_release=False)
     outcome = build(plan, store, env=env, options=one, units=selected(plan, [unit_id]), shard="ray")
     return json.dumps(to_json(from_build(outcome))).encode()
