@@ -108,10 +108,15 @@ def _run_tasks(
         done, _ = ray.wait(list(pending), num_returns=1)
         unit_id = pending.pop(done[0])
         try:
-            reports.append(parse(Report, ray.get(done[0]), f"ray task of {unit_id}"))
+            report = parse(Report, ray.get(done[0]), f"ray task of {unit_id}")
         except ray.exceptions.RayError as exc:  # the node or its worker died: the release names it missing
             lines = [line for line in str(exc).splitlines() if line.strip()]
             log.error("ray: %s: the task failed: %s", unit_id, lines[-1] if lines else type(exc).__name__)
+            continue
+        reports.append(report)
+        for row in report.units:
+            if row.status == "failed":
+                log.error("ray: %s: failed: %s", row.unit_id, row.error or row.killed)
     return reports
 
 

@@ -4,6 +4,7 @@ starts with `ray start`), the store as the meeting point, then the fan-in."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -23,13 +24,14 @@ from tests.test_e2e import replay
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster on the machine at a time
 RAY_BIN = Path(sys.executable).with_name("ray")
+# Ray's token authentication (on by default since 2.52) is for clusters reached over a network;
+# this one listens on 127.0.0.1 for one test. The driver would otherwise need the head's token.
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
 
 
 def test_present_units_are_reported_by_their_tasks_and_released(manifest: Path, tmp_path: Path, cli) -> None:  # noqa: F811
     """Every unit already has a bundle (as if built earlier): each Ray task finds its own unit
     present, and the driver releases and moves the tag, exactly as a one-process build would."""
-    import os
-
     plan = make_plan(load_manifest(manifest), dict(os.environ))
     store = open_store(str(tmp_path / "store"), create=True)
     for unit in plan.units:
@@ -57,7 +59,6 @@ def test_ray_with_a_shard_or_a_plan_is_bad_input(manifest: Path, tmp_path: Path,
 
 def test_resources_follow_the_units_threads_memory_and_neuron_cores(manifest: Path) -> None:  # noqa: F811
     import dataclasses
-    import os
 
     unit = make_plan(load_manifest(manifest), dict(os.environ)).units[0]
     assert unit_resources(dataclasses.replace(unit, env={"OMP_NUM_THREADS": "4"}), "inductor", None) == {"num_cpus": 4}
@@ -76,13 +77,19 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory):
     started = subprocess.run(
         [str(RAY_BIN), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
-        capture_output=True, text=True, timeout=180, check=False,
+        capture_output=True, text=True, timeout=180, check=False, env={**os.environ, **NO_AUTH},
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([str(RAY_BIN), "stop", "--force"], capture_output=True, timeout=120, check=False)
+        subprocess.run(
+            [str(RAY_BIN), "stop", "--force"],
+            capture_output=True,
+            timeout=120,
+            check=False,
+            env={**os.environ, **NO_AUTH},
+        )
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -94,7 +101,7 @@ def test_a_unit_compiled_as_a_ray_task_is_released_and_replays_with_zero_compile
     one = write_manifest(tmp_path / "one.toml", tiny_model, widths=(128,), mode="regional")
     store = str(tmp_path / "store")
     report = tmp_path / "report.json"
-    built = cli("build", str(one), "--store", store, "--ray", ray_head, "--report", str(report), "--json")
+    built = cli("build", str(one), "--store", store, "--ray", ray_head, "--report", str(report), "--json", env=NO_AUTH)
     assert built.returncode == 0, built.stderr
     (row,) = json.loads(report.read_text())["units"]
     assert row["status"] == "built" and row["shard"] == "ray" and row["compiles"] > 0 and row["peak_rss"] > 0
