@@ -1,37 +1,15 @@
-"""What commands print (being split by command group; everything still lives in `store`)."""
+"""What commands print, one module per command group as `neffbuild --help` lists them: `ci` (plan,
+build, release, push, tag), `host` (pull, env, status, doctor, verify), `store` (ls, show, diff, du,
+gc); `console` holds what they share (the sanitising console, JSON documents, tables, sizes) and
+`progress` the per-unit progress on stderr."""
 
-from neffbuild.cli.views.store import (
-    Console,
-    differences,
-    fit_table,
-    host_differences,
-    listing,
-    print_cache_prune,
-    print_fleet_plan,
-    print_gc_plan,
-    print_gc_result,
-    print_status,
-    print_store_check,
-    printed_document,
-    shown_ref,
-    tag_history,
-    usage,
-)
+from neffbuild.cli.views.ci import CiViews
+from neffbuild.cli.views.console import printed_document
+from neffbuild.cli.views.host import HostViews
 
-__all__ = [
-    "Console",
-    "differences",
-    "fit_table",
-    "host_differences",
-    "listing",
-    "print_cache_prune",
-    "print_fleet_plan",
-    "print_gc_plan",
-    "print_gc_result",
-    "print_status",
-    "print_store_check",
-    "printed_document",
-    "shown_ref",
-    "tag_history",
-    "usage",
-]
+
+class Console(CiViews, HostViews):
+    """What a command prints through: the shared console with each group's views."""
+
+
+__all__ = ["Console", "printed_document"]
