@@ -32,6 +32,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -358,5 +359,5 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
     with ThreadPoolExecutor(
         max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles"
     ) as pool:
-        loads = [pool.submit(carried(lambda u=u: load(u))) for u in units]  # under the pull's deadline
+        loads = [pool.submit(carried(partial(load, u))) for u in units]  # under the pull's deadline
         return tuple(f.result() for f in loads)

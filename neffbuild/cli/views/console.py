@@ -40,6 +40,13 @@ def jsonable(value: object) -> Json:
     return cast("Json", value)
 
 
+def json_fields(value: object) -> dict[str, Json]:
+    """A dataclass as a JSON object, for a document that adds fields of its own."""
+    fields = jsonable(value)
+    assert isinstance(fields, dict), value
+    return fields
+
+
 _DOCUMENTS = {"printed": False}  # whether this process wrote a JSON document to stdout
 
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from neffbuild.cli.views.console import BaseConsole, human_size, jsonable, say_err
+from neffbuild.cli.views.console import BaseConsole, human_size, json_fields, say_err
 from neffbuild.printable import printable
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def _files(count: int, size: int) -> str:
 def print_status(console: BaseConsole, report: StatusReport) -> None:
     """A status report: what the cache dir holds, a row per unit, informational differences."""
     if console.as_json:
-        console.document({**jsonable(report), "ok": report.ok})
+        console.document({**json_fields(report), "ok": report.ok})
         return
     installed = report.installed_release_id or "unknown"
     if report.installed_release_id == report.release_id:
@@ -215,7 +215,7 @@ def print_store_check(console: BaseConsole, check: StoreCheck) -> None:
             f"warning: {len(check.orphans)} orphan objects ({human_size(check.orphan_bytes)}) no record names; gc removes them after its grace period"
         )
     if console.as_json:
-        console.document({**jsonable(check), "clean": check.clean})
+        console.document({**json_fields(check), "clean": check.clean})
         return
     hashed = f", {human_size(check.hashed_bytes)} hashed" if check.deep else ""
     console.out.print(

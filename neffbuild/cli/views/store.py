@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from neffbuild.cli.views.console import BaseConsole, human_size, jsonable, say_err
+from neffbuild.cli.views.console import BaseConsole, human_size, json_fields, say_err
 
 if TYPE_CHECKING:
     from neffbuild.host.prune import CachePrune
@@ -148,7 +148,7 @@ def _graphs(counters: Mapping[str, int]) -> int:
 def differences(console: BaseConsole, diff: Diff, *, shown: int = 20) -> None:
     """`neffbuild diff`: units added, removed, changed (each field old -> new), then files."""
     if console.as_json:
-        console.document({**jsonable(diff), "identical": diff.identical})
+        console.document({**json_fields(diff), "identical": diff.identical})
         return
     say = functools.partial(console.out.print, markup=False, soft_wrap=True)
     files = diff.files_added + diff.files_removed + diff.files_changed
@@ -198,7 +198,7 @@ def host_differences(console: BaseConsole, diff: HostDiff) -> None:
     """`neffbuild diff --host`: per unit, each field the build and this host differ in, build -> here."""
     if console.as_json:
         console.document(
-            {**jsonable(diff), "identical": diff.identical, "breaking": [d.name for d in diff.host.breaking]}
+            {**json_fields(diff), "identical": diff.identical, "breaking": [d.name for d in diff.host.breaking]}
         )
         return
     say = functools.partial(console.out.print, markup=False, soft_wrap=True)
