@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from neffbuild.documents.records import (
     Release,
     ReleaseUnit,
-    checked_field,
+    checked,
     decode_doc,
     digest_problem,
     env_problem,
@@ -68,11 +68,11 @@ class InstalledUnit:
     """One unit of the installed release, as its bundle recorded it (what its key is made of)."""
 
     unit_id: str
-    key: str = checked_field(digest_problem)
+    key: str = field(metadata=checked(digest_problem))
     backend: str
     unit: dict[str, Any]
     fingerprint: dict[str, str]
-    paths: tuple[str, ...] = checked_field(lambda paths: next(filter(None, map(path_problem, paths)), None))
+    paths: tuple[str, ...] = field(metadata=checked(lambda paths: next(filter(None, map(path_problem, paths)), None)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +143,7 @@ def _corrupt(problem: str) -> CacheState:
 
 @dataclass(frozen=True, slots=True)
 class _Version1:
-    release: str = checked_field(digest_problem)
+    release: str = field(metadata=checked(digest_problem))
     tag: str | None = None
     files: dict[str, Any] = field(default_factory=dict)
 
@@ -159,11 +159,11 @@ class _Version2:
 class _Head:
     """Installed without its release (which is checked against its id first)."""
 
-    release_id: str = checked_field(digest_problem)
-    tag: str = checked_field(lambda tag: tag_problem(tag) if tag else None)
-    store: str = checked_field(lambda url: None if url else "empty")
-    installed_at: str = checked_field(lambda at: _time_problem(at))
-    exports: dict[str, str] = checked_field(lambda env: env_problem(env))
+    release_id: str = field(metadata=checked(digest_problem))
+    tag: str = field(metadata=checked(lambda tag: tag_problem(tag) if tag else None))
+    store: str = field(metadata=checked(lambda url: None if url else "empty"))
+    installed_at: str = field(metadata=checked(lambda at: _time_problem(at)))
+    exports: dict[str, str] = field(metadata=checked(lambda env: env_problem(env)))
     units: tuple[InstalledUnit, ...]
 
 
