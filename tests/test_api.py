@@ -1,18 +1,24 @@
-"""neffbuild.ensure_cache / apply_exports: pulling in-process for serving code (issue 12, item 10)."""
+"""neffbuild.ensure_cache / apply_exports: pulling in-process for serving code."""
 
 from __future__ import annotations
 
+import ast
 import gc
+import inspect
 import os
+import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 import neffbuild
 from neffbuild.errors import EnvironmentMismatch, NotFoundError, StoreError
+from neffbuild.retry import Policy
 from neffbuild.store.local import LocalStore
+from tests.conftest import ROOT
 from tests.storekit import publish_release_of, write_files
 
 
@@ -100,3 +106,59 @@ def test_importing_neffbuild_imports_no_core_module() -> None:
     code = "import sys, neffbuild; print(sorted(m for m in sys.modules if m.startswith('neffbuild')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['neffbuild']"
+
+
+# ---- the signature: every keyword docs/hosts.md documents, typed, and nothing else ----------------
+
+
+def documented_keywords() -> dict[str, object]:
+    """The keywords after cache_dir in docs/hosts.md's `ensure_cache(...)` line, with their defaults."""
+    text = (ROOT / "docs" / "hosts.md").read_text()
+    found = re.search(r"`ensure_cache\(ref, \*, store, cache_dir, ([^`]*)\)`", text)
+    assert found, "docs/hosts.md no longer shows ensure_cache's signature"
+    call = ast.parse(f"f({found.group(1)})", mode="eval").body
+    assert isinstance(call, ast.Call)
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
+
+
+def test_every_documented_keyword_is_an_option_with_its_documented_default() -> None:
+    from neffbuild.api import EnsureCacheOptions, _Ensure
+
+    documented = documented_keywords()
+    assert set(documented) == {
+        "timeout", "allow_stale", "host_check", "env", "verify", "allow_env", "policy", "trusted_keys", "release"
+    }  # fmt: skip
+    assert set(EnsureCacheOptions.__optional_keys__) == set(documented) and not EnsureCacheOptions.__required_keys__
+    assert {f.name: f.default for f in fields(_Ensure)} == documented
+    explicit = inspect.signature(neffbuild.ensure_cache).parameters
+    assert [(p.name, p.kind) for p in explicit.values()] == [
+        ("ref", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("store", inspect.Parameter.KEYWORD_ONLY),
+        ("cache_dir", inspect.Parameter.KEYWORD_ONLY), ("options", inspect.Parameter.VAR_KEYWORD),
+    ]  # fmt: skip
+
+
+def test_every_documented_keyword_still_works(published, tmp_path: Path) -> None:
+    url, release_id = published
+    cache = tmp_path / "cache"
+    for name, default in documented_keywords().items():  # each alone, at its documented default
+        report = neffbuild.ensure_cache("prod", store=url, cache_dir=cache, **{name: default})
+        assert report.release_id == release_id and not report.stale
+    report = neffbuild.ensure_cache(  # all at once, none at its default
+        ref="prod", store=LocalStore(Path(url)), cache_dir=str(cache), timeout=60.0, allow_stale=True,
+        host_check=False, env=dict(os.environ), verify="full", allow_env=("NEFFBUILD_TEST_VAR",), policy=Policy(attempts=2),
+    )  # fmt: skip
+    assert report.release_id == release_id and not report.host_checked and report.files_fetched == 0
+    assert "NEFFBUILD_TEST_VAR" in report.allowed
+    with pytest.raises(ValueError, match="verify must be one of"):  # values are still checked where they were
+        neffbuild.ensure_cache("prod", store=url, cache_dir=cache, verify="sometimes")  # type: ignore[typeddict-item]
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_the_closest_one(published, tmp_path: Path) -> None:
+    url, _ = published
+    with pytest.raises(TypeError, match=r"^ensure_cache\(\) got an unexpected keyword argument 'alow_stale' \(did you mean 'allow_stale'\?\)$"):  # fmt: skip
+        neffbuild.ensure_cache("prod", store=url, cache_dir=tmp_path / "cache", alow_stale=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'zzz'$"):
+        neffbuild.ensure_cache("prod", store=url, cache_dir=tmp_path / "cache", zzz=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):  # the store and the cache dir stay keyword-only
+        neffbuild.ensure_cache("prod", url, tmp_path / "cache")  # type: ignore[misc]
+    assert not (tmp_path / "cache").exists()

@@ -275,21 +275,23 @@ def compile_components(pipe: Any, entry: ModelEntry, compiler: Any, compiler_nam
         component = getattr(pipe, name, None)
         if component is None:
             raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
-        options = {"backend": GraphCounter(spec, compiler, compiler_name), "fullgraph": True, "dynamic": False}
+        counter = GraphCounter(spec, compiler, compiler_name)
         if method is not None:
             bound = getattr(component, method, None)
             if not callable(bound):
                 raise ValueError(f"{type(component).__name__} has no method {method!r}")
-            setattr(component, method, _recorded(spec, torch.compile(bound, **options)))
+            setattr(
+                component, method, _recorded(spec, torch.compile(bound, backend=counter, fullgraph=True, dynamic=False))
+            )
         elif entry.mode == "full":
-            component.compile(**options)
+            component.compile(backend=counter, fullgraph=True, dynamic=False)
             # Module.compile keeps the compiled call here; recording outside it keeps the
             # graph whole (a hook would run inside it).
             component._compiled_call_impl = _recorded(spec, component._compiled_call_impl)
         elif not getattr(component, "_repeated_blocks", None):
             raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
         else:
-            component.compile_repeated_blocks(**options)
+            component.compile_repeated_blocks(backend=counter, fullgraph=True, dynamic=False)
             component.register_forward_pre_hook(
                 lambda _m, args, kwargs, spec=spec: _record(spec, args, kwargs), with_kwargs=True
             )

@@ -46,7 +46,7 @@ def zero_compile_times() -> bool:
             return save_graph(key, compiled_graph, *args, **kwargs)
 
         _save_graph.neffbuild_patched = True  # type: ignore[attr-defined]
-        FxGraphCache._save_graph = staticmethod(_save_graph)  # type: ignore[method-assign]
+        FxGraphCache._save_graph = staticmethod(_save_graph)
         patched += 1
     save_entry = getattr(AOTAutogradCache, "save", None)
     if save_entry is not None and not getattr(save_entry, "neffbuild_patched", False):
@@ -61,7 +61,7 @@ def zero_compile_times() -> bool:
             return save_entry(key, entry, *args, **kwargs)
 
         _save.neffbuild_patched = True  # type: ignore[attr-defined]
-        AOTAutogradCache.save = staticmethod(_save)  # type: ignore[method-assign]
+        AOTAutogradCache.save = staticmethod(_save)
         patched += 1
     if patched < 2:
         log.warning(

@@ -27,7 +27,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeGuard
 
 PROMPT_ARG = re.compile(r"^(negative_)?prompt(_\d)?$")
 _TOKENIZER = re.compile(r"^tokenizer(_\d+)?$")
@@ -35,7 +35,7 @@ _TOKENIZING_METHODS = {"apply_chat_template", "encode", "encode_plus", "batch_en
 _COMPARE: Mapping[type, Callable[[Any, Any], bool]] = {
     ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Lt: operator.lt, ast.LtE: operator.le,
 }  # fmt: skip
-_SYMBOL = {ast.Gt: ">", ast.GtE: ">=", ast.Lt: "<", ast.LtE: "<="}
+_SYMBOL: Mapping[type, str] = {ast.Gt: ">", ast.GtE: ">=", ast.Lt: "<", ast.LtE: "<="}
 # Helpers that take a module only to read where or in which dtype its parameters are.
 _READS_ONLY = re.compile(r"(device|dtype)$")
 WHOLE = "*"  # a component used as a value (passed, aliased): any of its methods may run
@@ -119,7 +119,7 @@ def _reachable(cls: type) -> Iterator[tuple[str, ast.AST]]:
         todo.extend(node.attr for node in ast.walk(tree) if _is_self_attr(node))
 
 
-def _is_self_attr(node: ast.AST) -> bool:
+def _is_self_attr(node: ast.AST) -> TypeGuard[ast.Attribute]:
     return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
 
 
@@ -273,13 +273,13 @@ def _passed_to_components(trees: Mapping[str, ast.AST], arg: str, uses: Mapping[
                 continue
             func = node.func
             owner = func.value if isinstance(func, ast.Attribute) and _is_self_attr(func.value) else func
-            if not (_is_self_attr(owner) and owner.attr in uses and owner.attr not in names):  # type: ignore[union-attr]
+            if not (_is_self_attr(owner) and owner.attr in uses and owner.attr not in names):
                 continue
             for value in [*node.args, *(k.value for k in node.keywords)]:
                 for inner in ast.walk(value):
                     if (isinstance(inner, ast.Name) and inner.id in names) or (
                         _is_self_attr(inner) and inner.attr in names
-                    ):  # type: ignore[union-attr]
+                    ):
                         return True
     return False
 
@@ -295,8 +295,8 @@ def _tuple_length(param: inspect.Parameter) -> int:
         return None if isinstance(param.default, tuple) else -1  # type: ignore[return-value]
     for candidate in _union_members(annotation):
         if typing.get_origin(candidate) is tuple or candidate is tuple:
-            items = typing.get_args(candidate)
-            return len(items) if len(items) >= 2 and Ellipsis not in items else None  # type: ignore[return-value]
+            members = typing.get_args(candidate)
+            return len(members) if len(members) >= 2 and Ellipsis not in members else None  # type: ignore[return-value]
     return None if isinstance(param.default, tuple) else -1  # type: ignore[return-value]
 
 

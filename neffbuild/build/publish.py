@@ -133,7 +133,7 @@ def _signed_version(old: TagRecord | None) -> int:
         return 0
 
 
-def _settle_tag(store: Store, record: TagRecord, before: tuple[bytes, str] | None) -> TagRecord:
+def _settle_tag(store: Store, record: TagRecord, before: tuple[TagRecord, str] | None) -> TagRecord:
     """Once no gc runs: the release must still be there (a gc that began before the move may have
     taken an old, untagged one); if not, the tag moves back, unless it moved on since."""
     wait_for_gc(store)
@@ -141,7 +141,7 @@ def _settle_tag(store: Store, record: TagRecord, before: tuple[bytes, str] | Non
         return record
     now = store.read_tag(record.name)
     if before is not None and now is not None and now[0] == dump(record):
-        store.swap_tag(record.name, before[0], now[1])
+        store.swap_tag(record.name, dump(before[0]), now[1])
     raise ConflictError(
         f"tag {record.name}: a gc deleted release {record.release} while the tag moved to it",
         hint="publish the release again (rebuild or push it), then move the tag",

@@ -171,7 +171,7 @@ def plan(
         Console(as_json).plan(make_plan(load_manifest(manifest), os.environ))
         return
     from neffbuild.build.fleet import plan_fleet
-    from neffbuild.cli.views import print_fleet_plan
+    from neffbuild.cli.views.ci import print_fleet_plan
 
     print_fleet_plan(Console(as_json), plan_fleet(manifest, store, env=os.environ, shards=shards, out=out, tag=tag))
 
@@ -483,7 +483,7 @@ def verify(
     if in_place and not replay:
         raise InputError("--in-place is a --replay option", hint="add --replay")
     if manifest is None:
-        from neffbuild.cli.views import print_store_check
+        from neffbuild.cli.views.host import print_store_check
         from neffbuild.maint.storecheck import check_store, store_error
 
         result = check_store(store.open(os.environ), deep=deep)
@@ -683,7 +683,7 @@ def status(
     """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
     hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
     Reads the cache dir; the store only for a release other than the installed one."""
-    from neffbuild.cli.views import print_status
+    from neffbuild.cli.views.host import print_status
     from neffbuild.host.exports import host_allow
     from neffbuild.host.status import status_error, status_of
 
@@ -705,7 +705,7 @@ def status(
 @json_option
 def ls_command(tag_name: str | None, store: StoreChoice, as_json: bool) -> None:
     """List the store's tags and releases, newest first."""
-    from neffbuild.cli import views as output
+    from neffbuild.cli.views import store as output
     from neffbuild.inspect.ls import list_store, tag_history
 
     opened = store.open(os.environ)
@@ -721,7 +721,7 @@ def ls_command(tag_name: str | None, store: StoreChoice, as_json: bool) -> None:
 @json_option
 def show_command(ref: str, store: StoreChoice, as_json: bool) -> None:
     """Show a release's units (REF: TAG, TAG@N, release id or prefix) or a bundle's files (its key)."""
-    from neffbuild.cli import views as output
+    from neffbuild.cli.views import store as output
     from neffbuild.inspect.show import show
 
     output.shown_ref(Console(as_json), show(store.open(os.environ), ref))
@@ -744,7 +744,7 @@ def diff_command(
     """What changed from release A to release B (or bundle to bundle): units, the fields behind each
     changed key (old -> new), files. With --host REF: each unit's fingerprint fields that differ
     between REF's build and this host (with the release's exports applied), breaking or not."""
-    from neffbuild.cli import views as output
+    from neffbuild.cli.views import store as output
     from neffbuild.inspect.diff import diff, diff_host
 
     if host_ref is not None:
@@ -788,7 +788,7 @@ _grace_option = click.option(
 def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None:
     """Bytes the store holds by tag, release, model entry and toolchain, what dedup saves, and
     what `gc` would free under --keep and --grace."""
-    from neffbuild.cli import views as output
+    from neffbuild.cli.views import store as output
     from neffbuild.inspect.du import disk_usage
     from neffbuild.maint.gc import Policy, parse_duration, reclaimable
 
@@ -823,7 +823,7 @@ def gc_command(
     as_json: bool,
 ) -> None:
     """Delete what no tag reaches (mark and sweep), or prune a host's --cache-dir."""
-    from neffbuild.cli.views import print_cache_prune, print_gc_plan, print_gc_result
+    from neffbuild.cli.views.store import print_cache_prune, print_gc_plan, print_gc_result
 
     console = Console(as_json)
     if cache_dir is not None:

@@ -51,7 +51,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _COMPONENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
-_VALID_DEVICES = {"inductor": ("cpu", "cuda"), "neuron": ("neuron",)}
+Device = Literal["cpu", "cuda", "neuron"]
+_VALID_DEVICES: dict[str, tuple[Device, ...]] = {"inductor": ("cpu", "cuda"), "neuron": ("neuron",)}
 _CACHE_VARS_OWNED = {"TORCHINDUCTOR_CACHE_DIR", "TORCH_NEURONX_NEFF_CACHE_DIR", "TRITON_CACHE_DIR"}
 PROMPT_ARGS = re.compile(r"^(negative_)?prompt(_\d)?$")
 DEFAULT_PROMPT = "a photo of a cat"  # the warmup prompt when a manifest's call gives none
@@ -97,7 +98,7 @@ class ShapeSet(_Strict):
         return math.prod(len(v) if isinstance(v, list) else 1 for v in (self.height, self.width, self.batch))
 
 
-def _default_device(data: dict[str, Any]) -> str:
+def _default_device(data: dict[str, Any]) -> Device:
     return _VALID_DEVICES.get(data.get("backend", "inductor"), ("cpu",))[0]
 
 
@@ -121,7 +122,7 @@ class ModelEntry(_Strict):
     )
     dtype: Dtype = "bfloat16"
     backend: BackendName = "inductor"
-    device: Literal["cpu", "cuda", "neuron"] = Field(
+    device: Device = Field(
         default_factory=_default_device, description="Default: cpu for the inductor backend, neuron for neuron."
     )
     mode: Mode = "full"
@@ -511,7 +512,9 @@ def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
 
 def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
     # A default computed from another field (device from backend) says nothing of its own.
-    errors = [{**e, "loc": _clean_loc(e["loc"])} for e in exc.errors() if e["type"] != "default_factory_not_called"]
+    errors: list[dict[str, Any]] = [
+        {**e, "loc": _clean_loc(e["loc"])} for e in exc.errors() if e["type"] != "default_factory_not_called"
+    ]
     # A union reports every branch; where one branch got further, the others are noise.
     errors = [
         e
@@ -592,7 +595,7 @@ def _location(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
             parts[-1] = f"{parts[-1]}[{label}]" if parts else f"[{label}]"
         else:
             parts.append(str(part) if _ENTRY_KEY.match(str(part)) else _short(str(part), 40))
-        node = node[part] if isinstance(node, (dict, list)) and _has(node, part) else None
+        node = node[part] if isinstance(node, (dict, list)) and _has(node, part) else None  # type: ignore[index]  # _has: an int for a list
     return ".".join(parts) if parts else "(top level)"
 
 

@@ -142,9 +142,10 @@ def _file_size(value: int) -> str | None:
     return _not_negative(value) or (None if value < 1 << 63 else f"{value} is larger than any file can be")
 
 
-def checked_field(check: typing.Callable[[Any], str | None]) -> Any:
-    """A field whose value must also pass check (which returns a problem or None)."""
-    return field(metadata={"check": check})
+def checked(check: typing.Callable[[Any], str | None]) -> dict[str, typing.Callable[[Any], str | None]]:
+    """A field's metadata, `field(metadata=checked(check))`: its value must also pass check (which
+    returns a problem or None)."""
+    return {"check": check}
 
 
 def optional_field(check: typing.Callable[[Any], str | None], default: Any) -> Any:
@@ -157,9 +158,9 @@ def optional_field(check: typing.Callable[[Any], str | None], default: Any) -> A
 class FileEntry:
     """One cache file: where it goes under the cache dir and what its bytes are."""
 
-    path: str = checked_field(path_problem)
-    size: int = checked_field(_file_size)
-    digest: str = checked_field(digest_problem)
+    path: str = field(metadata=checked(path_problem))
+    size: int = field(metadata=checked(_file_size))
+    digest: str = field(metadata=checked(digest_problem))
     sha256: str = optional_field(sha256_problem, "")  # "" only in version 1 documents
 
 
@@ -174,12 +175,12 @@ class Timings:
 class BundleRecord:
     """The cache files one build unit produced, and everything that keyed them."""
 
-    key: str = checked_field(digest_problem)
+    key: str = field(metadata=checked(digest_problem))
     unit_id: str
     unit: dict[str, Any]
     backend: str
     fingerprint: dict[str, str]
-    files: tuple[FileEntry, ...] = checked_field(_distinct_paths)
+    files: tuple[FileEntry, ...] = field(metadata=checked(_distinct_paths))
     counters: dict[str, int]
     timings: Timings
     created_at: str
@@ -194,15 +195,15 @@ class BundleRecord:
 class SharedPath:
     """A path two units both produced with different bytes; the backend said either serves."""
 
-    path: str = checked_field(path_problem)
-    kept: str = checked_field(digest_problem)
+    path: str = field(metadata=checked(path_problem))
+    kept: str = field(metadata=checked(digest_problem))
     dropped: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseUnit:
     unit_id: str
-    key: str = checked_field(digest_problem)
+    key: str = field(metadata=checked(digest_problem))
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,11 +213,11 @@ class Release:
     name: str
     manifest_digest: str
     backend: str
-    cache_env: str = checked_field(env_name_problem)
-    env: dict[str, str] = checked_field(env_problem)
+    cache_env: str = field(metadata=checked(env_name_problem))
+    env: dict[str, str] = field(metadata=checked(env_problem))
     fingerprint: dict[str, str]
     units: tuple[ReleaseUnit, ...]
-    files: tuple[FileEntry, ...] = checked_field(_distinct_paths)
+    files: tuple[FileEntry, ...] = field(metadata=checked(_distinct_paths))
     shared: tuple[SharedPath, ...] = ()
     format: str = RELEASE_FORMAT
 
@@ -237,7 +238,7 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class TagEvent:
-    release: str = checked_field(digest_problem)
+    release: str = field(metadata=checked(digest_problem))
     at: str
     by: str
 
@@ -265,8 +266,8 @@ class TagRecord:
     """A movable name for a release, with its history (newest last) for audit and rollback.
     A signed tag (format /2) carries a signed statement of (tag, release, version, expiry)."""
 
-    name: str = checked_field(_tag_name)
-    release: str = checked_field(digest_problem)
+    name: str = field(metadata=checked(_tag_name))
+    release: str = field(metadata=checked(digest_problem))
     history: tuple[TagEvent, ...]
     format: str = TAG_FORMAT
     statement: Envelope | None = optional_field(lambda v: None, None)
@@ -303,7 +304,9 @@ def _plain(value: Any) -> Any:
             for name, omit in _field_names(kind)
             if (got := getattr(value, name)) is not omit and got != omit
         }
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return copy.deepcopy(value)
 
 
 _KEEP = object()  # a field always encoded
@@ -331,7 +334,7 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
         raise IntegrityError(
             f"{where}: nested too deeply", hint="the object is corrupt or forged; rebuild or re-push it"
         ) from None
-    expected = _fields(kind)["format"].default
+    expected = typing.cast(str, _fields(typing.cast(type, kind))["format"].default)
     if isinstance(raw, dict) and raw.get("format") not in READABLE.get(expected, (expected,)):
         found = raw.get("format")
         raise IntegrityError(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from neffbuild.fs.confined import Beneath, disk_error
 from neffbuild.fs.locks import acquire
-from neffbuild.fs.readonly import writable_dirs
+from neffbuild.fs.readonly import require_read_only, writable_dirs
 from neffbuild.host.state import CacheState, open_existing, open_state_dir, read_state, state_path
 from neffbuild.names import STATE_DIR
 
@@ -109,6 +109,11 @@ class CacheDir:
     def writable_dirs(self, allowed: Collection[str]) -> list[Path]:
         """Dirs this process could write, outside allowed (read-only detection)."""
         return writable_dirs(self.path, allowed)
+
+    def require_read_only(self, backend: str, writable: Collection[str]) -> None:
+        """Refuse a dir this process could write outside `writable` (InputError), or one whose
+        `writable` dirs it cannot write (HostNotReady): what `verify --replay --in-place` needs."""
+        require_read_only(self.path, backend, writable)
 
 
 @contextmanager

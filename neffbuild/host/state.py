@@ -35,6 +35,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ from neffbuild.documents.records import (
     BundleRecord,
     Release,
     ReleaseUnit,
-    checked_field,
+    checked,
     decode_doc,
     digest_problem,
     env_problem,
@@ -71,11 +72,11 @@ class InstalledUnit:
     """One unit of the installed release, as its bundle recorded it (what its key is made of)."""
 
     unit_id: str
-    key: str = checked_field(digest_problem)
+    key: str = field(metadata=checked(digest_problem))
     backend: str
     unit: dict[str, Any]
     fingerprint: dict[str, str]
-    paths: tuple[str, ...] = checked_field(lambda paths: next(filter(None, map(path_problem, paths)), None))
+    paths: tuple[str, ...] = field(metadata=checked(lambda paths: next(filter(None, map(path_problem, paths)), None)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +148,7 @@ def _corrupt(problem: str) -> CacheState:
 
 @dataclass(frozen=True, slots=True)
 class _Version1:
-    release: str = checked_field(digest_problem)
+    release: str = field(metadata=checked(digest_problem))
     tag: str | None = None
     files: dict[str, Any] = field(default_factory=dict)
 
@@ -157,18 +158,18 @@ class _Version2:
     format: str
     installed: dict[str, Any]
     files: dict[str, Any]
-    accepted: dict[str, int] = checked_field(lambda got: _accepted_problem(got))
+    accepted: dict[str, int] = field(metadata=checked(lambda got: _accepted_problem(got)))
 
 
 @dataclass(frozen=True, slots=True)
 class _Head:
     """Installed without its release (which is checked against its id first)."""
 
-    release_id: str = checked_field(digest_problem)
-    tag: str = checked_field(lambda tag: tag_problem(tag) if tag else None)
-    store: str = checked_field(lambda url: None if url else "empty")
-    installed_at: str = checked_field(lambda at: _time_problem(at))
-    exports: dict[str, str] = checked_field(lambda env: env_problem(env))
+    release_id: str = field(metadata=checked(digest_problem))
+    tag: str = field(metadata=checked(lambda tag: tag_problem(tag) if tag else None))
+    store: str = field(metadata=checked(lambda url: None if url else "empty"))
+    installed_at: str = field(metadata=checked(lambda at: _time_problem(at)))
+    exports: dict[str, str] = field(metadata=checked(lambda env: env_problem(env)))
     units: tuple[InstalledUnit, ...]
 
 
@@ -384,5 +385,5 @@ def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[I
     with ThreadPoolExecutor(
         max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles"
     ) as pool:
-        loads = [pool.submit(carried(lambda u=u: load(u))) for u in units]  # under the pull's deadline
+        loads = [pool.submit(carried(partial(load, u))) for u in units]  # under the pull's deadline
         return tuple(f.result() for f in loads)

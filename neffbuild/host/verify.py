@@ -42,8 +42,8 @@ from neffbuild.errors import (
     NotFoundError,
     ReplayMissError,
 )
-from neffbuild.fs.readonly import require_read_only
 from neffbuild.hashing import hash_file
+from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.exports import serving_dirs
 from neffbuild.host.trust import Trust, verify_release
 from neffbuild.runner.jobs import (
@@ -161,11 +161,10 @@ def verify_files(
     (host/trust.py) before any file is looked at."""
     loaded, plan = _plan_for(manifest, cache_dir, env)
     opened = store.open(env, manifest_default=loaded.manifest.store)
-    if trust is not None:
-        from neffbuild.host.state import read_cache_state
-
-        verify_release(opened, loaded.manifest.name, trust, read_cache_state(cache_dir)[1].accepted)
-    return FilesCheck(cache_dir, opened.url, check_files(plan, opened, cache_dir))
+    with CacheDir.opened(cache_dir) as cache:
+        if trust is not None:
+            verify_release(opened, loaded.manifest.name, trust, cache.read_state()[1].accepted)
+        return FilesCheck(cache_dir, opened.url, check_files(plan, opened, cache.path))
 
 
 def _plan_for(manifest: Path, cache_dir: Path, env: Mapping[str, str]) -> tuple[LoadedManifest, Plan]:
@@ -191,17 +190,18 @@ def replay(
     which this process must not be able to write), one fresh process per model entry (as
     serving does); cache_dir itself is only read (in place: but for the backend's lock dir)."""
     backend = get_backend(plan.backend_name)
-    cache_dir = cache_dir.expanduser().resolve()
-    for flag, path in (("--outputs", outputs_dir), ("--work-dir", work_dir)):
-        if path and path.expanduser().resolve().is_relative_to(cache_dir):
-            raise InputError(f"{flag} {path} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE)
-    if outputs_dir:
-        try:
-            outputs_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise InputError(f"--outputs {outputs_dir}: cannot create it ({exc.strerror or exc})") from None
-    if in_place:
-        require_read_only(cache_dir, plan.backend_name, serving_dirs(plan.backend_name))
+    with CacheDir.opened(cache_dir) as cache:  # resolved once; in place, its read-only check
+        cache_dir = cache.path
+        for flag, path in (("--outputs", outputs_dir), ("--work-dir", work_dir)):
+            if path and path.expanduser().resolve().is_relative_to(cache_dir):
+                raise InputError(f"{flag} {path} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE)
+        if outputs_dir:
+            try:
+                outputs_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise InputError(f"--outputs {outputs_dir}: cannot create it ({exc.strerror or exc})") from None
+        if in_place:
+            cache.require_read_only(plan.backend_name, serving_dirs(plan.backend_name))
     root = make_scratch_root(work_dir, "neffbuild-replay-")
     if root.resolve().is_relative_to(cache_dir):  # the system's temp dir is
         root.rmdir()

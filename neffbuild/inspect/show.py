@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, SharedPath, Timings
 from neffbuild.documents.refs import ResolvedBundle, resolve_any
@@ -49,14 +49,14 @@ class ReleaseView:
     fingerprint: Mapping[str, str]  # the fields every unit shares
     shared: tuple[SharedPath, ...]
     units: tuple[UnitView, ...]
-    kind: str = "release"
+    kind: Literal["release"] = "release"
 
 
 @dataclass(frozen=True)
 class BundleView:
     unit: UnitView
     files: tuple[FileEntry, ...]
-    kind: str = "bundle"
+    kind: Literal["bundle"] = "bundle"
 
 
 def show(store: Store, ref: str, *, jobs: int = DOC_JOBS) -> ReleaseView | BundleView:

@@ -299,7 +299,7 @@ def _read(store: Store, kind: type, folder: str, names: Iterable[str], jobs: int
         if data is None:
             continue
         where = f"{store.url}/{folder}/{name}.json"
-        doc = parse(kind, data, where)
+        doc: object = parse(kind, data, where)
         if isinstance(doc, Release) and doc.release_id != name or isinstance(doc, BundleRecord) and doc.key != name:
             raise IntegrityError(
                 f"{where}: content does not match its name",

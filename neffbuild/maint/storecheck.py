@@ -68,7 +68,7 @@ def check_store(store: Store, *, deep: bool = False, jobs: int = DOC_JOBS) -> St
             if data is None:
                 continue
             try:
-                doc = parse(kind, data, f"{store.url}/{key}")
+                doc: object = parse(kind, data, f"{store.url}/{key}")
             except IntegrityError as exc:
                 damaged.append(Finding(key, exc.message.removeprefix(f"{store.url}/{key}: ")))
                 continue
@@ -118,7 +118,7 @@ def check_store(store: Store, *, deep: bool = False, jobs: int = DOC_JOBS) -> St
     )  # fmt: skip
 
 
-def store_error(check: StoreCheck) -> IntegrityError | None:
+def store_error(check: StoreCheck) -> NeffbuildError | None:
     if check.clean:
         return None
     first = (check.dangling or check.damaged)[0]
@@ -141,17 +141,15 @@ def _missing_files(
     for f in files:
         loose = objects.get(blob_key(f.digest))
         where = packed.get(f.digest)
-        if loose is None and where is None:
+        if loose is not None:
+            stored, holder = loose.size, blob_key(f.digest)
+        elif where is not None:
+            stored, holder = where[1], f"packs/{where[0]}.pack"
+        else:
             out.append(Finding(record, f"blob {f.digest} ({f.path}) is missing"))
             continue
-        stored = loose.size if loose is not None else where[1]
         if stored != f.size and f.digest not in sizes:
-            damaged.append(
-                Finding(
-                    blob_key(f.digest) if loose else f"packs/{where[0]}.pack",
-                    f"blob {f.digest} holds {stored} bytes, {record} says {f.size}",
-                )
-            )
+            damaged.append(Finding(holder, f"blob {f.digest} holds {stored} bytes, {record} says {f.size}"))
         sizes[f.digest] = f.size
     return out
 

@@ -78,11 +78,12 @@ class MemoryGate:
 
     @contextmanager
     def share(self, need: int | None) -> Iterator[None]:
-        if self.budget is None or need is None:
+        budget = self.budget
+        if budget is None or need is None:
             yield
             return
         with self._turns:
-            self._turns.wait_for(lambda: self.held == 0 or self.held + need <= self.budget)
+            self._turns.wait_for(lambda: self.held == 0 or self.held + need <= budget)
             self.held += need
             self.peak = max(self.peak, self.held)
         try:

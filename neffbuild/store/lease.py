@@ -40,10 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from neffbuild.errors import ConflictError, IntegrityError
-from neffbuild.store.base import Store, doc_key, shown
+from neffbuild.store.base import DocKind, Store, doc_key, shown
 
 LEASE_FORMAT = "neffbuild.maint.gc-lease/1"
-LEASE_KIND, LEASE_NAME = "gc", "lease"
+LEASE_KIND: DocKind = "gc"
+LEASE_NAME = "lease"
 LEASE_S = 3600.0  # a gc that needs longer stops; running it again continues
 LEASE_MARGIN_S = 60.0  # gc stops deleting this long before its lease expires
 WAIT_STEP_S = (0.05, 2.0)  # a waiting publish polls the lease from every 50 ms up to every 2 s

@@ -98,3 +98,32 @@ def _tag(store: Store, name: str) -> TagRecord:
     current = store.read_tag(name)
     assert current is not None
     return parse(TagRecord, current[0], name)
+
+
+def test_a_tag_moved_to_a_release_a_gc_deleted_meanwhile_moves_back(tmp_path: Path) -> None:
+    from neffbuild.documents.refs import read_tag
+    from neffbuild.errors import ConflictError
+    from neffbuild.store.local import LocalStore
+
+    class DeletedAfterTheCheck(LocalStore):
+        """The release is there for move_tag's first look, gone (a gc) once the tag has moved."""
+
+        looks = 0
+
+        def get_doc(self, kind, name):  # type: ignore[no-untyped-def]
+            if kind == "releases" and name == v2:
+                self.looks += 1
+                if self.looks > 1:
+                    return None
+            return super().get_doc(kind, name)
+
+    store = LocalStore(tmp_path / "store", create=True)
+    v1, v2 = (
+        publish_release_of(store, tmp_path / f"s{v}", write_files(tmp_path / f"s{v}", {f"f{v}.bin": 100}), name=f"r{v}")
+        for v in (1, 2)
+    )
+    before = move_tag(store, "prod", v1, by="ci")
+    with pytest.raises(ConflictError, match=f"a gc deleted release {v2} while the tag moved to it"):
+        move_tag(DeletedAfterTheCheck(tmp_path / "store"), "prod", v2, by="ci")
+    after = read_tag(store, "prod")
+    assert after is not None and after[0] == before  # moved back: the release and the history it had

@@ -195,8 +195,8 @@ def test_json_keeps_the_exact_strings(tmp_path: Path) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(text=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=24))
 def test_views_on_arbitrary_text_hold_no_control_byte(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
-    from neffbuild.cli import views as output
     from neffbuild.cli.views import Console
+    from neffbuild.cli.views import store as output
     from neffbuild.inspect.du import disk_usage
     from neffbuild.inspect.ls import list_store, tag_history
     from neffbuild.inspect.show import show

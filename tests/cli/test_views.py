@@ -11,7 +11,8 @@ from pathlib import Path
 
 from rich.console import Console as RichConsole
 
-from neffbuild.cli.views import Console, fit_table
+from neffbuild.cli.views import Console
+from neffbuild.cli.views.console import fit_table
 from tests.conftest import write_manifest
 
 UNIT_COLUMNS = [("unit", True), ("key", True), ("mode", False), ("dtype", False), ("device", False)]

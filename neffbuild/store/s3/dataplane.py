@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import datetime
+from functools import partial
 from typing import Any, TypeVar
 
 import urllib3
@@ -73,7 +74,7 @@ def ranges_in_order(
             raise
 
     pending = deque(
-        fetchers.submit(retry.carried(lambda s=start: fetch(s)))
+        fetchers.submit(retry.carried(partial(fetch, start)))
         for start in range(0, min(target.size, WINDOW * PART), PART)
     )
     next_start = WINDOW * PART
@@ -83,7 +84,7 @@ def ranges_in_order(
             yield view  # write_verified has written it when we resume
             buffers.give(buf)
             if next_start < target.size:
-                pending.append(fetchers.submit(retry.carried(lambda s=next_start: fetch(s))))
+                pending.append(fetchers.submit(retry.carried(partial(fetch, next_start))))
                 next_start += PART
     finally:
         for f in pending:  # on failure: give back what was fetched, cancel the rest
@@ -283,7 +284,7 @@ class DataPlane:
         if page_size is not None:  # the server's default (1,000) otherwise
             params["max-keys"] = str(page_size)
         while True:
-            page = self.retried(rel_prefix, lambda p=dict(params): self._list_page(rel_prefix, p))
+            page = self.retried(rel_prefix, partial(self._list_page, rel_prefix, dict(params)))
             encoded = b"<EncodingType>url</EncodingType>" in page  # a server may ignore encoding-type
             for entry in _LIST_ENTRY.findall(page):
                 yield self._listed(rel_prefix, entry, encoded, len(store_prefix))
@@ -396,7 +397,7 @@ def read_body(
     response: urllib3.BaseHTTPResponse,
     where: str,
     wanted: int | None,
-    into: Buffer | None,
+    into: Buffer | memoryview | None,
     *,
     needed: str | None,
     limit: int,
@@ -546,7 +547,7 @@ def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManag
         if k.lower() in ("http_proxy", "https_proxy", "no_proxy")
     }
     proxy = proxies.get(scheme)
-    if proxy and not urllib.request.proxy_bypass_environment(host, proxies):
+    if proxy and not urllib.request.proxy_bypass_environment(host, proxies):  # type: ignore[attr-defined]  # undocumented: not in typeshed
         return urllib3.ProxyManager(proxy, **kwargs)
     return urllib3.PoolManager(**kwargs)
 

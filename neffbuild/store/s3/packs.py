@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError
@@ -84,7 +85,8 @@ class PackCatalog:
         A damaged or vanished index is set aside, not raised: it concerns only whoever needs one
         of its blobs (missing() then reports them missing, a pull names it: _check_not_hidden).
         """
-        ids = {packs.pack_id_of_index_key(rel) for rel in self._reader.list("packs/", self._store_prefix)} - {None}
+        listed = self._reader.list("packs/", self._store_prefix)
+        ids = {i for i in map(packs.pack_id_of_index_key, listed) if i is not None}
         with self._lock:  # a pack deleted since (by gc) no longer answers for its blobs
             if gone := [i for i in self._packs if i not in ids]:
                 for pack_id in gone:
@@ -95,7 +97,7 @@ class PackCatalog:
             for pack_id in [i for i in self._damaged if i not in ids]:
                 del self._damaged[pack_id]
         new = sorted(i for i in ids if i not in self._packs and i not in self._damaged)
-        loaded = dataplane.run_all([lambda i=i: self._try_index(i) for i in new], 16)
+        loaded = dataplane.run_all([partial(self._try_index, i) for i in new], 16)
         with self._lock:
             for pack_id, got in zip(new, loaded, strict=True):
                 if isinstance(got, packs.PackIndex):
@@ -138,7 +140,7 @@ class PackCatalog:
     def _through_locator(self, locator: packs.Locator, wanted: Mapping[str, BlobTarget]) -> dict[str, Where]:
         needed = {p: sorted(ds & wanted.keys()) for p, ds in locator.packs.items() if ds & wanted.keys()}
         ids = sorted(needed)
-        indexes = dataplane.run_all([lambda p=p: self._index(p, wanted[needed[p][0]].dest) for p in ids], 16)
+        indexes = dataplane.run_all([partial(self._index, p, wanted[needed[p][0]].dest) for p in ids], 16)
         found = {}
         for index in indexes:
             entries = {e.digest: e for e in index.entries}
@@ -172,7 +174,7 @@ class PackCatalog:
         was skipped as damaged, check that they are, or fail naming it (it may hold them)."""
         if not targets or not self._damaged:
             return
-        present = dataplane.run_all([lambda t=t: self._reader.exists(blob_key(t.digest)) for t in targets], 16)
+        present = dataplane.run_all([partial(self._reader.exists, blob_key(t.digest)) for t in targets], 16)
         hidden = [t for t, ok in zip(targets, present, strict=True) if not ok]
         if hidden:
             problem = self._damaged[min(self._damaged)]
@@ -199,12 +201,12 @@ class PackCatalog:
     def _absent_loose(self, digests: set[str]) -> set[str]:
         """Blobs not stored as objects of their own: HEAD a few, list the shards of many."""
         if len(digests) <= HEAD_LIMIT:
-            present = dataplane.run_all([lambda d=d: self._reader.exists(blob_key(d)) for d in sorted(digests)], 16)
+            present = dataplane.run_all([partial(self._reader.exists, blob_key(d)) for d in sorted(digests)], 16)
             have = {d for d, ok in zip(sorted(digests), present, strict=True) if ok}
         else:
             shards = sorted({d[:2] for d in digests})
             listed = dataplane.run_all(
-                [lambda s=s: self._reader.list(f"blobs/{s}/", self._store_prefix) for s in shards], 16
+                [partial(self._reader.list, f"blobs/{s}/", self._store_prefix) for s in shards], 16
             )
             have = {rel.rsplit("/", 1)[-1] for keys in listed for rel in keys} & digests
         with self._lock:

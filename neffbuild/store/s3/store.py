@@ -24,6 +24,7 @@ import base64
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -157,9 +158,7 @@ class S3Store:
 
     def get_docs(self, kind: DocKind, names: Iterable[str], jobs: int) -> dict[str, bytes | None]:
         unique = sorted(set(names))
-        return dict(
-            zip(unique, dataplane.run_all([lambda n=n: self.get_doc(kind, n) for n in unique], jobs), strict=True)
-        )
+        return dict(zip(unique, dataplane.run_all([partial(self.get_doc, kind, n) for n in unique], jobs), strict=True))
 
     def list_docs(self, kind: DocKind) -> Iterator[str]:
         names = [rel[len(kind) + 1 : -len(".json")] for rel in self._list(f"{kind}/") if rel.endswith(".json")]
@@ -178,9 +177,10 @@ class S3Store:
 
     def swap_tag(self, name: str, data: bytes, expected: str | None) -> bool:
         self._probe.ensure()
-        condition = {"IfMatch": expected} if expected is not None else {"IfNoneMatch": "*"}
         try:
-            return self._put(doc_key("tags", name), data, **condition)
+            if expected is None:
+                return self._put(doc_key("tags", name), data, IfNoneMatch="*")
+            return self._put(doc_key("tags", name), data, IfMatch=expected)
         except NotFoundError:  # AWS answers If-Match on a deleted key with 404: the tag moved too
             return False
 
@@ -195,9 +195,7 @@ class S3Store:
         for start in range(0, len(todo), DELETE_BATCH):
             batch = todo[start : start + DELETE_BATCH]
             delete = {"Objects": [{"Key": self.location.key(k)} for k in batch], "Quiet": True}
-            answer = self._sent(
-                batch[0], lambda d=delete: self.client.delete_objects(Bucket=self.location.bucket, Delete=d)
-            )
+            answer = self._sent(batch[0], partial(self._delete_batch, delete))
             for error in answer.get("Errors", ()):
                 key = str(error.get("Key", "")).removeprefix(self.location.prefix)
                 failures.append((key, f"{error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")))
@@ -275,6 +273,10 @@ class S3Store:
         # object that is "already there"; for a tag, move_tag re-reads it and finds its own record.
         return self._sent(rel, put)
 
+    def _delete_batch(self, delete: dict[str, Any]) -> dict[str, Any]:
+        # the client is made inside the call: under _sent's error translation and retries
+        return self.client.delete_objects(Bucket=self.location.bucket, Delete=delete)
+
     def _sent(self, rel: str, call: Callable[[], _T]) -> _T:
         """A botocore call under the retry policy (neffbuild/retry.py); its errors typed."""
 
@@ -299,7 +301,8 @@ class S3Store:
         if self._signer is not None:
             return self._signer.presign(method, key, params)
         if params:  # the only read with parameters
-            operation, args = "list_objects_v2", {"Prefix": params["prefix"], "EncodingType": "url"}
+            operation = "list_objects_v2"
+            args: dict[str, str | int] = {"Prefix": params["prefix"], "EncodingType": "url"}
             if "continuation-token" in params:
                 args["ContinuationToken"] = params["continuation-token"]
             if "max-keys" in params:

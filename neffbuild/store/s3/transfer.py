@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import xxhash
@@ -57,8 +58,8 @@ class Transfers:
             with building:
                 return self._upload_pack(group)
 
-        tasks: list[Callable[[], int]] = [lambda g=g: upload_pack(g) for g in packs.group_small(small)]
-        tasks += [lambda s=s: self.upload_loose(s) for s in large]
+        tasks: list[Callable[[], int]] = [partial(upload_pack, g) for g in packs.group_small(small)]
+        tasks += [partial(self.upload_loose, s) for s in large]
         return sum(dataplane.run_all(tasks, jobs))
 
     def upload_loose(self, source: BlobSource) -> int:
@@ -111,21 +112,21 @@ class Transfers:
         large: list[BlobTarget] = []
         for t in unique:
             if t.size == 0:  # nothing to fetch; write_verified still checks the digest
-                tasks.append(lambda t=t: write_verified(t, [], origin=f"{self._reader.base} (empty blob)"))
+                tasks.append(partial(write_verified, t, [], origin=f"{self._reader.base} (empty blob)"))
             elif t.digest in packed:
                 by_pack.setdefault(packed[t.digest][0].pack_id, []).append(t)
             elif t.size <= dataplane.PART:
-                tasks.append(lambda t=t: self._stream_loose(t, chunks))
+                tasks.append(partial(self._stream_loose, t, chunks))
             else:
                 large.append(t)
         size = packs.range_size(sum(t.size for ts in by_pack.values() for t in ts), jobs)
         for wanted in by_pack.values():
             fetches = packs.plan_ranges(packed[wanted[0].digest][0], wanted, size)
-            tasks += [lambda f=f: self._stream_range(f, chunks) for f in fetches]
+            tasks += [partial(self._stream_range, f, chunks) for f in fetches]
         if len(large) >= STREAM_MIN:
             # Enough blobs to keep the connections busy: one GET each, received into a small buffer
             # and written in order (measured faster than ranges: no reordering, no big buffers).
-            tasks += [lambda t=t: self._stream_loose(t, chunks) for t in large]
+            tasks += [partial(self._stream_loose, t, chunks) for t in large]
             large = []
         self._run_with_ranges(large, tasks, jobs)
         for first, twin in copies:  # one blob at several paths: fetched once, landed again locally

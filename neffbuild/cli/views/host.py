@@ -1,0 +1,241 @@
+"""The views of a serving host's commands: pull, env, status, doctor, verify (and `verify --store`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from neffbuild.cli.views.console import BaseConsole, human_size, json_fields, say_err
+from neffbuild.printable import printable
+
+if TYPE_CHECKING:
+    from neffbuild.host.doctor import DoctorReport
+    from neffbuild.host.pull import PullReport
+    from neffbuild.host.status import StatusReport
+    from neffbuild.host.verify import ReplayReport, UnitFiles, UnitReplay
+    from neffbuild.maint.storecheck import StoreCheck
+
+
+class HostViews(BaseConsole):
+    """A console's views of a serving host's commands."""
+
+    def pull(self, report: PullReport) -> None:
+        if report.stale:  # loud on stderr, --json or not: a journal must show the host booted stale
+            say_err(
+                f"warning: store unreachable ({report.stale_reason}); serving the release already installed, "
+                f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale"
+            )
+        if report.throttled:  # on stderr, --json or not: a journal should show that boot was slowed by the store
+            from neffbuild.retry import Counts
+
+            counts = Counts(report.retries, report.throttled, report.waited_s, report.paced_to)
+            print(f"note: the store throttled this pull: {counts.summary()}", file=sys.stderr)
+        if self.as_json:
+            mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
+            self.document({
+                **asdict(report),
+                "files_skipped": report.files_total - report.files_fetched,
+                "bytes_skipped": report.bytes_total - report.bytes_fetched,
+                "mb_per_s": round(mb_per_s, 3),
+            })  # fmt: skip
+            return
+        if report.state_replaced:
+            say_err(
+                f"warning: the cache dir's state file was corrupt ({report.state_replaced}): every file was verified, and it was rewritten"
+            )
+        for warning in report.host_warnings:
+            say_err(f"warning: {warning} (informational: kernels are unaffected)")
+        if report.signed_by:
+            say_err(_signed_line(report.signed_by, report.tag, report.tag_version, report.tag_expires))
+        say_err(
+            f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
+            f"({human_size(report.bytes_fetched)} of {human_size(report.bytes_total)}) in {report.seconds:.2f} s"
+            + (
+                f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired"
+                if report.files_rehashed or report.files_repaired
+                else ""
+            )
+        )
+        self.exports(report.exports)
+
+    def exports(self, exports: Mapping[str, str]) -> None:
+        if self.as_json:
+            self.document(exports)
+            return
+        from neffbuild.host.exports import shell_lines
+
+        sys.stdout.write(shell_lines(exports))
+
+    def replay(self, report: ReplayReport) -> None:
+        if self.as_json:
+            self.document(
+                {
+                    "cache_dir": report.cache_dir,
+                    "misses": len(report.misses),
+                    "units": report.units,
+                    "view": report.view,
+                    "in_place": report.in_place,
+                }
+            )
+            return
+        self.table(
+            f"replay of {report.cache_dir}",
+            [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)],
+            [
+                (
+                    u.unit_id,
+                    "hit" if u.hit else "MISS",
+                    f"{u.first_call_s:.2f} s",
+                    str(u.compiles),
+                    _files(len(u.written), u.written_bytes),
+                )
+                for u in report.units
+            ],
+        )
+        for u in report.misses:
+            self._would_write(u)
+        if report.in_place:
+            self.out.print(
+                f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed in place against "
+                f"{report.cache_dir}, which this replay could not write (but for the dirs its compiler writes on a hit)",
+                markup=False,
+            )
+            return
+        v = report.view
+        methods = ", ".join(f"{n} by {m}" for m, n in sorted(v.methods.items())) or "empty"
+        self.out.print(
+            f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed against a private copy of "
+            f"{report.cache_dir} ({v.files} files, {human_size(v.bytes)}, copied in {v.seconds:.2f} s: {methods}), which was only read",
+            markup=False,
+        )
+
+    def _would_write(self, u: UnitReplay, shown: int = 10) -> None:
+        if not u.written:
+            self.out.print(f"{u.unit_id}: compiled {u.compiles} graph(s) but wrote no cache file", markup=False)
+            return
+        changes = {c: sum(w.change == c for w in u.written) for c in ("new", "modified", "deleted")}
+        summary = ", ".join(f"{n} {c}" for c, n in changes.items() if n)
+        count = f"{len(u.written)} file{'s' if len(u.written) != 1 else ''}"
+        self.out.print(
+            f"{u.unit_id} would have written {count}, {human_size(u.written_bytes)} ({summary}):", markup=False
+        )
+        for w in u.written[:shown]:
+            self.out.print(f"  {w.change:8}  {human_size(w.size):>9}  {w.path}", markup=False, soft_wrap=True)
+        if len(u.written) > shown:
+            self.out.print(f"  ... and {len(u.written) - shown} more (--json lists every file)")
+
+    def check(self, results: tuple[UnitFiles, ...]) -> None:
+        if self.as_json:
+            self.document(results)
+            return
+        for r in results:
+            state = (
+                "ok"
+                if r.ok
+                else (
+                    "not built (no bundle in the store)"
+                    if not r.built
+                    else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt"
+                )
+            )
+            self.out.print(f"{r.unit_id}: {state}", markup=False)
+
+    def doctor(self, report: DoctorReport) -> None:
+        from neffbuild.host.doctor import report_json
+
+        if self.as_json:
+            self.document(report_json(report))
+            return
+        from rich.text import Text
+
+        colors = {"pass": "green", "fail": "red", "skip": "yellow"}
+        self.out.print(f"backend {report.backend}, cache dir {report.cache_dir}")
+        for c in report.checks:
+            self.out.print(
+                Text.assemble((f"{c.status.upper():4}", colors[c.status]), printable(f"  {c.name:10}  {c.detail}"))
+            )
+            if c.status == "fail" and c.fix:
+                self.out.print(f"      {'':10}  fix: {c.fix}")
+        failed = sum(c.status == "fail" for c in report.checks)
+        self.out.print("this host is ready" if not failed else f"{failed} check(s) failed")
+
+
+def _files(count: int, size: int) -> str:
+    return f"{count} file{'s' if count != 1 else ''} ({human_size(size)})" if count else "-"
+
+
+def _signed_line(signer: str, tag: str | None, version: int | None, expires: str | None) -> str:
+    """Who signed a release (and its tag statement), from names a store gave: sanitised."""
+    line = f"signed by {printable(signer)}"
+    if tag is not None:
+        line += f"; tag {printable(tag)} statement version {version}, expires {printable(expires or '?')}"
+    return line
+
+
+def print_status(console: BaseConsole, report: StatusReport) -> None:
+    """A status report: what the cache dir holds, a row per unit, informational differences."""
+    if console.as_json:
+        console.document({**json_fields(report), "ok": report.ok})
+        return
+    if report.signed is not None:
+        s = report.signed
+        say_err(f"release {s.release_id} " + _signed_line(s.signed_by, s.tag, s.tag_version, s.tag_expires))
+    installed = report.installed_release_id or "unknown"
+    if report.installed_release_id == report.release_id:
+        installed = f"this release, since {report.installed_at}" if report.installed_at else "this release"
+    name = f"{report.tag} ({report.release_id})" if report.tag else report.release_id
+    say_err(f"release {name}, read from {report.source}")
+    say_err(f"cache dir {report.cache_dir} holds: {installed}")
+    rows = [(u.unit_id, u.state, _files(u.files, u.bytes), u.key) for u in report.units]
+    console.table(
+        f"status of {report.release_name} on this host",
+        [("unit", True), ("status", True), ("files", False), ("key", False)],
+        rows,
+    )
+    for u in report.units:  # why each miss, whole lines whatever the width
+        if u.state == "mismatch":
+            for change in u.changes:
+                console.out.print(f"{u.unit_id}: mismatch: {change.line()}", markup=False)
+        elif u.state == "missing":
+            corrupt = f", {u.corrupt_files} with other bytes" if u.corrupt_files else ""
+            console.out.print(
+                f"{u.unit_id}: missing: {u.missing_files} of {u.files} files ({human_size(u.missing_bytes)}){corrupt}",
+                markup=False,
+            )
+        elif u.state == "stale":
+            console.out.print(
+                f"{u.unit_id}: stale: its files are present, the cache dir holds another release", markup=False
+            )
+        elif u.state == "absent":
+            console.out.print(
+                f"{u.unit_id}: absent: the manifest declares it, the release does not have it", markup=False
+            )
+    notes = sorted({c.line() for u in report.units if u.state != "mismatch" for c in u.changes})
+    for note in notes:  # informational: the key differs, the compiler's cache still serves
+        say_err(f"warning: {note} (informational: kernels are unaffected)")
+    checked = "sizes and digests" if report.verified else "sizes"
+    console.out.print(
+        f"{report.count('hit')} of {len(report.units)} units will hit ({checked} checked); a prediction: verify --replay proves it",
+        markup=False,
+    )
+
+
+def print_store_check(console: BaseConsole, check: StoreCheck) -> None:
+    if check.orphans:  # on stderr, with --json too
+        say_err(
+            f"warning: {len(check.orphans)} orphan objects ({human_size(check.orphan_bytes)}) no record names; gc removes them after its grace period"
+        )
+    if console.as_json:
+        console.document({**json_fields(check), "clean": check.clean})
+        return
+    hashed = f", {human_size(check.hashed_bytes)} hashed" if check.deep else ""
+    console.out.print(
+        f"{check.store}: {check.documents} records, {check.blobs} blobs ({human_size(check.bytes)}){hashed}"
+    )
+    for kind, findings in (("dangling", check.dangling), ("damaged", check.damaged)):
+        for f in findings:
+            console.out.print(f"{kind}: {f.key}: {f.problem}", markup=False)
+    if check.clean:
+        console.out.print("clean: every reference resolves")
