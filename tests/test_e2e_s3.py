@@ -69,23 +69,28 @@ def test_concurrent_shards_one_killed_and_rerun_release_what_one_process_built(
     SIGKILLed while compiling: release names its unit as missing and moves nothing; shard 1 rerun
     builds just that unit; then release gives the very release id the one-process build gave."""
     shard = {i: {**s3_env, "JOB_COMPLETION_INDEX": str(i), "NEFFBUILD_SHARDS": "2"} for i in (0, 1)}
-    args = ("build", str(tiny_manifest), "--store", s3_url, "--json")
+    args = ("build", str(tiny_manifest), "--store", s3_url)
+    report = tmp_path / "shard0.json"
+    first = start_cli(*args, "--report", str(report), stderr=tmp_path / "shard0.err", env=shard[0])
     killed = start_cli(*args, stderr=tmp_path / "shard1.err", env=shard[1])
     try:
         running = wait_until_compiling(killed, tmp_path / "shard1.err", "compiling")
-        first = cli(*args, env=shard[0])  # shard 0 builds meanwhile
-        os.killpg(killed.pid, signal.SIGKILL)
+        os.killpg(killed.pid, signal.SIGKILL)  # while shard 0 builds on
         killed.wait(30)
         assert wait_for(lambda: all(gone(p) for p in running), 10), running
+        assert first.wait(900) == 0, (tmp_path / "shard0.err").read_text()
     finally:
         killed.kill()
-    assert first.returncode == 0, first.stderr
-    assert [o["status"] for o in json.loads(first.stdout)["outcomes"]] == ["built"]
+        first.kill()
+    (done,) = json.loads(report.read_text())["units"]
+    assert done["status"] == "built"
     release = ("release", str(tiny_manifest), "--store", s3_url, "--json")
     short = cli(*release, env=s3_env)
     assert short.returncode == 14, short.stderr
-    assert "klein/128x" in short.stderr and "missing" in short.stderr
-    rerun = cli(*args, env=shard[1])
+    (missing,) = json.loads(short.stdout)["missing"]
+    assert missing in ("klein/128x128x1", "klein/128x256x1") and missing != done["unit_id"]
+    assert f"have no bundle in {s3_url}: {missing}" in short.stderr
+    rerun = cli(*args, "--json", env=shard[1])
     assert rerun.returncode == 0, rerun.stderr
     assert [o["status"] for o in json.loads(rerun.stdout)["outcomes"]] == ["built"]
     released = cli(*release, env=s3_env)

@@ -279,7 +279,16 @@ def _gib(n: int) -> str:
 
 def _attempt(unit: BuildUnit, run: _Run, started: float) -> UnitOutcome:
     # The same dir for the same unit on every build: the compiled bytes name it (unitdir.py).
-    with unit_scratch(run.units_root, unit.key, run.work_root, keep=run.keep_work) as scratch:
+    waited: list[bool] = []
+
+    def on_wait() -> None:
+        waited.append(True)
+        run.notify(unit.unit_id, "waiting for another build of it on this host")
+
+    with unit_scratch(run.units_root, unit.key, keep=run.keep_work, on_wait=on_wait) as scratch:
+        if waited and run.store.get_doc("bundles", unit.key) is not None:
+            run.notify(unit.unit_id, "present")  # the other build published it meanwhile
+            return UnitOutcome(unit.unit_id, unit.key, "present")
         try:
             outcome = build_unit(
                 unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify

@@ -8,8 +8,11 @@ being `<work dir>/neffbuild-work-units` (or the system temp dir's): the same on 
 fleet that runs one image, and on one host build after build.
 
 Two builds of one unit at once on one host would share that dir: a flock decides, and the one
-that loses compiles under a random dir instead (its bytes name that path; the key is the same, and
-the store keeps whichever bundle lands first). A dir left by a killed build is removed first.
+that loses waits for the other, then builds at the same path (or finds the bundle already in the
+store, having compiled nothing). It used to compile under a random dir instead: those bytes named
+that dir, so the unit's bundle, and every release holding it, differed from a build that did not
+meet another (a test building a unit while another test built it found another release id). A
+dir left by a killed build is removed first.
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ import fcntl
 import logging
 import os
 import tempfile
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from neffbuild.runner.jobs import remove_tree
@@ -35,14 +37,13 @@ def units_root(work_dir: Path | None, temp_dir: str | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def unit_scratch(root: Path, key: str, fallback: Path, *, keep: bool = False) -> Iterator[Path]:
-    """The unit's scratch dir (its cache dir is `cache/` in it): `root/key` when this process can
-    claim it, else a fresh dir under fallback. Removed afterwards unless keep."""
-    lock_fd = _claim(root, key)
-    if lock_fd is None:
-        log.warning("unit %s is being built by another process on this host: compiling under a random dir", key)
-        yield fallback / f"{key[:16]}-{uuid.uuid4().hex[:6]}"
-        return
+def unit_scratch(
+    root: Path, key: str, *, keep: bool = False, on_wait: Callable[[], None] = lambda: None
+) -> Iterator[Path]:
+    """The unit's scratch dir (its cache dir is `cache/` in it): `root/key`, once this process has
+    claimed it; on_wait is called first if another process holds it (then this one waits for it).
+    Removed afterwards unless keep."""
+    lock_fd = _claim(root, key, on_wait)
     scratch = root / key
     try:
         remove_tree(scratch)  # left by a build that was killed
@@ -59,17 +60,32 @@ def unit_scratch(root: Path, key: str, fallback: Path, *, keep: bool = False) ->
             root.rmdir()  # only when empty: another build may use it
 
 
-def _claim(root: Path, key: str) -> int | None:
-    for _ in range(3):  # another build may remove the (empty) root between our mkdir and open
-        root.mkdir(parents=True, exist_ok=True)
+def _claim(root: Path, key: str, on_wait: Callable[[], None]) -> int:
+    """The unit's lock, held: waits while another process holds it."""
+    path = root / f"{key}.lock"
+    told = False
+    while True:
+        root.mkdir(parents=True, exist_ok=True)  # another build may remove the (empty) root meanwhile
         try:
-            fd = os.open(root / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except FileNotFoundError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
-    return None
+            if not told:
+                log.warning("unit %s is being built by another process on this host: waiting for it", key)
+                on_wait()
+                told = True
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if _still_there(fd, path):
+            return fd
+        os.close(fd)  # the holder removed that file as it finished: a lock on it guards nothing
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return os.path.samestat(st, os.fstat(fd))
