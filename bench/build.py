@@ -9,9 +9,9 @@ other, every unit really compiled (Inductor, CPU):
   `neffbuild release` (the fan-in), timed from the first start to the release's end.
 Each is the whole process measured from outside. Per unit, from the build's plain progress lines
 (a non-terminal stderr prints one line per phase with the time since the unit started) and its
-`--report`: start to `loading` (worker process start and imports), `loading` to `compiling`
-(pipeline load), `compiling` to `publishing` (trace, compile and the first call), `publishing` to
-`built` (hash and publish), and the worker's peak RSS. Ratios are against `jobs1` of the same round;
+`--report`: `loading` to `compiling` (worker process start, imports and pipeline load),
+`compiling` to `publishing` (trace, compile and the first call), `publishing` to `built` (hash
+and publish), and the worker's peak RSS. Ratios are against `jobs1` of the same round;
 the modes rotate their order per round.
 
 Run:
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / ".work" / "build"
 NB = [sys.executable, "-m", "neffbuild"]
 WIDTHS = (128, 192, 256, 320, 384, 448, 512, 576)
-PHASES = ("start", "load", "compile", "publish")
+PHASES = ("load", "compile", "publish")
 _LINE = re.compile(
     r"^(?P<unit>\S+): (?:(?P<phase>loading|compiling|publishing) \(after (?P<at>[0-9.]+) s\)|built in (?P<done>[0-9.]+) s)$"
 )
@@ -77,7 +77,7 @@ def phases(err: Path) -> dict[str, dict[str, float]]:
             marks.setdefault(match["unit"], {})[match["phase"] or "built"] = float(at)
     out = {}
     for unit, m in marks.items():
-        edges = [0.0, m.get("loading", 0.0), m.get("compiling", 0.0), m.get("publishing", 0.0), m.get("built", 0.0)]
+        edges = [m.get("loading", 0.0), m.get("compiling", 0.0), m.get("publishing", 0.0), m.get("built", 0.0)]
         out[unit] = {name: round(b - a, 1) for name, a, b in zip(PHASES, edges, edges[1:], strict=False)}
     return out
 
@@ -143,7 +143,7 @@ def main() -> None:
         last = results[mode][-1]
         for unit, t in sorted(last["units"].items()):
             peak = last["peaks"].get(unit, 0) / 2**20
-            print(f"| {mode} | {unit} | {t['start']} | {t['load']} | {t['compile']} | {t['publish']} | {peak:.0f} |")
+            print(f"| {mode} | {unit} | {t['load']} | {t['compile']} | {t['publish']} | {peak:.0f} |")
 
 
 if __name__ == "__main__":
