@@ -135,10 +135,10 @@ def main() -> None:
         wall = statistics.median(x["wall"] for x in results[mode])
         print(f"| {mode} | {wall:.1f} | {base / wall:.2f}x |")
     print(
-        "\nPer unit, last round (seconds: worker start and imports / pipeline load / trace+compile+first call / hash+publish; peak RSS):\n"
+        "\nPer unit, last round (seconds: worker start, imports and pipeline load / trace+compile+first call / hash+publish; peak RSS):\n"
     )
-    print("| mode | unit | start | load | compile | publish | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | unit | load | compile | publish | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
     for mode in modes:
         last = results[mode][-1]
         for unit, t in sorted(last["units"].items()):
