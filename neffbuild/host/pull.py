@@ -213,7 +213,7 @@ def pull(
     stops the others.
 
     trust: with trusted keys, REF's tag statement and the release's signature are checked before
-    anything is written (TrustError, exit 16, naming what failed), each file's SHA-256 while it
+    anything is written (TrustError, exit 16, naming what failed), each file's BLAKE3 while it
     lands; the tag's statement version is recorded in the state with the files, so a later pull
     refuses a lower one. trust.pin (`--release ID`) serves that signed release and reads no tag
     (ref is then only a label, and may be None).
@@ -420,7 +420,7 @@ def _complete(
             root = cache.path
             targets = [
                 BlobTarget(
-                    f.digest, f.size, root / f.path, fsync=False, root=root, direct=o.direct_writes, sha256=f.sha256
+                    f.digest, f.size, root / f.path, fsync=False, root=root, direct=o.direct_writes, blake3=f.blake3
                 )
                 for f in missing
             ]
@@ -469,7 +469,7 @@ def _scan(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int
             continue
         st, digests = look
         hashed += st.st_size == f.size  # look reads a file only then
-        if digests is not None and digests[0] == f.digest and digests[1] == f.sha256:
+        if digests is not None and digests[0] == f.digest and digests[1] == f.blake3:
             found[f.path] = st
         else:
             damaged.add(f.path)
@@ -485,7 +485,7 @@ def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[
         with cache.beneath() as tree:
             try:
                 for f in run:
-                    done.append(tree.look(f.path, f.size, sha256=bool(f.sha256)))
+                    done.append(tree.look(f.path, f.size, crypto=bool(f.blake3)))
             except OSError as exc:
                 raise disk_error(exc, cache.path / run[len(done)].path) from None
         return done
