@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.errors import DiskError, IntegrityError, StoreError
-from neffbuild.hashing import Hasher
+from neffbuild.hashing import Hasher, hash_whole
 from neffbuild.names import INCOMPLETE_SUFFIX
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -432,22 +432,26 @@ class Beneath:
     def _hash_open(self, fd: int, limit: int, expected: int, *, crypto: bool) -> Hashed | None:
         """(XXH3-128, BLAKE3 or "") of what fd holds if at most limit bytes, else None;
         expected: fstat's size."""
-        hasher = Hasher(crypto=crypto)
-        size = 0
         # Into one reused buffer, read to limit + 1 (one byte more says it is too long): no
         # allocation per chunk, and the read and the hash of a large chunk both drop the GIL.
         view = self._read_buffer
         if len(view) <= limit:
             view = self._buffer(limit + 1)
-        while size <= limit:
-            asked = min(len(view), limit + 1 - size)
-            n = os.readv(fd, [view[:asked]])
-            if not n:
-                break
+        asked = min(len(view), limit + 1)
+        n = os.readv(fd, [view[:asked]])
+        # A regular file reads short only at its end: a file that fit is whole (no read of 0),
+        # hashed in one call per digest (most cache files are small: this is verify's per-file cost).
+        if n < asked and n == expected:
+            return hash_whole(view[:n], crypto=crypto)
+        hasher = Hasher(crypto=crypto)
+        size = 0
+        while n:
             hasher.update(view[:n])
             size += n
-            if n < asked and size == expected:  # a regular file reads short only at its end: no read of 0
+            if size > limit or (n < asked and size == expected):
                 break
+            asked = min(len(view), limit + 1 - size)
+            n = os.readv(fd, [view[:asked]])
         return (hasher.xxh3(), hasher.crypto()) if size <= limit else None
 
     def _buffer(self, wanted: int) -> memoryview:
