@@ -26,7 +26,7 @@ def sources_of(root: Path, files: dict[str, str]) -> list[BlobSource]:
         size = BIG if label.startswith("big") else 1000 + len(label) * 37
         path.write_bytes((f"{label}|".encode() * (size // (len(label) + 1) + 1))[:size])
         d = hash_file(path)
-        out.append(BlobSource(d.hex, d.size, path, d.sha256))
+        out.append(BlobSource(d.hex, d.size, path, d.blake3))
     return out
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
-from neffbuild.hashing import hash_bytes, sha256_bytes
+from neffbuild.hashing import blake3_bytes, hash_bytes
 from neffbuild.store.base import BlobSource, Store
 
 FINGERPRINT = {
@@ -101,7 +101,7 @@ def publish_units(
 
 def _entries(files: Mapping[str, bytes]) -> tuple[FileEntry, ...]:
     return tuple(
-        FileEntry(path=p, size=len(d), digest=hash_bytes(d), sha256=sha256_bytes(d)) for p, d in sorted(files.items())
+        FileEntry(path=p, size=len(d), digest=hash_bytes(d), blake3=blake3_bytes(d)) for p, d in sorted(files.items())
     )
 
 

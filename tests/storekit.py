@@ -27,7 +27,7 @@ def write_files(root: Path, sizes: dict[str, int], *, seed: int = 0) -> list[Blo
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(rng.randbytes(size))
         d = hash_file(path)
-        sources.append(BlobSource(d.hex, d.size, path, d.sha256))
+        sources.append(BlobSource(d.hex, d.size, path, d.blake3))
     return sources
 
 
@@ -53,7 +53,7 @@ def publish_release_of(
     files = tuple(
         sorted(
             (
-                FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest, sha256=s.sha256)
+                FileEntry(path=s.path.relative_to(root).as_posix(), size=s.size, digest=s.digest, blake3=s.blake3)
                 for s in sources
             ),
             key=lambda f: f.path,

@@ -1,4 +1,5 @@
-"""Digests are XXH3-128 over the exact bytes, computed in one pass while copying."""
+"""Digests are XXH3-128 (and BLAKE3, the cryptographic one) over the exact bytes, computed in one
+pass while copying."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import io
 import os
 from pathlib import Path
 
+import blake3
 import xxhash
 
-from neffbuild.hashing import CHUNK, canonical_json, copy_hashing, hash_file, is_digest
+from neffbuild.hashing import CHUNK, Hasher, blake3_bytes, canonical_json, copy_hashing, hash_file, is_digest
 
 
 def test_file_digest_is_xxh3_128_of_its_bytes_across_chunk_boundaries(tmp_path: Path) -> None:
@@ -18,7 +20,16 @@ def test_file_digest_is_xxh3_128_of_its_bytes_across_chunk_boundaries(tmp_path: 
         path.write_bytes(data)
         digest = hash_file(path)
         assert (digest.hex, digest.size) == (xxhash.xxh3_128_hexdigest(data), size)
+        assert digest.blake3 == blake3.blake3(data).hexdigest() == blake3_bytes(data)
         assert is_digest(digest.hex)
+
+
+def test_the_cryptographic_digest_is_blake3_and_only_when_asked() -> None:
+    # BLAKE3's published test vector for the empty input: the default, unkeyed 32-byte hash.
+    assert Hasher().crypto() == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    hasher = Hasher(crypto=False)
+    hasher.update(b"abc")
+    assert hasher.crypto() == "" and hasher.xxh3() == xxhash.xxh3_128_hexdigest(b"abc")
 
 
 def test_copy_hashing_copies_exactly_and_hashes_what_it_copied() -> None:

@@ -375,7 +375,7 @@ def build_unit(
         unit=dict(unit.normalized),
         backend=backend.name,
         fingerprint=dict(unit.fingerprint),
-        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest, sha256=s.sha256) for p, s in files),
+        files=tuple(FileEntry(path=p, size=s.size, digest=s.digest, blake3=s.blake3) for p, s in files),
         counters=run.counters,
         inputs=dict(run.inputs),
         timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
@@ -401,7 +401,7 @@ def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSour
     out = []
     for rel in backend.select_files(cache_dir):
         digest = hash_file(cache_dir / rel)
-        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel, digest.sha256)))
+        out.append((rel, BlobSource(digest.hex, digest.size, cache_dir / rel, digest.blake3)))
     return out
 
 

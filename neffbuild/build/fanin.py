@@ -159,7 +159,7 @@ def assemble_release(
             dropped.setdefault(entry.path, set()).add(entry.digest)
     files = tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path))
     return Release(
-        format=RELEASE_FORMAT if all(f.sha256 for f in files) else RELEASE_FORMAT_1,  # bundles built before SHA-256
+        format=RELEASE_FORMAT if all(f.blake3 for f in files) else RELEASE_FORMAT_1,  # bundles built before BLAKE3
         name=name,
         manifest_digest=manifest_digest,
         backend=backend.name,

@@ -20,7 +20,7 @@ from neffbuild.documents.records import TAG_FORMAT_SIGNED, BundleRecord, Release
 from neffbuild.documents.refs import read_tag
 from neffbuild.documents.signing import Signing, sign_statement, tag_statement
 from neffbuild.errors import ConflictError, NotFoundError
-from neffbuild.hashing import sha256_bytes
+from neffbuild.hashing import blake3_bytes
 from neffbuild.names import check_digest, check_tag
 from neffbuild.retry import backoff
 from neffbuild.store.base import BlobSource, Store
@@ -110,7 +110,7 @@ def move_tag(
         record = TagRecord(name=name, release=release_id, history=(*history, event))
         if signing is not None:
             version = max(len(record.history), _signed_version(current[0] if current else None) + 1)
-            statement = tag_statement(name, release_id, sha256_bytes(release_data), version, signing.expires)
+            statement = tag_statement(name, release_id, blake3_bytes(release_data), version, signing.expires)
             record = replace(record, format=TAG_FORMAT_SIGNED, statement=sign_statement(statement, signing.key))
         if store.swap_tag(name, dump(record), current[1] if current else None):
             log.info("tag %s -> %s (was %s)", name, release_id, current[0].release if current else "absent")

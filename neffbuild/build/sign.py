@@ -1,6 +1,6 @@
 """Signing in CI: a detached signature over a release, written beside it in the store.
 
-The release is read back from the store and signed as stored (the SHA-256 of its bytes, and of
+The release is read back from the store and signed as stored (the BLAKE3 of its bytes, and of
 each unit's bundle document as stored: another store's bundle of the same key may differ in its
 build time). Signing again with the same key writes nothing (Ed25519 signatures are
 deterministic, so the same statement gives the same bytes).
@@ -20,7 +20,7 @@ from neffbuild.documents.signing import (
     sign_statement,
 )
 from neffbuild.errors import InputError, NotFoundError
-from neffbuild.hashing import sha256_bytes
+from neffbuild.hashing import blake3_bytes
 from neffbuild.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def sign_release(store: Store, release_id: str, key: SigningKey) -> str:
     release = checked_doc(Release, data, doc_where(store, Release, release_id), release_id)
     if not release.signable:
         raise InputError(
-            f"release {release_id} ({release.name}) lists files without SHA-256 (format {release.format})",
+            f"release {release_id} ({release.name}) lists files without BLAKE3 (format {release.format})",
             hint="its bundles were built by an older neffbuild: rebuild them (a new store, or gc them first), then sign",
         )
     bundles = []
@@ -47,8 +47,8 @@ def sign_release(store: Store, release_id: str, key: SigningKey) -> str:
         if raw is None:
             load_doc(store, BundleRecord, unit.key)  # raises NotFoundError naming it
         assert raw is not None
-        bundles.append(BundleDigest(unit.unit_id, unit.key, sha256_bytes(raw)))
-    statement = release_statement(release_id, sha256_bytes(data), release, bundles)
+        bundles.append(BundleDigest(unit.unit_id, unit.key, blake3_bytes(raw)))
+    statement = release_statement(release_id, blake3_bytes(data), release, bundles)
     name = signature_name(release_id, key.name)
     written = store.put_doc("signatures", name, envelope_bytes(sign_statement(statement, key)))
     log.info("release %s signed by %s%s", release_id, key.name, "" if written else " (already)")

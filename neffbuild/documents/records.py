@@ -33,9 +33,10 @@ from neffbuild.errors import IntegrityError
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.names import reserved_problem, tag_problem
 
-# Version 2 of bundles and releases: every file entry also carries its SHA-256 (what a signature
+# Version 2 of bundles and releases: every file entry also carries its BLAKE3 (what a signature
 # can vouch for). Version 1 documents stay readable (and keep their ids: an entry without a
-# SHA-256 encodes as before); only a release whose every file has one can be signed.
+# BLAKE3 encodes as before); only a release whose every file has one can be signed. (Before any
+# release of neffbuild, version 2 carried SHA-256 instead: such entries are refused as unknown keys.)
 BUNDLE_FORMAT = "neffbuild.documents.records/2"
 BUNDLE_FORMAT_1 = "neffbuild.documents.records/1"
 RELEASE_FORMAT = "neffbuild.release/2"
@@ -130,8 +131,8 @@ def digest_problem(value: str) -> str | None:
     return None if _HEX32.fullmatch(value) else f"{value!r} is not a 32-digit lowercase hex digest"
 
 
-def sha256_problem(value: str) -> str | None:
-    return None if _HEX64.fullmatch(value) else f"{value[:80]!r} is not a 64-digit lowercase hex SHA-256"
+def blake3_problem(value: str) -> str | None:
+    return None if _HEX64.fullmatch(value) else f"{value[:80]!r} is not a 64-digit lowercase hex BLAKE3 digest"
 
 
 def _not_negative(value: int) -> str | None:
@@ -161,7 +162,7 @@ class FileEntry:
     path: str = field(metadata=checked(path_problem))
     size: int = field(metadata=checked(_file_size))
     digest: str = field(metadata=checked(digest_problem))
-    sha256: str = optional_field(sha256_problem, "")  # "" only in version 1 documents
+    blake3: str = optional_field(blake3_problem, "")  # "" only in version 1 documents
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +224,8 @@ class Release:
 
     @property
     def signable(self) -> bool:
-        """Every file is bound by SHA-256 (version 2): a signature over it vouches for bytes."""
-        return self.format == RELEASE_FORMAT and all(f.sha256 for f in self.files)
+        """Every file is bound by BLAKE3 (version 2): a signature over it vouches for bytes."""
+        return self.format == RELEASE_FORMAT and all(f.blake3 for f in self.files)
 
     @property
     def release_id(self) -> str:
@@ -366,11 +367,11 @@ Loc = tuple[str | int, ...]  # where in the document: keys and indices, shown on
 
 
 def _whole(doc: Any) -> Any:
-    """Checks across fields: a version 2 bundle or release lists every file with its SHA-256."""
+    """Checks across fields: a version 2 bundle or release lists every file with its BLAKE3."""
     if isinstance(doc, Release | BundleRecord) and doc.format in (RELEASE_FORMAT, BUNDLE_FORMAT):
         for i, entry in enumerate(doc.files):
-            if not entry.sha256:
-                raise _Invalid(("files", i, "sha256"), f"required in format {doc.format!r}")
+            if not entry.blake3:
+                raise _Invalid(("files", i, "blake3"), f"required in format {doc.format!r}")
     return doc
 
 
@@ -449,20 +450,20 @@ def _decode(tp: Any, value: Any, loc: Loc) -> Any:
 
 
 _FILE_ENTRY_KEYS = {"path", "size", "digest"}
-_FILE_ENTRY_KEYS_2 = {"path", "size", "digest", "sha256"}
+_FILE_ENTRY_KEYS_2 = {"path", "size", "digest", "blake3"}
 
 
 def _file_entry(value: Any, loc: Loc) -> FileEntry:
     """A FileEntry, as strictly as _decode_doc but about 5x faster for the common entry (releases
     and the cache state list thousands); anything unusual takes the general path, which says why."""
     if type(value) is dict and (value.keys() == _FILE_ENTRY_KEYS or value.keys() == _FILE_ENTRY_KEYS_2):
-        path, size, digest, sha = value["path"], value["size"], value["digest"], value.get("sha256", "")
+        path, size, digest, crypto = value["path"], value["size"], value["digest"], value.get("blake3", "")
         if (
             type(path) is str and path.isascii() and type(size) is int and type(digest) is str
             and 0 <= size < 1 << 63 and _HEX32.fullmatch(digest) and path_problem(path) is None
-            and type(sha) is str and (not sha or _HEX64.fullmatch(sha))
+            and type(crypto) is str and (not crypto or _HEX64.fullmatch(crypto))
         ):  # fmt: skip
-            return FileEntry(path, size, digest, sha)
+            return FileEntry(path, size, digest, crypto)
     return _decode_doc(FileEntry, value, loc)
 
 

@@ -9,9 +9,11 @@ Both statements are in-toto Statement v1 in a DSSE envelope (payloadType
 application/vnd.in-toto+json; the signature is over DSSE's pre-authentication encoding), so
 in-toto tooling reads them:
 
-- release (signatures/<release id>.<key name>.json): subject the release id with the SHA-256 of
-  the release document's stored bytes; predicate the files with their SHA-256 (`resources`, the
-  shape OpenSSF model-signing uses) and the SHA-256 of each unit's bundle document.
+- release (signatures/<release id>.<key name>.json): subject the release id with the BLAKE3 of
+  the release document's stored bytes; predicate the files with their BLAKE3 (`resources`, the
+  shape OpenSSF model-signing uses) and the BLAKE3 of each unit's bundle document.
+  The digest name is `blake3`: lowercase hex of BLAKE3's default 32-byte output (in-toto's
+  DigestSet lets producers add algorithms so named; OpenSSF model-signing hashes with it too).
 - tag (inside the signed TagRecord): subject the release again; predicate the tag, the release,
   a version that only grows and an expiry time.
 
@@ -41,7 +43,7 @@ STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 RELEASE_PREDICATE = "https://neffbuild.dev/release/v1"
 TAG_PREDICATE = "https://neffbuild.dev/tag/v1"
 KEY_FILE_MAX = 4096
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_BLAKE3 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +247,7 @@ def _cut(exc: BaseException) -> str:
 class BundleDigest:
     unit_id: str
     key: str
-    sha256: str
+    blake3: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +255,8 @@ class ReleaseClaim:
     """What a release signature vouches for."""
 
     release_id: str
-    sha256: str  # of the release document's stored bytes
-    files: dict[str, str]  # path -> SHA-256
+    blake3: str  # of the release document's stored bytes
+    files: dict[str, str]  # path -> BLAKE3
     bundles: tuple[BundleDigest, ...]
 
 
@@ -264,35 +266,35 @@ class TagClaim:
 
     tag: str
     release_id: str
-    sha256: str
+    blake3: str
     version: int
     expires: datetime
 
 
-def _subject(release_id: str, sha256: str) -> list[dict[str, Any]]:
-    return [{"name": release_id, "digest": {"sha256": sha256}}]
+def _subject(release_id: str, blake3: str) -> list[dict[str, Any]]:
+    return [{"name": release_id, "digest": {"blake3": blake3}}]
 
 
 def release_statement(
-    release_id: str, release_sha256: str, release: Release, bundles: Sequence[BundleDigest]
+    release_id: str, release_blake3: str, release: Release, bundles: Sequence[BundleDigest]
 ) -> dict[str, Any]:
     return {
         "_type": STATEMENT_TYPE,
-        "subject": _subject(release_id, release_sha256),
+        "subject": _subject(release_id, release_blake3),
         "predicateType": RELEASE_PREDICATE,
         "predicate": {
             "release": {"name": release.name, "format": release.format},
-            "serialization": {"method": "files", "hash_type": "sha256", "allow_symlinks": False},
-            "resources": [{"name": f.path, "algorithm": "sha256", "digest": f.sha256} for f in release.files],
-            "bundles": [{"unit": b.unit_id, "key": b.key, "algorithm": "sha256", "digest": b.sha256} for b in bundles],
+            "serialization": {"method": "files", "hash_type": "blake3", "allow_symlinks": False},
+            "resources": [{"name": f.path, "algorithm": "blake3", "digest": f.blake3} for f in release.files],
+            "bundles": [{"unit": b.unit_id, "key": b.key, "algorithm": "blake3", "digest": b.blake3} for b in bundles],
         },
     }
 
 
-def tag_statement(tag: str, release_id: str, release_sha256: str, version: int, expires: datetime) -> dict[str, Any]:
+def tag_statement(tag: str, release_id: str, release_blake3: str, version: int, expires: datetime) -> dict[str, Any]:
     return {
         "_type": STATEMENT_TYPE,
-        "subject": _subject(release_id, release_sha256),
+        "subject": _subject(release_id, release_blake3),
         "predicateType": TAG_PREDICATE,
         "predicate": {
             "tag": tag,
@@ -306,24 +308,24 @@ def tag_statement(tag: str, release_id: str, release_sha256: str, version: int, 
 def release_claim(statement: Mapping[str, Any], where: str) -> ReleaseClaim:
     """The claim of a verified release statement, every field checked (TrustError if malformed)."""
     try:
-        release_id, sha = _subject_of(statement, RELEASE_PREDICATE)
+        release_id, digest = _subject_of(statement, RELEASE_PREDICATE)
         predicate = statement["predicate"]
         files = {}
         for r in predicate["resources"]:
-            if r["algorithm"] != "sha256" or not _SHA256.fullmatch(r["digest"]) or not isinstance(r["name"], str):
-                raise ValueError("a resource without a sha256 digest")
+            if r["algorithm"] != "blake3" or not _BLAKE3.fullmatch(r["digest"]) or not isinstance(r["name"], str):
+                raise ValueError("a resource without a blake3 digest")
             files[r["name"]] = r["digest"]
         bundles = tuple(
-            BundleDigest(_text(b["unit"]), _text(b["key"]), _sha(b["digest"])) for b in predicate["bundles"]
+            BundleDigest(_text(b["unit"]), _text(b["key"]), _blake3(b["digest"])) for b in predicate["bundles"]
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TrustError(f"{where}: a malformed release statement ({_cut(exc)})", hint=_RESIGN) from None
-    return ReleaseClaim(release_id, sha, files, bundles)
+    return ReleaseClaim(release_id, digest, files, bundles)
 
 
 def tag_claim(statement: Mapping[str, Any], where: str) -> TagClaim:
     try:
-        release_id, sha = _subject_of(statement, TAG_PREDICATE)
+        release_id, digest = _subject_of(statement, TAG_PREDICATE)
         predicate = statement["predicate"]
         version = predicate["version"]
         if type(version) is not int or version < 0:
@@ -333,7 +335,7 @@ def tag_claim(statement: Mapping[str, Any], where: str) -> TagClaim:
             raise ValueError("expires has no time zone")
         if predicate["release"] != release_id:
             raise ValueError("its release is not its subject")
-        claim = TagClaim(_text(predicate["tag"]), release_id, sha, version, expires)
+        claim = TagClaim(_text(predicate["tag"]), release_id, digest, version, expires)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TrustError(f"{where}: a malformed tag statement ({_cut(exc)})", hint=_RESIGN) from None
     return claim
@@ -345,7 +347,7 @@ def _subject_of(statement: Mapping[str, Any], predicate_type: str) -> tuple[str,
     subjects = statement["subject"]
     if len(subjects) != 1:
         raise ValueError("expected one subject")
-    return _text(subjects[0]["name"]), _sha(subjects[0]["digest"]["sha256"])
+    return _text(subjects[0]["name"]), _blake3(subjects[0]["digest"]["blake3"])
 
 
 def _text(value: Any) -> str:
@@ -354,9 +356,9 @@ def _text(value: Any) -> str:
     return value
 
 
-def _sha(value: Any) -> str:
-    if not isinstance(value, str) or not _SHA256.fullmatch(value):
-        raise ValueError(f"{str(value)[:80]!r} is not a SHA-256")
+def _blake3(value: Any) -> str:
+    if not isinstance(value, str) or not _BLAKE3.fullmatch(value):
+        raise ValueError(f"{str(value)[:80]!r} is not a BLAKE3 digest")
     return value
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.errors import DiskError, IntegrityError, StoreError
-from neffbuild.hashing import Hasher
+from neffbuild.hashing import Hasher, hash_whole
 from neffbuild.names import INCOMPLETE_SUFFIX
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -58,7 +58,7 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 HASH_CHUNK = 4 << 20  # reading back to hash: large reads, few system calls
 
 
-Hashed = tuple[str, str]  # (XXH3-128 hex, SHA-256 hex or "" where not asked for)
+Hashed = tuple[str, str]  # (XXH3-128 hex, BLAKE3 hex or "" where not asked for)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +78,9 @@ class BlobTarget:
     # Write a blob of DIRECT_MIN bytes or more with O_DIRECT (where the filesystem takes it):
     # see DIRECT_MIN for what that trades.
     direct: bool = True
-    # The SHA-256 the release binds the bytes to (version 2 releases), checked in the same pass
+    # The BLAKE3 the release binds the bytes to (version 2 releases), checked in the same pass
     # as the XXH3; "" checks the XXH3 alone.
-    sha256: str = ""
+    blake3: str = ""
 
 
 def temp_name_for(name: str) -> str:
@@ -97,7 +97,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
         parent = _open_parent(target)
         fd, named, direct = _open_temp(parent, dest.name, direct=target.direct and target.size >= DIRECT_MIN)
         try:
-            hasher = Hasher(sha256=bool(target.sha256))
+            hasher = Hasher(crypto=bool(target.blake3))
             size = 0
             for chunk in _bounded(chunks, target, origin):
                 hasher.update(chunk)
@@ -120,18 +120,18 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
 
 
 def _check_written(target: BlobTarget, origin: str, size: int, hasher: Hasher) -> None:
-    """IntegrityError unless the bytes written are the release's: size, XXH3, then SHA-256."""
+    """IntegrityError unless the bytes written are the release's: size, XXH3, then BLAKE3."""
     if size != target.size or hasher.xxh3() != target.digest:
         raise IntegrityError(
             f"{target.dest}: content from {origin} does not match the release "
             f"(got {size} bytes, xxh3 {hasher.xxh3()}; expected {target.size} bytes, {target.digest})",
             hint="the store object is corrupt: rebuild or re-push the release; nothing was written",
         )
-    if target.sha256 and hasher.sha256() != target.sha256:
-        # The XXH3 matched and the SHA-256 did not: bytes crafted to collide with the address.
+    if target.blake3 and hasher.crypto() != target.blake3:
+        # The XXH3 matched and the BLAKE3 did not: bytes crafted to collide with the address.
         raise IntegrityError(
-            f"{target.dest}: content from {origin} has the release's xxh3 {target.digest} but sha256 "
-            f"{hasher.sha256()}, not {target.sha256}",
+            f"{target.dest}: content from {origin} has the release's xxh3 {target.digest} but blake3 "
+            f"{hasher.crypto()}, not {target.blake3}",
             hint="the store object was forged to match its address: do not serve this store; nothing was written",
         )
 
@@ -394,13 +394,13 @@ class Beneath:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None
-            found = self._hash_open(fd, limit, st.st_size, sha256=False)
+            found = self._hash_open(fd, limit, st.st_size, crypto=False)
             return None if found is None else found[0]
         finally:
             os.close(fd)
 
-    def look(self, rel: str, size: int, *, sha256: bool = False) -> tuple[os.stat_result, Hashed | None] | None:
-        """rel's status and, if it holds size bytes, their (XXH3-128, SHA-256 if asked, else "")
+    def look(self, rel: str, size: int, *, crypto: bool = False) -> tuple[os.stat_result, Hashed | None] | None:
+        """rel's status and, if it holds size bytes, their (XXH3-128, BLAKE3 if asked, else "")
         (None: another length); None if absent or not a regular file. One open answers both: no
         stat pass before reading, and one read feeds both hashes."""
         fd = self._open_file(rel)
@@ -410,7 +410,7 @@ class Beneath:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return None
-            return st, (self._hash_open(fd, size, st.st_size, sha256=sha256) if st.st_size == size else None)
+            return st, (self._hash_open(fd, size, st.st_size, crypto=crypto) if st.st_size == size else None)
         finally:
             os.close(fd)
 
@@ -429,26 +429,30 @@ class Beneath:
                 return None
             raise
 
-    def _hash_open(self, fd: int, limit: int, expected: int, *, sha256: bool) -> Hashed | None:
-        """(XXH3-128, SHA-256 or "") of what fd holds if at most limit bytes, else None;
+    def _hash_open(self, fd: int, limit: int, expected: int, *, crypto: bool) -> Hashed | None:
+        """(XXH3-128, BLAKE3 or "") of what fd holds if at most limit bytes, else None;
         expected: fstat's size."""
-        hasher = Hasher(sha256=sha256)
-        size = 0
         # Into one reused buffer, read to limit + 1 (one byte more says it is too long): no
         # allocation per chunk, and the read and the hash of a large chunk both drop the GIL.
         view = self._read_buffer
         if len(view) <= limit:
             view = self._buffer(limit + 1)
-        while size <= limit:
-            asked = min(len(view), limit + 1 - size)
-            n = os.readv(fd, [view[:asked]])
-            if not n:
-                break
+        asked = min(len(view), limit + 1)
+        n = os.readv(fd, [view[:asked]])
+        # A regular file reads short only at its end: a file that fit is whole (no read of 0),
+        # hashed in one call per digest (most cache files are small: this is verify's per-file cost).
+        if n < asked and n == expected:
+            return hash_whole(view[:n], crypto=crypto)
+        hasher = Hasher(crypto=crypto)
+        size = 0
+        while n:
             hasher.update(view[:n])
             size += n
-            if n < asked and size == expected:  # a regular file reads short only at its end: no read of 0
+            if size > limit or (n < asked and size == expected):
                 break
-        return (hasher.xxh3(), hasher.sha256()) if size <= limit else None
+            asked = min(len(view), limit + 1 - size)
+            n = os.readv(fd, [view[:asked]])
+        return (hasher.xxh3(), hasher.crypto()) if size <= limit else None
 
     def _buffer(self, wanted: int) -> memoryview:
         """A read buffer of at most HASH_CHUNK bytes, grown as files need it."""

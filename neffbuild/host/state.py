@@ -76,7 +76,7 @@ class InstalledUnit:
     backend: str
     unit: dict[str, Any]
     fingerprint: dict[str, str]
-    paths: tuple[str, ...] = field(metadata=checked(lambda paths: next(filter(None, map(path_problem, paths)), None)))
+    paths: tuple[str, ...]  # checked by _installed: the release's own paths were checked with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +156,10 @@ class _Version1:
 @dataclass(frozen=True, slots=True)
 class _Version2:
     format: str
-    installed: dict[str, Any]
-    files: dict[str, Any]
+    # object, not Any: taken as JSON gave them, not walked here, since _installed and _files check
+    # every value strictly next (a walk of their 10,000s of entries cost half the parse).
+    installed: dict[str, object]
+    files: dict[str, object]
     accepted: dict[str, int] = field(metadata=checked(lambda got: _accepted_problem(got)))
 
 
@@ -183,9 +185,8 @@ def _version_1(raw: dict[str, Any]) -> CacheState:
 def _version_2(raw: dict[str, Any]) -> CacheState:
     v2 = decode_doc(_Version2, {"accepted": {}, **raw}, STATE_FILE, field_path=())
     installed = _installed(v2.installed)
-    return CacheState(
-        _files(v2.files), installed, installed.release_id, installed.tag or None, version=2, accepted=v2.accepted
-    )
+    files = _files(v2.files, checked={f.path for f in installed.release.files})
+    return CacheState(files, installed, installed.release_id, installed.tag or None, version=2, accepted=v2.accepted)
 
 
 def _accepted_problem(accepted: dict[str, int]) -> str | None:
@@ -197,8 +198,9 @@ def _accepted_problem(accepted: dict[str, int]) -> str | None:
     return None
 
 
-def _files(value: dict[str, Any]) -> Files:
-    """path -> [size, mtime_ns, digest], each checked (a bool is no size)."""
+def _files(value: dict[str, Any], checked: frozenset[str] | set[str] = frozenset()) -> Files:
+    """path -> [size, mtime_ns, digest], each checked (a bool is no size); checked: paths known
+    safe already (the installed release's, parsed strictly)."""
     files = {}
     for path, entry in value.items():
         if not (
@@ -206,25 +208,34 @@ def _files(value: dict[str, Any]) -> Files:
             and type(entry[2]) is str and 0 <= entry[0] < 1 << 63 and is_digest(entry[2])
         ):  # fmt: skip
             raise IntegrityError(f"files.{printable(path[:80])!r}: expected [size, mtime_ns, digest]")
-        if (problem := path_problem(path)) is not None:
+        if path not in checked and (problem := path_problem(path)) is not None:
             raise IntegrityError(f"files: {problem}")
         files[path] = (entry[0], entry[1], entry[2])
     return files
 
 
-def _installed(value: dict[str, Any]) -> Installed:
+def _installed(value: dict[str, object]) -> Installed:
     """The installed record: its release document must hash to its id (the bytes pull parsed
     strictly from the store: a mismatch is an edit), then decodes as strictly as from a store;
     its units must be that release's."""
     release = value.get("release")
     if not isinstance(release, dict):
         raise IntegrityError("installed.release: expected an object")
-    if hash_bytes(canonical_json(release)) != value.get("release_id"):
+    try:
+        encoded = canonical_json(release)
+    except UnicodeEncodeError:  # a lone surrogate: JSON reads it, UTF-8 cannot hold it
+        raise IntegrityError("installed.release: holds a lone surrogate, which no release can") from None
+    if hash_bytes(encoded) != value.get("release_id"):
         raise IntegrityError("installed.release does not hash to installed.release_id (edited by hand?)")
     head = decode_doc(_Head, {k: v for k, v in value.items() if k != "release"}, STATE_FILE, field_path=("installed",))
     decoded = decode_doc(Release, release, STATE_FILE, field_path=("installed", "release"))
     if [(u.unit_id, u.key) for u in head.units] != [(u.unit_id, u.key) for u in decoded.units]:
         raise IntegrityError("installed.units: not the units of installed.release")
+    known = {f.path for f in decoded.files}
+    for unit in head.units:
+        for path in unit.paths:
+            if path not in known and (problem := path_problem(path)) is not None:
+                raise IntegrityError(f"installed.units: {problem}")
     return Installed(**{f: getattr(head, f) for f in _Head.__slots__}, release=decoded)
 
 

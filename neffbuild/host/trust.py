@@ -8,9 +8,9 @@ files separated by commas, several during a rotation), a release is served only 
    lower than the highest this cache dir accepted for the tag (its state records that, written
    only once the whole pull passed); or it was pinned by id (`--release ID`: no tag is read);
 2. a signature by a trusted key over the release verifies, and its statement's subject is the
-   SHA-256 of the release document's bytes as stored, its files are the release's files with
-   their SHA-256 (each blob is then checked against it while it is written), and its bundles'
-   SHA-256 match the bundle documents as stored.
+   BLAKE3 of the release document's bytes as stored, its files are the release's files with
+   their BLAKE3 (each blob is then checked against it while it is written), and its bundles'
+   BLAKE3 match the bundle documents as stored.
 
 Every document is read once, from the bytes that were checked: nothing is read again after its
 check (a store that changes between two reads cannot slip another version in).
@@ -37,7 +37,7 @@ from neffbuild.documents.signing import (
     tag_claim,
 )
 from neffbuild.errors import InputError, NotFoundError, TrustError
-from neffbuild.hashing import is_digest, sha256_bytes
+from neffbuild.hashing import blake3_bytes, is_digest
 from neffbuild.names import check_digest
 from neffbuild.store.base import Store
 
@@ -122,16 +122,16 @@ def verify_release(
     data = store.get_doc("releases", release_id)
     if data is None:
         raise NotFoundError(f"release {release_id} not found in {store.url}", hint="build or push it first")
-    # Bytes that re-encode to the id pass checked_doc; the SHA-256 of the bytes themselves is what was signed.
-    sha = sha256_bytes(data)
-    if claim is not None and claim.sha256 != sha:
+    # Bytes that re-encode to the id pass checked_doc; the BLAKE3 of the bytes themselves is what was signed.
+    crypto = blake3_bytes(data)
+    if claim is not None and claim.blake3 != crypto:
         raise TrustError(
-            f"{where}: its SHA-256 is not the one tag {claim.tag!r}'s signed statement names",
+            f"{where}: its BLAKE3 is not the one tag {claim.tag!r}'s signed statement names",
             hint="the release document was replaced after signing: do not serve this store",
         )
     release = checked_doc(Release, data, where, release_id)
     signed, signer = _release_signature(store, release_id, trust)
-    _check_release(signed, release_id, sha, release, where)
+    _check_release(signed, release_id, crypto, release, where)
     bundles = _bundles(store, release, signed, where)
     resolved = ResolvedRelease(release_id, release, claim.tag if claim else None, where)
     return Verified(resolved, bundles, signer, claim, tag_signer)
@@ -215,13 +215,13 @@ def _release_signature(store: Store, release_id: str, trust: Trust) -> tuple[Rel
     )
 
 
-def _check_release(claim: ReleaseClaim, release_id: str, sha: str, release: Release, where: str) -> None:
-    if claim.release_id != release_id or claim.sha256 != sha:
+def _check_release(claim: ReleaseClaim, release_id: str, crypto: str, release: Release, where: str) -> None:
+    if claim.release_id != release_id or claim.blake3 != crypto:
         raise TrustError(
-            f"{where}: the release signature vouches for {claim.release_id} with another SHA-256, not these bytes",
+            f"{where}: the release signature vouches for {claim.release_id} with another BLAKE3, not these bytes",
             hint="the release document was replaced after signing: do not serve this store",
         )
-    files = {f.path: f.sha256 for f in release.files}
+    files = {f.path: f.blake3 for f in release.files}
     if claim.files != files:
         bad = sorted(set(claim.files.items()) ^ set(files.items()))[0][0]
         raise TrustError(
@@ -231,7 +231,7 @@ def _check_release(claim: ReleaseClaim, release_id: str, sha: str, release: Rele
 
 
 def _bundles(store: Store, release: Release, claim: ReleaseClaim, where: str) -> tuple[BundleRecord, ...]:
-    signed = {(b.unit_id, b.key): b.sha256 for b in claim.bundles}
+    signed = {(b.unit_id, b.key): b.blake3 for b in claim.bundles}
     wanted = [(u.unit_id, u.key) for u in release.units]
     if set(signed) != set(wanted):
         raise TrustError(
@@ -244,9 +244,9 @@ def _bundles(store: Store, release: Release, claim: ReleaseClaim, where: str) ->
         bundle_where = doc_where(store, BundleRecord, key)
         if data is None:
             raise NotFoundError(f"{bundle_where}: bundle of {unit_id} missing", hint="the store is damaged; push again")
-        if sha256_bytes(data) != signed[(unit_id, key)]:
+        if blake3_bytes(data) != signed[(unit_id, key)]:
             raise TrustError(
-                f"{bundle_where}: the bundle of {unit_id} is not the one signed (its SHA-256 differs)",
+                f"{bundle_where}: the bundle of {unit_id} is not the one signed (its BLAKE3 differs)",
                 hint="the bundle document was altered after signing: do not serve this store",
             )
         records.append(checked_doc(BundleRecord, data, bundle_where, key))

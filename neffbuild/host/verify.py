@@ -402,7 +402,7 @@ def check_files(plan: Plan, store: Store, cache_dir: Path) -> tuple[UnitFiles, .
         for entry in record.files:
             if entry.path not in digests:
                 path = cache_dir / entry.path
-                digests[entry.path] = hash_file(path).hex if path.is_file() else None
+                digests[entry.path] = hash_file(path, crypto=False).hex if path.is_file() else None
             found = digests[entry.path]
             if found is None:
                 missing.append(entry.path)

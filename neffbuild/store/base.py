@@ -79,7 +79,7 @@ class BlobSource:
     digest: str
     size: int
     path: Path
-    sha256: str = ""  # its SHA-256, where the build computed one (recorded in the bundle)
+    blake3: str = ""  # its BLAKE3, where the build computed one (recorded in the bundle)
 
 
 def blob_key(digest: str) -> str:

@@ -15,7 +15,7 @@ from neffbuild.build.publish import publish_bundle
 from neffbuild.build.report import Report, ReportUnit, write_report
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.documents.records import BundleRecord, FileEntry, Timings
-from neffbuild.hashing import hash_bytes, sha256_bytes
+from neffbuild.hashing import blake3_bytes, hash_bytes
 from neffbuild.store import open_store
 from neffbuild.store.base import BlobSource, Store
 from neffbuild.units.plan import Plan, make_plan
@@ -46,7 +46,7 @@ def publish_unit(store: Store, work: Path, unit, seconds: float = 40.0) -> Bundl
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
         sources.append(BlobSource(hash_bytes(data), len(data), target))
-        entries.append(FileEntry(path, len(data), hash_bytes(data), sha256_bytes(data)))
+        entries.append(FileEntry(path, len(data), hash_bytes(data), blake3_bytes(data)))
     record = BundleRecord(
         key=unit.key, unit_id=unit.unit_id, unit=dict(unit.normalized), backend="inductor", fingerprint=dict(unit.fingerprint),
         files=tuple(entries), counters={"compiles": 2}, timings=Timings(1.0, seconds - 1.0, seconds),

@@ -29,7 +29,7 @@ from neffbuild.documents.records import (
     dump,
     unit_key,
 )
-from neffbuild.hashing import hash_bytes, sha256_bytes
+from neffbuild.hashing import blake3_bytes, hash_bytes
 from neffbuild.host.exports import shell_lines, shell_word
 from neffbuild.printable import printable
 from neffbuild.store.base import BlobSource, Store
@@ -118,7 +118,7 @@ def publish_with(store: Store, work: Path, text: str, path_text: str) -> Publish
         source = work / f"src{version}.so"
         source.write_bytes(data)
         entry = FileEntry(
-            path=f"k{version}/{path_text}.so", size=len(data), digest=hash_bytes(data), sha256=sha256_bytes(data)
+            path=f"k{version}/{path_text}.so", size=len(data), digest=hash_bytes(data), blake3=blake3_bytes(data)
         )
         key = unit_key(unit, fingerprint)
         record = BundleRecord(

@@ -35,7 +35,7 @@ def release(**changes: object) -> Release:
         "name": "m", "manifest_digest": DIGEST, "backend": "inductor", "cache_env": "TORCHINDUCTOR_CACHE_DIR",
         "env": {"OMP_NUM_THREADS": "2"}, "fingerprint": {"torch": "2.13.0"},
         "units": (ReleaseUnit(unit_id="m/1x1x1", key=DIGEST),),
-        "files": (FileEntry(path="ab/c.so", size=3, digest=DIGEST, sha256="5" * 64),),
+        "files": (FileEntry(path="ab/c.so", size=3, digest=DIGEST, blake3="5" * 64),),
     }  # fmt: skip
     return Release(**{**fields, **changes})
 
@@ -50,22 +50,27 @@ def test_release_id_is_the_digest_of_canonical_json() -> None:
     # Pinned: a change here would rename every release ever published (and re-upload them).
     doc = release()
     assert dump(doc).startswith(b'{"backend":"inductor","cache_env"')
-    assert doc.release_id == "189530afbb61c6fc7c869ac5fcfb6a40"
+    # (Format 2 first carried SHA-256, on unreleased main only; with BLAKE3 its ids are these.)
+    assert doc.release_id == "95595e47ee4105d8b3040b146a3277af"
     assert doc.release_id != release(env={"OMP_NUM_THREADS": "4"}).release_id
-    # A version 1 release (no SHA-256 in its entries) keeps the id it was published under.
+    # A version 1 release (no BLAKE3 in its entries) keeps the id it was published under.
     old = release(format=RELEASE_FORMAT_1, files=(FileEntry(path="ab/c.so", size=3, digest=DIGEST),))
-    assert b"sha256" not in dump(old)
+    assert b"blake3" not in dump(old)
     assert old.release_id == "a952b154162ab4dce815aca7b35846dc"
     assert parse(Release, dump(old), "r.json") == old
 
 
-def test_version_2_documents_need_every_sha256_and_version_1_none() -> None:
+def test_version_2_documents_need_every_blake3_and_version_1_none() -> None:
     doc = to_json(release())
-    del doc["files"][0]["sha256"]
-    with pytest.raises(IntegrityError, match=r"files\.0\.sha256: required in format 'neffbuild.release/2'"):
+    del doc["files"][0]["blake3"]
+    with pytest.raises(IntegrityError, match=r"files\.0\.blake3: required in format 'neffbuild.release/2'"):
         parse(Release, json.dumps(doc).encode(), "r.json")
-    doc["files"][0]["sha256"] = "Z" * 64
-    with pytest.raises(IntegrityError, match="not a 64-digit lowercase hex SHA-256"):
+    doc["files"][0]["blake3"] = "Z" * 64
+    with pytest.raises(IntegrityError, match="not a 64-digit lowercase hex BLAKE3"):
+        parse(Release, json.dumps(doc).encode(), "r.json")
+    # The SHA-256 entries of unreleased builds of format 2 are refused, not read as unsigned.
+    doc["files"][0]["sha256"] = doc["files"][0].pop("blake3")
+    with pytest.raises(IntegrityError, match=r"files\.0\.sha256: unknown field"):
         parse(Release, json.dumps(doc).encode(), "r.json")
     assert release().signable and not release(format=RELEASE_FORMAT_1).signable
 
@@ -211,7 +216,7 @@ def test_deep_nesting_is_an_integrity_error_never_a_recursion_error(kind: type, 
 def bundle(**changes: object) -> BundleRecord:
     fields: dict = {
         "key": DIGEST, "unit_id": "m/1x1x1", "unit": {"shape": {"height": 128}}, "backend": "inductor",
-        "fingerprint": {"torch": "2.13.0"}, "files": (FileEntry(path="ab/c.so", size=3, digest=DIGEST, sha256="5" * 64),),
+        "fingerprint": {"torch": "2.13.0"}, "files": (FileEntry(path="ab/c.so", size=3, digest=DIGEST, blake3="5" * 64),),
         "counters": {"hits": 1}, "timings": Timings(), "created_at": "2026-01-01T00:00:00+00:00", "neffbuild_version": "t",
     }  # fmt: skip
     return BundleRecord(**{**fields, **changes})

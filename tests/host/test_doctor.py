@@ -153,7 +153,7 @@ def test_missing_dir_is_judged_by_its_parent(tmp_path):
 
 
 def test_free_space_fails_when_the_release_does_not_fit(tmp_path):
-    huge = FileEntry(path="ab/cd/abcd" + "0" * 28 + ".neff", size=1 << 60, digest="0" * 32, sha256="0" * 64)
+    huge = FileEntry(path="ab/cd/abcd" + "0" * 28 + ".neff", size=1 << 60, digest="0" * 32, blake3="0" * 64)
     check = check_free_space(tmp_path, release({}, files=[huge]), HostView())
     assert check.status == "fail" and "still to pull" in check.detail
     assert check_free_space(tmp_path, None, HostView(min_free_bytes=1 << 60)).status == "fail"
@@ -162,7 +162,7 @@ def test_free_space_fails_when_the_release_does_not_fit(tmp_path):
 
 def test_files_already_present_need_no_space(tmp_path):
     size = shutil.disk_usage(tmp_path).free + (1 << 30)  # more than fits
-    entry = FileEntry(path="ab/cd/abcd" + "0" * 28 + ".neff", size=size, digest="0" * 32, sha256="0" * 64)
+    entry = FileEntry(path="ab/cd/abcd" + "0" * 28 + ".neff", size=size, digest="0" * 32, blake3="0" * 64)
     assert check_free_space(tmp_path, release({}, files=[entry]), HostView()).status == "fail"
     target = tmp_path / entry.path
     target.parent.mkdir(parents=True)

@@ -49,7 +49,7 @@ def release(**changes) -> Release:
     fields: dict = {
         "name": "m", "manifest_digest": "0" * 32, "backend": "inductor", "cache_env": "TORCHINDUCTOR_CACHE_DIR",
         "env": {"OMP_NUM_THREADS": "2"}, "fingerprint": {}, "units": (ReleaseUnit(unit_id="m/1", key="1" * 32),),
-        "files": (FileEntry(path="a.so", size=1, digest="2" * 32, sha256="3" * 64),),
+        "files": (FileEntry(path="a.so", size=1, digest="2" * 32, blake3="3" * 64),),
     }  # fmt: skip
     return Release(**{**fields, **changes})
 

@@ -47,7 +47,7 @@ def publish_files(store: LocalStore, files: dict[str, bytes], tmp: Path, tag: st
         path.write_bytes(data)
         digest = hash_file(path)
         sources.append(BlobSource(digest.hex, digest.size, path))
-        entries.append(FileEntry(path=rel, size=digest.size, digest=digest.hex, sha256=digest.sha256))
+        entries.append(FileEntry(path=rel, size=digest.size, digest=digest.hex, blake3=digest.blake3))
     key = hash_bytes(repr(sorted(files.items())).encode())
     fingerprint = this_host(
         {}, release_fields.get("env", {"OMP_NUM_THREADS": "2"})

@@ -223,6 +223,27 @@ def test_every_wrong_type_in_every_field_is_a_corrupt_state_naming_the_field(ins
     assert seen > 200
 
 
+def test_paths_outside_the_installed_release_are_still_checked(installed) -> None:
+    # The release's own paths are checked once, with it; a path only the units or the hash cache
+    # list is checked on its own, so an edit cannot slip an unsafe one past the parse.
+    _, _, doc = installed
+    for edit, problem in (
+        (lambda d: d["installed"]["units"][0]["paths"].append("../escape.so"), "installed.units: unsafe path"),
+        (lambda d: d["files"].update({"../escape.so": [1, 1, "0" * 32]}), "files: unsafe path"),
+        (lambda d: d["installed"]["release"].update({"name": "\ud800"}), "lone surrogate"),
+    ):
+        edited = copy.deepcopy(doc)
+        edit(edited)
+        edited["installed"]["release_id"] = hash_bytes(
+            json.dumps(edited["installed"]["release"], sort_keys=True, separators=(",", ":")).encode(
+                "utf-8", "surrogatepass"
+            )
+        )
+        state = parse_state(json.dumps(edited).encode())
+        assert state.problem is not None and problem in state.problem, state.problem
+        assert state.installed is None and state.files == {}
+
+
 def test_commands_on_a_corrupt_state_exit_with_its_code_and_pull_repairs_it(installed, tmp_path: Path) -> None:
     """A sample of the mutations through each command, as processes: exit 13 naming the state
     file (or, for pull with its store, a repair), never exit 1."""

@@ -44,7 +44,7 @@ def publish_units(store: Store, root: Path, *, tag: str, seeds: tuple[int, int] 
     for n, (unit_id, sizes) in enumerate(UNITS.items()):
         sources = write_files(root / f"u{n}", sizes, seed=seeds[n])
         files = tuple(
-            FileEntry(path=s.path.relative_to(root / f"u{n}").as_posix(), size=s.size, digest=s.digest, sha256=s.sha256)
+            FileEntry(path=s.path.relative_to(root / f"u{n}").as_posix(), size=s.size, digest=s.digest, blake3=s.blake3)
             for s in sources
         )
         unit = unit_record(unit_id, env, seeds[n])

@@ -25,7 +25,7 @@ from neffbuild.documents.signing import (
     write_key_pair,
 )
 from neffbuild.errors import IntegrityError, TrustError
-from neffbuild.hashing import hash_bytes, sha256_bytes
+from neffbuild.hashing import blake3_bytes, hash_bytes
 from neffbuild.host.pull import pull
 from neffbuild.host.state import read_cache_state
 from neffbuild.host.trust import Trust, trust_from
@@ -115,9 +115,9 @@ def test_the_release_signature_is_an_in_toto_statement_in_dsse(fleet: Fleet) -> 
     statement = json.loads(base64.b64decode(envelope["payload"]))
     assert statement["_type"] == "https://in-toto.io/Statement/v1"
     data = fleet.store.get_doc("releases", fleet.one) or b""
-    assert statement["subject"] == [{"name": fleet.one, "digest": {"sha256": sha256_bytes(data)}}]
+    assert statement["subject"] == [{"name": fleet.one, "digest": {"blake3": blake3_bytes(data)}}]
     resources = {r["name"]: r["digest"] for r in statement["predicate"]["resources"]}
-    assert resources == {f.path: f.sha256 for f in fleet.release(fleet.one).files}
+    assert resources == {f.path: f.blake3 for f in fleet.release(fleet.one).files}
     assert hash_bytes(data) == fleet.one  # signing left the release (and its id) as it was
 
 
@@ -128,10 +128,10 @@ def test_state_records_the_accepted_version_and_a_no_op_pull_stays_a_no_op(fleet
 
 
 def test_a_tampered_release_is_refused(fleet: Fleet) -> None:
-    # The same document in other bytes: its XXH3 id still matches (it re-encodes to it), its SHA-256 does not.
+    # The same document in other bytes: its XXH3 id still matches (it re-encodes to it), its BLAKE3 does not.
     path = fleet.store.root / f"releases/{fleet.one}.json"
     overwrite(path, json.dumps(json.loads(path.read_bytes()), indent=1).encode())
-    fleet.refused(TrustError, "its SHA-256 is not the one tag 'prod''s signed statement names")
+    fleet.refused(TrustError, "its BLAKE3 is not the one tag 'prod''s signed statement names")
     fleet.refused(TrustError, "the release signature vouches for .* not these bytes", None, trust=_pinned(fleet))
 
 
@@ -148,19 +148,19 @@ def test_a_tampered_bundle_is_refused(fleet: Fleet) -> None:
     fleet.refused(TrustError, f"the bundle of {unit.unit_id} is not the one signed")
 
 
-def test_a_blob_whose_xxh3_matches_but_sha256_does_not_is_refused_while_written(fleet: Fleet) -> None:
+def test_a_blob_whose_xxh3_matches_but_blake3_does_not_is_refused_while_written(fleet: Fleet) -> None:
     # An XXH3 collision, as the pull sees one: the signed release lists for b.neff the XXH3 of the
-    # bytes the store serves but the SHA-256 of the bytes CI built.
+    # bytes the store serves but the BLAKE3 of the bytes CI built.
     one = fleet.release(fleet.one)
     forged = bytes(b ^ 0xFF for b in (fleet.src / "b.neff").read_bytes())
     (fleet.tmp / "forged").write_bytes(forged)
     fleet.store.put_blob(hash_bytes(forged), fleet.tmp / "forged")
     files = tuple(
-        FileEntry(f.path, f.size, hash_bytes(forged), f.sha256) if f.path == "b.neff" else f for f in one.files
+        FileEntry(f.path, f.size, hash_bytes(forged), f.blake3) if f.path == "b.neff" else f for f in one.files
     )
     two = fleet.variant(files)
     move_tag(fleet.store, "prod", two, signing=fresh(fleet.key))
-    fleet.refused(IntegrityError, f"has the release's xxh3 {hash_bytes(forged)} but sha256 {sha256_bytes(forged)}")
+    fleet.refused(IntegrityError, f"has the release's xxh3 {hash_bytes(forged)} but blake3 {blake3_bytes(forged)}")
     # Nothing was recorded: the tag's version 2 was not accepted.
     assert read_cache_state(fleet.cache)[1].accepted == {"prod": 1}
 
