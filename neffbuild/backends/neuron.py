@@ -486,10 +486,10 @@ def recipe_refusals(entry: ModelEntry) -> list[Problem]:
                                     "remove dynamic; list every shape in shapes"))  # fmt: skip
         if recipe.mode != "default" or recipe.inductor:
             problems.append(Problem("compile.mode" if recipe.mode != "default" else "compile.inductor",
-                                    f"{spec!r}: Inductor's modes and settings do not reach neuronx-cc",
+                                    "Inductor's modes and settings do not reach neuronx-cc",
                                     "remove mode and inductor; neuronx-cc flags go in [model.env] NEURON_CC_FLAGS"))  # fmt: skip
         if recipe.quantize is not None:
-            problems.append(Problem("compile.quantize", f"{spec!r}: torchao's int8 kernels do not run on Neuron",
+            problems.append(Problem("compile.quantize", "torchao's int8 kernels do not run on Neuron",
                                     "remove quantize (quantize for Neuron before saving the model)"))  # fmt: skip
     return list({str(p): p for p in problems}.values())
 
