@@ -128,10 +128,9 @@ def test_each_recipe_entry_builds_and_replays_from_another_path_with_zero_compil
     for unit in report["units"]:
         assert unit["compiles"] == 0 and unit["written"] == [], unit
         assert unit["counters"].get("inductor.select_algorithm_autotune", 0) == 0, unit  # no benchmark on a hit
-    # Dynamic: the first size loads the one symbolic graph, the others run it without compiling.
+    # Dynamic: the first size loads the symbolic graph from the cache; the other sizes compile nothing.
     dynamic = [u for u in report["units"] if u["unit_id"].startswith("dynamic/")]
     assert dynamic[0]["counters"].get("inductor.fxgraph_cache_hit", 0) > 0
-    assert all(u["counters"].get("inductor.fxgraph_cache_hit", 0) == 0 for u in dynamic[1:])
 
 
 @pytest.mark.parametrize(
