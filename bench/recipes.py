@@ -72,7 +72,8 @@ for h, w in sizes:
     steady.append(statistics.median(runs))
 print(json.dumps({"imports": imported - started, "load": loaded - imported, "prepare": prepared - loaded,
                   "first": first, "steady": steady, "metrics": metrics,
-                  "misses": counters["inductor"]["fxgraph_cache_miss"], "hits": counters["inductor"]["fxgraph_cache_hit"]}))
+                  "misses": counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"],
+                  "hits": counters["inductor"]["fxgraph_cache_hit"]}))
 """
 
 
