@@ -154,7 +154,8 @@ def test_the_printed_recipe_serves_with_zero_compiles_in_a_fresh_process(
     printed = cli("recipe", str(recipes_built.manifest), "--entry", "autotune")
     assert printed.returncode == 0, printed.stderr
     assert "neffbuild" not in printed.stdout.replace("# neffbuild recipe", "").replace("`neffbuild pull`", "")
-    assert "mode='max-autotune-no-cudagraphs'" in printed.stdout and "'conv_1x1_as_mm': True" in printed.stdout
+    assert "list_mode_options('max-autotune-no-cudagraphs', False)" in printed.stdout
+    assert "'conv_1x1_as_mm': True" in printed.stdout
     code = tmp_path / "recipe.py"
     code.write_text(printed.stdout)
     counters = serve(recipes_built, tiny_model, "code", str(code), [(128, 128)])

@@ -72,6 +72,7 @@ def test_recipe_prints_the_statements_the_build_applies(tiny_model: Path, tmp_pa
     assert code == [
         "import torch",
         "import torch._dynamo",
+        "import torch._inductor",
         "torch._dynamo.config.recompile_limit = 8",
         "torch._dynamo.config.accumulated_recompile_limit = 256",
         "pipe = pipe.to('cpu')",

@@ -22,6 +22,7 @@ def recipe_source(entry: ModelEntry, device: str, recompile_limit: int) -> str:
         f"# load the pipeline as `pipe` with torch_dtype=torch.{entry.dtype}, then run this.",
         "import torch",
         "import torch._dynamo",
+        "import torch._inductor",
         "",
         "# One recompile per static shape: raise the limit above the shape count.",
         f"torch._dynamo.config.recompile_limit = {recompile_limit}",
@@ -69,10 +70,16 @@ def _module_lines(name: str, recipe: ResolvedRecipe) -> list[str]:
 
 def _compile_line(mode: str, name: str, method: str | None, recipe: ResolvedRecipe) -> str:
     arguments = [f"fullgraph=True, dynamic={recipe.dynamic}"]
-    if recipe.mode != "default":
+    settings = ", ".join(f"{k!r}: {v!r}" for k, v in sorted(recipe.inductor.items()))
+    if recipe.mode != "default" and recipe.inductor:
+        # torch.compile refuses mode and options together; a mode is its options (what the
+        # build's compiler applies first), so they go in one dict, the recipe's settings last.
+        mode = f"torch._inductor.list_mode_options({recipe.mode!r}, {recipe.dynamic})"
+        arguments.append(f"options={{**{mode}, {settings}}}")
+    elif recipe.mode != "default":
         arguments.append(f"mode={recipe.mode!r}")
-    if recipe.inductor:
-        arguments.append(f"options={dict(sorted(recipe.inductor.items()))!r}")
+    elif recipe.inductor:
+        arguments.append(f"options={{{settings}}}")
     args = ", ".join(arguments)
     if method is not None:
         return f"pipe.{name}.{method} = torch.compile(pipe.{name}.{method}, {args})"
