@@ -38,6 +38,10 @@ class ManifestError(InputError):
     """The manifest is invalid; the message names file, entry and key."""
 
 
+class PipelineMismatch(InputError):
+    """A loaded pipeline is not what the manifest entry built (class, dtype, components)."""
+
+
 class StoreError(NeffbuildError):
     """The store could not be read or written (missing, unreachable, denied)."""
 

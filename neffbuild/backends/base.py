@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from neffbuild.documents.manifest import LoadedManifest, ModelEntry
+    from neffbuild.documents.manifest import LoadedManifest, ModelEntry, ResolvedRecipe
 
 # torch._dynamo.utils.counters group the GraphCounters write; reported as "graphs.<component>".
 GRAPH_GROUP = "neffbuild.graphs"
@@ -164,7 +164,7 @@ class Backend(ABC):
 
         # Each static shape is one more recompile of the same code; the default limit (8) makes
         # the ninth shape fail hard under fullgraph=True.
-        limit = max(8, 2 * shape_count + 2)
+        limit = recompile_limit(shape_count)
         torch._dynamo.config.recompile_limit = limit
         torch._dynamo.config.accumulated_recompile_limit = max(256, 8 * limit)
 
@@ -184,11 +184,19 @@ class Backend(ABC):
         """Load the pipeline the way serving does: the ordinary from_pretrained path."""
         return pipeline_class(entry).from_pretrained(model_ref, **load_arguments(entry))
 
+    def compiler_for(self, recipe: ResolvedRecipe) -> Any:
+        """The compiler for a component's recipe; a backend that takes no compiler settings
+        (plan refuses them) compiles every recipe alike."""
+        return self.compiler()
+
     def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
-        """Move the pipeline to its device and compile the listed components; return what to call."""
+        """Move the pipeline to its device, apply the entry's recipe and compile the listed
+        components (backends/recipe.py): what build, replay and serve.prepare all run."""
         pipe = pipe.to(self.run_device(entry))
         if entry.mode != "eager":
-            compile_components(pipe, entry, self.compiler(), self.compiler_name)
+            from neffbuild.backends.recipe import apply_recipe
+
+            apply_recipe(pipe, entry, self)
         return pipe
 
     def counters(self) -> dict[str, int]:
@@ -203,6 +211,11 @@ class Backend(ABC):
     @abstractmethod
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         """How many compiles (cache misses) a counter delta shows."""
+
+
+def recompile_limit(shape_count: int) -> int:
+    """Dynamo's recompile limit for a process that serves `shape_count` static shapes."""
+    return max(8, 2 * shape_count + 2)
 
 
 def pipeline_class(entry: ModelEntry) -> Any:
@@ -266,28 +279,31 @@ class GraphCounter:
         return self.compiler(gm, example_inputs, **kwargs)
 
 
-def compile_components(pipe: Any, entry: ModelEntry, compiler: Any, compiler_name: str) -> None:
+def compile_components(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
     """Compile each listed component the way serving must: `name` compiles the module's forward
-    (`full`) or its repeated blocks (`regional`); `name.method` compiles that bound method."""
+    (`full`) or its repeated blocks (`regional`); `name.method` compiles that bound method. Each
+    with its recipe's compiler settings (backends/recipe.py)."""
     import torch
+
+    from neffbuild.backends.recipe import compile_options, needs_scope, scoped
 
     for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
         component = getattr(pipe, name, None)
         if component is None:
             raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
-        counter = GraphCounter(spec, compiler, compiler_name)
+        recipe = entry.recipe_for(spec)
+        counter = GraphCounter(spec, backend.compiler_for(recipe), backend.compiler_name)
+        options = {"backend": counter, **compile_options(recipe)}
         if method is not None:
             bound = getattr(component, method, None)
             if not callable(bound):
                 raise ValueError(f"{type(component).__name__} has no method {method!r}")
-            setattr(
-                component, method, _recorded(spec, torch.compile(bound, backend=counter, fullgraph=True, dynamic=False))
-            )
+            setattr(component, method, scoped(_recorded(spec, torch.compile(bound, **options)), recipe))
         elif entry.mode == "full":
             component.compile(backend=counter, fullgraph=True, dynamic=False)
             # Module.compile keeps the compiled call here; recording outside it keeps the
             # graph whole (a hook would run inside it).
-            component._compiled_call_impl = _recorded(spec, component._compiled_call_impl)
+            component._compiled_call_impl = scoped(_recorded(spec, component._compiled_call_impl), recipe)
         elif not getattr(component, "_repeated_blocks", None):
             raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
         else:
@@ -295,6 +311,8 @@ def compile_components(pipe: Any, entry: ModelEntry, compiler: Any, compiler_nam
             component.register_forward_pre_hook(
                 lambda _m, args, kwargs, spec=spec: _record(spec, args, kwargs), with_kwargs=True
             )
+            if needs_scope(recipe):  # the blocks compile inside the component's call: hold them around it
+                component.forward = scoped(component.forward, recipe)
 
 
 _INPUTS: dict[str, dict[str, None]] = {}  # component -> its distinct input signatures, in call order

@@ -31,7 +31,7 @@ from neffbuild.backends.base import (
 from neffbuild.backends.serving import INDUCTOR
 
 if TYPE_CHECKING:
-    from neffbuild.documents.manifest import ModelEntry
+    from neffbuild.documents.manifest import LoadedManifest, ModelEntry, ResolvedRecipe
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
 # two builds may write the same path with different bytes (e.g. .so files embed their build
@@ -124,6 +124,13 @@ class InductorBackend(Backend):
         fields.update(relevant_env(env, _ENV_NAMES + tuple(unit.env), _ENV_PREFIXES, _ENV_SKIP))
         return dict(sorted(fields.items()))
 
+    def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
+        if importlib.util.find_spec("torch") is None:
+            return []  # check_host says so
+        from neffbuild.backends.recipe_checks import inductor_setting_problems
+
+        return inductor_setting_problems(entry)
+
     def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
         if importlib.util.find_spec("torch") is None:
             return [
@@ -183,6 +190,16 @@ class InductorBackend(Backend):
 
             return compile_fx
         return wrapper(None, None, False)
+
+    def compiler_for(self, recipe: ResolvedRecipe) -> Any:
+        import torch
+
+        # What torch.compile(mode=..., options=..., dynamic=...) builds: the wrapper patches
+        # Inductor's config only while it compiles a graph, so settings stay with their component.
+        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        if wrapper is None:
+            return self.compiler()
+        return wrapper(recipe.mode, dict(recipe.inductor) or None, recipe.dynamic)
 
     def compiler_counters(self) -> dict[str, int]:
         return dynamo_counters("inductor", "aot_autograd", "stats")

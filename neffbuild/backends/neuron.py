@@ -279,6 +279,9 @@ class NeuronBackend(Backend):
         return dict(sorted(fields.items()))
 
     def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
+        return recipe_refusals(entry) or self._tp_problems(entry, loaded)
+
+    def _tp_problems(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
         if entry.tensor_parallel == 1:
             return []
         n = entry.tensor_parallel
@@ -470,6 +473,25 @@ class NeuronBackend(Backend):
             for p in root.glob("*/*.neff")
             if _SUBPROCESS_ENTRY.match(p.relative_to(root).as_posix()) and _is_plain_file(p)
         )
+
+
+def recipe_refusals(entry: ModelEntry) -> list[Problem]:
+    """What a recipe asks that torch.compile(backend="neuron") cannot do: neuronx-cc compiles
+    static shapes only and takes no Inductor settings or modes; torchao's int8 kernels are CPU/CUDA ones."""
+    problems = []
+    for spec in entry.components:
+        recipe = entry.recipe_for(spec)
+        if recipe.dynamic:
+            problems.append(Problem("compile.dynamic", "the neuron backend compiles static shapes only (neuronx-cc)",
+                                    "remove dynamic; list every shape in shapes"))  # fmt: skip
+        if recipe.mode != "default" or recipe.inductor:
+            problems.append(Problem("compile.mode" if recipe.mode != "default" else "compile.inductor",
+                                    "Inductor's modes and settings do not reach neuronx-cc",
+                                    "remove mode and inductor; neuronx-cc flags go in [model.env] NEURON_CC_FLAGS"))  # fmt: skip
+        if recipe.quantize is not None:
+            problems.append(Problem("compile.quantize", "torchao's int8 kernels do not run on Neuron",
+                                    "remove quantize (quantize for Neuron before saving the model)"))  # fmt: skip
+    return list({str(p): p for p in problems}.values())
 
 
 def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:

@@ -185,8 +185,13 @@ def _component_problems(entry: ModelEntry, index: Mapping[str, Any], unchecked: 
         if cls is None:
             unchecked.append(f"component {spec!r} ({library}.{class_name} is not importable here)")
             continue
-        problems.extend(_class_problems(entry, spec, name, method, cls))
-    return problems
+        found = _class_problems(entry, spec, name, method, cls)
+        if not found:
+            from neffbuild.backends.recipe_checks import module_recipe_problems
+
+            found = module_recipe_problems(entry, spec, name, cls)
+        problems.extend(found)
+    return list({str(p): p for p in problems}.values())
 
 
 def _class_problems(entry: ModelEntry, spec: str, name: str, method: str | None, cls: type) -> list[Problem]:

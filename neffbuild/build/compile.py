@@ -26,7 +26,7 @@ from neffbuild.build.fanin import assemble_release
 from neffbuild.build.fleet import checked_document, select
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.build.report import emit, from_build
-from neffbuild.documents.manifest import load_manifest
+from neffbuild.documents.manifest import Shape, load_manifest
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
 from neffbuild.documents.refs import load_doc
 from neffbuild.documents.signing import Signing
@@ -36,6 +36,7 @@ from neffbuild.hashing import hash_file
 from neffbuild.runner.jobs import (
     OnPhase,
     Progress,
+    ShapeRun,
     WorkerJob,
     Workers,
     keep_logs,
@@ -346,15 +347,20 @@ def build_unit(
     cache_dir.mkdir(parents=True)
     worker_env = {**env, **unit.env, **backend.worker_env(cache_dir, scratch)}
     require_scratch(backend.scratch_dirs(scratch, worker_env), backend.scratch_min_free)
+    shapes = warmup_shapes(unit)
     job = WorkerJob(
-        purpose="build", entry=unit.entry, model_ref=unit.model_ref, unit_ids=(unit.unit_id,), shapes=(unit.shape,)
+        purpose="build",
+        entry=unit.entry,
+        model_ref=unit.model_ref,
+        unit_ids=tuple(f"{unit.entry.id}/{unit.entry.unit_label(shape)}" for shape in shapes),
+        shapes=tuple(shapes),
     )
     launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
     result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)
     if on_phase:
         on_phase(unit.unit_id, "publishing")
     _check_fingerprint(unit, result.fingerprint)
-    run = result.runs[0]
+    run = _merged(result.runs)
     silent = components_without_graphs(unit.entry, run.counters)
     if silent:
         compiled = sorted(
@@ -394,6 +400,31 @@ def build_unit(
         compiles=run.compiles,
         peak_rss=result.peak_rss,
         counters=dict(run.counters),
+    )
+
+
+def warmup_shapes(unit: BuildUnit) -> list[Shape]:
+    """The shapes a unit's worker calls, in order. Static: its own. Dynamic: the entry's shapes up
+    to its own, in the manifest's order, as a server warms up: the symbolic graph is the one the
+    first shape traces, and each unit's cache is what such a server finds (this alone did not
+    make the tiny transformer's dynamic replay hit: docs/recipes.md, "Known gap")."""
+    if not unit.entry.compile.dynamic:
+        return [unit.shape]
+    shapes = unit.entry.expanded_shapes()
+    return shapes[: shapes.index(unit.shape) + 1]
+
+
+def _merged(runs: Sequence[ShapeRun]) -> ShapeRun:
+    """One unit's run from its worker's calls: the counters and compiles of all, the time of its own (the last)."""
+    if len(runs) == 1:
+        return runs[0]
+    counters: dict[str, int] = {}
+    for run in runs:
+        for name, value in run.counters.items():
+            counters[name] = counters.get(name, 0) + value
+    inputs = {k: v for run in runs for k, v in run.inputs.items()}
+    return runs[-1].model_copy(
+        update={"counters": counters, "compiles": sum(r.compiles for r in runs), "inputs": inputs}
     )
 
 

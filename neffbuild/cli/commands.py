@@ -56,7 +56,7 @@ jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=
 
 # `neffbuild --help` lists the commands by who runs them, in the order they run.
 SECTIONS = (
-    ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "keygen", "schema")),
+    ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "keygen", "schema", "recipe")),
     ("A serving host", ("pull", "env", "status", "doctor", "verify")),
     ("The store", ("ls", "show", "diff", "du", "gc")),
 )
@@ -141,6 +141,16 @@ _plan_file_option = click.option(
     "--plan", "plan_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
     help="Use the units and keys of this plan document (`neffbuild plan --out`) instead of planning on this host.",
 )  # fmt: skip
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("--entry", "entry_id", metavar="ID", help="The entry to print [default: the manifest's only entry].")
+def recipe(manifest: Path, entry_id: str | None) -> None:
+    """Print an entry's compile recipe as plain Python, for a server that does not import neffbuild."""
+    from neffbuild.units.plan import recipe_code
+
+    click.echo(recipe_code(manifest, entry_id, os.environ), nl=False)
 
 
 @cli.command()

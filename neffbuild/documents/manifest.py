@@ -13,6 +13,8 @@ import json
 import math
 import re
 import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -98,6 +100,117 @@ class ShapeSet(_Strict):
         return math.prod(len(v) if isinstance(v, list) else 1 for v in (self.height, self.width, self.batch))
 
 
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+MemoryFormat = Literal["contiguous", "channels_last"]
+MatmulPrecision = Literal["highest", "high", "medium"]
+Quantization = Literal["int8-dynamic"]  # torchao: int8 dynamic activation + int8 weight
+InductorValue = Annotated[bool, Strict()] | Annotated[int, Strict()] | CallFloat | Text
+_SETTING = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_BACKEND_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class ComponentRecipe(_Strict):
+    """How one listed component is prepared and compiled; unset fields take the entry's [model.compile]."""
+
+    mode: CompileMode | None = Field(default=None, description="torch.compile mode (inductor only).")
+    inductor: dict[str, InductorValue] = Field(
+        default_factory=dict,
+        max_length=MAX_LIST,
+        description="torch._inductor.config settings, checked against the installed torch at plan.",
+    )
+    memory_format: MemoryFormat | None = Field(
+        default=None, description="module.to(memory_format=...) before compiling."
+    )
+    fuse_qkv: bool | None = Field(default=None, description="module.fuse_qkv_projections() before compiling.")
+    attention_backend: str | None = Field(
+        default=None,
+        max_length=100,
+        pattern=_BACKEND_NAME,
+        description="module.set_attention_backend(...) (diffusers).",
+    )
+    quantize: Quantization | None = Field(
+        default=None, description="torchao quantize_ before compiling: 'int8-dynamic' (needs torchao)."
+    )
+
+    @field_validator("inductor")
+    @classmethod
+    def _setting_names(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        for name in settings:
+            if not _SETTING.match(name):
+                raise ValueError(f"{_short(name)} is not an Inductor setting name")
+        return settings
+
+
+class Recipe(ComponentRecipe):
+    """[model.compile]: the recipe of every listed component, with per-component overrides, and
+    the settings one compile of the whole pipeline shares (dynamic shapes, matmul precision)."""
+
+    dynamic: bool = Field(
+        default=False, description="torch.compile(dynamic=True): one graph for many sizes (inductor)."
+    )
+    duck_shape: bool = Field(
+        default=True,
+        description="With dynamic: torch.fx.experimental._config.use_duck_shape (false: equal sizes get their own symbols).",
+    )
+    matmul_precision: MatmulPrecision | None = Field(
+        default=None, description="torch.set_float32_matmul_precision during compile and calls."
+    )
+    components: dict[str, ComponentRecipe] = Field(
+        default_factory=dict, max_length=32, description="Overrides per listed component ('transformer', 'vae.decode')."
+    )
+
+    @model_validator(mode="after")
+    def _duck_needs_dynamic(self) -> Recipe:
+        if not self.duck_shape and not self.dynamic:
+            raise ValueError("duck_shape = false has no effect without dynamic = true; remove it or set dynamic")
+        return self
+
+
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    """One component's recipe with every default filled in: what the key holds and what is applied."""
+
+    mode: str = "default"
+    inductor: Mapping[str, Any] = field(default_factory=dict)
+    memory_format: str = "contiguous"
+    fuse_qkv: bool = False
+    attention_backend: str | None = None
+    quantize: str | None = None
+    dynamic: bool = False
+    duck_shape: bool = True
+    matmul_precision: str | None = None
+
+    def module_settings(self) -> tuple[str, bool, str | None, str | None]:
+        """What changes the module itself (not the compile): two methods of one module must agree."""
+        return (self.memory_format, self.fuse_qkv, self.attention_backend, self.quantize)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "inductor": dict(sorted(self.inductor.items()))}
+
+
+def resolve_recipe(recipe: Recipe, spec: str) -> ResolvedRecipe:
+    """The entry's recipe for one component: its override's fields over the entry's, over defaults."""
+    override = recipe.components.get(spec, ComponentRecipe())
+    default = ResolvedRecipe()
+
+    def pick(name: str) -> Any:
+        value = getattr(override, name)
+        value = getattr(recipe, name) if value is None else value
+        return getattr(default, name) if value is None else value
+
+    return ResolvedRecipe(
+        mode=pick("mode"),
+        inductor={**recipe.inductor, **override.inductor},
+        memory_format=pick("memory_format"),
+        fuse_qkv=pick("fuse_qkv"),
+        attention_backend=pick("attention_backend"),
+        quantize=pick("quantize"),
+        dynamic=recipe.dynamic,
+        duck_shape=recipe.duck_shape,
+        matmul_precision=recipe.matmul_precision,
+    )
+
+
 def _default_device(data: dict[str, Any]) -> Device:
     return _VALID_DEVICES.get(data.get("backend", "inductor"), ("cpu",))[0]
 
@@ -145,6 +258,11 @@ class ModelEntry(_Strict):
     )
     env: dict[str, Annotated[str, Field(max_length=MAX_TEXT)]] = Field(
         default_factory=dict, max_length=MAX_LIST, description="Environment for build and serving."
+    )
+    compile: Recipe = Field(
+        default_factory=Recipe,
+        description="How the listed components are prepared and compiled ([model.compile]); default: "
+        "torch.compile(fullgraph=True, dynamic=False) with the compiler's defaults.",
     )
 
     @field_validator("env")
@@ -210,10 +328,30 @@ class ModelEntry(_Strict):
                 f"blocks; list the component alone, use mode 'full', or add a second [[model]] entry (same model, "
                 f"another id) with mode = 'full' and components = [{methods[0]!r}]"
             )
-        problem = self._call_size_problem()
+        problem = self._call_size_problem() or self._recipe_problem()
         if problem:
             raise ValueError(problem)
         return self
+
+    def _recipe_problem(self) -> str | None:
+        if self.mode == "eager" and self.compile != Recipe():
+            return "compile has no effect in mode 'eager' (nothing is compiled); remove it"
+        unknown = sorted(set(self.compile.components) - set(self.components))
+        if unknown:
+            return (
+                f"compile.components.{_key(unknown[0])}: not a listed component "
+                f"(components: {', '.join(self.components)})"
+            )
+        by_module: dict[str, tuple[str, ResolvedRecipe]] = {}
+        for spec, (name, _method) in zip(self.components, self.components_named(), strict=True):
+            resolved = self.recipe_for(spec)
+            first = by_module.setdefault(name, (spec, resolved))
+            if first[1].module_settings() != resolved.module_settings():
+                return (
+                    f"compile.components: {first[0]!r} and {spec!r} are one module ({name}) but ask for different "
+                    "memory_format, fuse_qkv, attention_backend or quantize; make them agree"
+                )
+        return None
 
     def _call_size_problem(self) -> str | None:
         prompts = self.prompts_per_call
@@ -243,6 +381,20 @@ class ModelEntry(_Strict):
     def components_named(self) -> list[tuple[str, str | None]]:
         """(component, method or None) per listed component: 'vae.decode' -> ('vae', 'decode')."""
         return [(c.partition(".")[0], c.partition(".")[2] or None) for c in self.components]
+
+    def recipe_for(self, spec: str) -> ResolvedRecipe:
+        """The resolved recipe of one listed component ('transformer', 'vae.decode')."""
+        return resolve_recipe(self.compile, spec)
+
+    def recipe_document(self) -> dict[str, Any] | None:
+        """What the key holds of the recipe: every component's resolved recipe, or None where
+        the entry compiles with the defaults (so a manifest without a recipe keys as before)."""
+        if self.mode == "eager":
+            return None
+        resolved = {spec: self.recipe_for(spec) for spec in self.components}
+        if all(r == ResolvedRecipe() for r in resolved.values()):
+            return None
+        return {spec: r.as_dict() for spec, r in resolved.items()}
 
     def unit_label(self, shape: Shape) -> str:
         """height x width x images per call (batch x prompts): the batch the compiled graphs see."""

@@ -153,6 +153,8 @@ def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, st
                 pipeline_problems, unchecked = [], ["its pipeline, call arguments and components (no diffusers here)"]
             found += pipeline_problems
             notes += [f"model[{entry.id}]: not checked before building: {what}" for what in unchecked]
+        if entry.compile.dynamic:
+            notes.append(dynamic_note(entry))
         if entry.mode == "eager" and not backend.caches_eager:
             notes.append(
                 f"model[{entry.id}]: mode 'eager' on the {backend.name} backend compiles nothing, so nothing is "
@@ -165,6 +167,22 @@ def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, st
             join_problems(loaded.path, [p for p, _ in problems]), hint=hint or "fix the entry named above"
         )
     return notes
+
+
+def graph_groups(entry: ModelEntry) -> list[list[str]]:
+    """A dynamic entry's shapes by the graph they share: Inductor specialises sizes 0 and 1, so a
+    batch of one (and a side of one) is its own graph; the others share one symbolic graph."""
+    groups: dict[tuple[bool, bool, bool], list[str]] = {}
+    for shape in entry.expanded_shapes():
+        images = shape.batch * entry.prompts_per_call
+        groups.setdefault((images == 1, shape.height == 1, shape.width == 1), []).append(entry.unit_label(shape))
+    return list(groups.values())
+
+
+def dynamic_note(entry: ModelEntry) -> str:
+    groups = "; ".join(", ".join(g) for g in graph_groups(entry))
+    duck = "" if not entry.compile.duck_shape else " (duck shaping may specialise sizes that happen to be equal)"
+    return f"model[{entry.id}]: dynamic: shapes that share a graph: {groups}{duck}"
 
 
 def check_buildable(plan: Plan) -> None:
@@ -225,8 +243,9 @@ def normalize_unit(
     keyed_call: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Everything about the unit that changes its compiled result; nothing that does not (its name,
-    warmup-only call arguments)."""
-    return {
+    warmup-only call arguments). The recipe only where it is not the default, so a manifest
+    without one keys as it did before recipes existed."""
+    normalized = {
         "model": dict(identity),
         "pipeline": entry.pipeline,
         "dtype": entry.dtype,
@@ -239,6 +258,10 @@ def normalize_unit(
         "call": dict(keyed_call),
         "env": dict(sorted(unit_env.items())),
     }
+    recipe = entry.recipe_document()
+    if recipe is not None:
+        normalized["recipe"] = recipe
+    return normalized
 
 
 def model_identity(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, str]:
@@ -340,3 +363,23 @@ def _merged_env(loaded: LoadedManifest, units: list[BuildUnit]) -> dict[str, str
                     hint="one serving process has one environment: make the entries agree",
                 )
     return dict(sorted(merged.items()))
+
+
+def recipe_code(path: Path, entry_id: str | None, env: Mapping[str, str]) -> str:
+    """`neffbuild recipe`: the entry's recipe as plain Python, after the plan's checks (exit 2)."""
+    from neffbuild.backends.base import recompile_limit
+    from neffbuild.backends.recipecode import recipe_source
+    from neffbuild.documents.manifest import load_manifest
+
+    loaded = load_manifest(path)
+    entries = loaded.manifest.models
+    if entry_id is None and len(entries) > 1:
+        raise InputError(
+            f"{path}: {len(entries)} entries", hint=f"pass --entry, one of {', '.join(e.id for e in entries)}"
+        )
+    entry = next((e for e in entries if entry_id in (None, e.id)), None)
+    if entry is None:
+        raise InputError(f"{path}: no entry {entry_id!r}", hint=f"its entries: {', '.join(e.id for e in entries)}")
+    backend = get_backend(entry.backend)
+    check_entries(loaded, backend, env)
+    return recipe_source(entry, backend.run_device(entry), recompile_limit(len(entry.expanded_shapes())))

@@ -1,0 +1,121 @@
+"""Apply an entry's compile recipe to a loaded pipeline: the one function the build worker, the
+replay and a serving process (neffbuild.serve.prepare) all run, so they cannot drift.
+
+Order, per component module: fused QKV projections, attention backend, memory format, then
+quantization (torchao quantizes the fused projection, as diffusers' guide does), then
+torch.compile. Module settings run once per module ('vae.decode' and 'vae.encode' share one).
+
+Scope: Inductor settings and the compile mode travel inside the compiler object
+(torch._TorchCompileInductorWrapper, what torch.compile(mode=, options=) builds), which patches
+Inductor's config only while it compiles a graph. The two process-wide settings a recipe has,
+float32 matmul precision and the duck-shape switch of dynamic shapes, are read when a graph
+traces and runs, so each compiled callable sets them around its own call and restores them:
+two entries in one process do not leak settings into each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from neffbuild.backends.base import Backend
+    from neffbuild.documents.manifest import ModelEntry, ResolvedRecipe
+
+log = logging.getLogger(__name__)
+
+
+def apply_recipe(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
+    """Prepare each listed component's module as its recipe says, then compile the components."""
+    from neffbuild.backends.base import compile_components
+
+    done: set[str] = set()
+    for spec, (name, _method) in zip(entry.components, entry.components_named(), strict=True):
+        if name in done:
+            continue
+        done.add(name)
+        module = getattr(pipe, name, None)
+        if module is None:
+            raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
+        recipe = entry.recipe_for(spec)
+        log.debug("%s: recipe %s", spec, describe(recipe))
+        prepare_module(module, recipe)
+    compile_components(pipe, entry, backend)
+
+
+def prepare_module(module: Any, recipe: ResolvedRecipe) -> None:
+    """What a recipe changes in the module itself, before anything is traced."""
+    import torch
+
+    if recipe.fuse_qkv:
+        module.fuse_qkv_projections()
+    if recipe.attention_backend:
+        module.set_attention_backend(recipe.attention_backend)
+    if recipe.memory_format == "channels_last":
+        module.to(memory_format=torch.channels_last)
+    if recipe.quantize == "int8-dynamic":
+        quantize_int8_dynamic(module)
+
+
+def quantize_int8_dynamic(module: Any) -> None:
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    except ImportError as exc:  # plan refuses this; a serving host may still lack torchao
+        raise RuntimeError(f"quantize = 'int8-dynamic' needs torchao ({exc}): pip install torchao") from None
+    quantize_(module, Int8DynamicActivationInt8WeightConfig())
+
+
+def scoped(call: Callable[..., Any], recipe: ResolvedRecipe) -> Callable[..., Any]:
+    """`call` with the recipe's process-wide settings held for its duration only."""
+    if not needs_scope(recipe):
+        return call
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with process_settings(recipe):
+            return call(*args, **kwargs)
+
+    return run
+
+
+def needs_scope(recipe: ResolvedRecipe) -> bool:
+    return recipe.matmul_precision is not None or (recipe.dynamic and not recipe.duck_shape)
+
+
+@contextmanager
+def process_settings(recipe: ResolvedRecipe) -> Iterator[None]:
+    import torch
+    import torch.fx.experimental._config as fx_config
+
+    saved = torch.get_float32_matmul_precision()
+    if recipe.matmul_precision is not None:
+        torch.set_float32_matmul_precision(recipe.matmul_precision)
+    try:
+        # Duck shaping gives equal sizes one symbol (and so specialises their equality): read
+        # when a frame traces, so it must hold during the call that compiles.
+        with fx_config.patch(use_duck_shape=recipe.duck_shape) if recipe.dynamic else nullcontext():
+            yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def compile_options(recipe: ResolvedRecipe) -> dict[str, Any]:
+    """torch.compile's arguments besides the backend: fullgraph always (a graph break would be
+    a piece of the model served eager, uncached); dynamic as the recipe says."""
+    return {"fullgraph": True, "dynamic": recipe.dynamic}
+
+
+def describe(recipe: ResolvedRecipe) -> str:
+    """One line for a log: what differs from the defaults."""
+    from dataclasses import fields
+
+    from neffbuild.documents.manifest import ResolvedRecipe as Default
+
+    default = Default()
+    changed = [
+        f"{f.name}={getattr(recipe, f.name)!r}"
+        for f in fields(recipe)
+        if getattr(recipe, f.name) != getattr(default, f.name)
+    ]
+    return ", ".join(changed) or "defaults"
