@@ -95,9 +95,11 @@ def test_push_checks_its_ref(store: LocalStore, tmp_path: Path, cli) -> None:
 
 def test_move_tag_checks_in_the_core_too(store: LocalStore, tmp_path: Path) -> None:
     release_id = publish_files(store, FILES, tmp_path)
+    before = sorted(str(p.relative_to(store.root)) for p in store.root.rglob("*"))
     with pytest.raises(InputError, match="is not a tag name"):
         move_tag(store, "../x", release_id)
-    assert sorted(p.name for p in (store.root / "tags").iterdir()) == ["t.json"]
+    assert sorted(str(p.relative_to(store.root)) for p in store.root.rglob("*")) == before  # nothing written
+    assert not (store.root / "x.json").exists() and "tags/t.json" in before
 
 
 def test_a_tag_document_must_name_its_tag(store: LocalStore, tmp_path: Path, cli) -> None:
