@@ -66,7 +66,7 @@ def test_concurrent_shards_one_killed_and_rerun_release_what_one_process_built(
 ) -> None:
     """A Kubernetes Indexed Job of two completions: each shard takes its index from
     JOB_COMPLETION_INDEX and builds its units into one S3 store, at the same time. Shard 1 is
-    SIGKILLed while compiling: release names its unit as missing and moves nothing; shard 1 rerun
+    SIGKILLed mid-build: release names its unit as missing and moves nothing; shard 1 rerun
     builds just that unit; then release gives the very release id the one-process build gave."""
     shard = {i: {**s3_env, "JOB_COMPLETION_INDEX": str(i), "NEFFBUILD_SHARDS": "2"} for i in (0, 1)}
     args = ("build", str(tiny_manifest), "--store", s3_url)
@@ -75,7 +75,7 @@ def test_concurrent_shards_one_killed_and_rerun_release_what_one_process_built(
     killed = start_cli(*args, stderr=tmp_path / "shard1.err", env=shard[1])
     try:
         running = wait_until_compiling(killed, tmp_path / "shard1.err", "compiling")
-        os.killpg(killed.pid, signal.SIGKILL)  # while shard 0 builds on
+        os.killpg(killed.pid, signal.SIGKILL)  # mid-build, while shard 0 builds on
         killed.wait(30)
         assert wait_for(lambda: all(gone(p) for p in running), 10), running
         assert first.wait(900) == 0, (tmp_path / "shard0.err").read_text()
@@ -95,5 +95,5 @@ def test_concurrent_shards_one_killed_and_rerun_release_what_one_process_built(
     assert [o["status"] for o in json.loads(rerun.stdout)["outcomes"]] == ["built"]
     released = cli(*release, env=s3_env)
     assert released.returncode == 0, released.stderr
+    # The one-process build's id: the same bytes, which tests/test_e2e.py pulls and replays.
     assert json.loads(released.stdout)["release_id"] == built.second_build["release_id"]
-    pull_and_replay(cli, tiny_manifest, s3_url, s3_env, tmp_path)

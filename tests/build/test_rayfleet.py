@@ -29,7 +29,12 @@ RAY_BIN = Path(sys.executable).with_name("ray")
 NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
 
 
-def test_present_units_are_reported_by_their_tasks_and_released(manifest: Path, tmp_path: Path, cli) -> None:  # noqa: F811
+def test_present_units_are_reported_by_their_tasks_and_released(
+    ray_head: str,
+    manifest: Path,  # noqa: F811
+    tmp_path: Path,
+    cli,
+) -> None:
     """Every unit already has a bundle (as if built earlier): each Ray task finds its own unit
     present, and the driver releases and moves the tag, exactly as a one-process build would."""
     plan = make_plan(load_manifest(manifest), dict(os.environ))
@@ -37,7 +42,10 @@ def test_present_units_are_reported_by_their_tasks_and_released(manifest: Path, 
     for unit in plan.units:
         publish_unit(store, tmp_path / "work", unit)
     report = tmp_path / "report.json"
-    result = cli("build", str(manifest), "--store", str(tmp_path / "store"), "--ray", "--report", str(report), "--json")
+    result = cli(
+        "build", str(manifest), "--store", str(tmp_path / "store"), "--ray", ray_head, "--report", str(report), "--json",
+        env=NO_AUTH,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     released = json.loads(result.stdout)
     assert released["missing"] == [] and released["tag"] == "tiny" and released["planned"] is True
@@ -67,7 +75,7 @@ def test_resources_follow_the_units_threads_memory_and_neuron_cores(manifest: Pa
     assert unit_resources(on_neuron, "neuron", None) == {"num_cpus": 1, "resources": {"neuron_cores": 8}}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head(tmp_path_factory: pytest.TempPathFactory):
     """A Ray head node started as an operator would (`ray start --head`), stopped afterwards."""
     with socket.socket() as s:
