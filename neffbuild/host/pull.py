@@ -607,15 +607,8 @@ def _installed(
     same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None
     if verified is not None:
         units = tuple(installed_unit(u, b) for u, b in zip(resolved.release.units, verified.bundles, strict=True))
-        return Installed(
-            release_id=resolved.release_id,
-            tag=resolved.tag or "",
-            store=store.url,
-            installed_at=same.installed_at if same else datetime.now(UTC).isoformat(timespec="seconds"),
-            release=resolved.release,
-            exports=dict(exports),
-            units=units,
-        )
+    else:
+        units = same.units if same else release_units(store, resolved, jobs)
     return Installed(
         release_id=resolved.release_id,
         tag=resolved.tag or "",
@@ -623,7 +616,7 @@ def _installed(
         installed_at=same.installed_at if same else datetime.now(UTC).isoformat(timespec="seconds"),
         release=resolved.release,
         exports=dict(exports),
-        units=same.units if same else release_units(store, resolved, jobs),
+        units=units,
     )
 
 
