@@ -294,9 +294,10 @@ def _build_on_ray(
     from neffbuild.build.rayfleet import build_on_ray
 
     result = build_on_ray(manifest, store, env=os.environ, options=options, address=address, report_file=report_file)
-    console.release(result.release)
     if result.release.missing:
+        console.release(result.release)
         raise incomplete(result.release)
+    _report_after_change(lambda: console.release(result.release), f"released {result.release.release_id}")
 
 
 @cli.command("release")
