@@ -247,7 +247,7 @@ def test_sd15_plans_checks_and_keys_from_its_own_code(sd15: Path) -> None:
 
 
 def test_the_worker_passes_tuple_arguments_as_tuples(tiny_sdxl: Path, tmp_path: Path) -> None:
-    from neffbuild.backends.worker import call_kwargs
+    from neffbuild.backends.calls import call_kwargs
 
     manifest = write_sdxl_manifest(
         tmp_path / "m.toml",

@@ -17,7 +17,8 @@ from typing import Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, input_signatures
-from neffbuild.documents.manifest import ModelEntry, Shape
+from neffbuild.backends.calls import measured_call
+from neffbuild.documents.manifest import Shape
 from neffbuild.runner.jobs import (
     ShapeRun,
     WorkerJob,
@@ -32,27 +33,6 @@ from neffbuild.runner.jobs import (
 # Modules to import before the job runs (comma-separated). The seam through which tests register
 # a substitute compile backend (tests/neuron_double.py); future backends may load plugins so.
 WORKER_IMPORTS_ENV = "NEFFBUILD_WORKER_IMPORTS"
-
-
-def call_kwargs(entry: ModelEntry, shape: Shape) -> dict[str, Any]:
-    import torch
-
-    from neffbuild.backends.pipelines import pipeline_facts
-
-    facts = pipeline_facts(entry)
-    tuples = facts.tuples if facts else {}
-    # TOML has no tuples; SDXL's size conditioning concatenates them (original_size + crops...).
-    kwargs: dict[str, Any] = {
-        k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in entry.call_arguments().items()
-    }
-    kwargs.update(
-        height=shape.height,
-        width=shape.width,
-        num_images_per_prompt=shape.batch,
-        generator=torch.Generator("cpu").manual_seed(0),
-        output_type="pt",
-    )
-    return kwargs
 
 
 def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerResult:
@@ -79,26 +59,19 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
     watched = Path(job.watch_dir) if job.watch_dir else None
     files_before = _snapshot(backend, watched)
     inputs_before = input_signatures()
-    before = backend.counters()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        images = runner(**call_kwargs(job.entry, shape)).images
-    first_call_s = time.perf_counter() - started
-    after = backend.counters()
+    call = measured_call(backend, runner, job.entry, shape)
     files_after = _snapshot(backend, watched)
     written = _changes(files_before, files_after)
     inputs = {k: tuple(s for s in v if s not in inputs_before.get(k, ())) for k, v in input_signatures().items()}
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
-    delta = {k: v for k, v in delta.items() if v}
     output = None
     if job.outputs_dir:
         output = str(Path(job.outputs_dir) / f"{unit_id.replace('/', '__')}.pt")
-        torch.save(images.detach().cpu(), output)
+        torch.save(call.images.detach().cpu(), output)
     return ShapeRun(
         unit_id=unit_id,
-        first_call_s=first_call_s,
-        counters=delta,
-        compiles=backend.compiles_in(delta),
+        first_call_s=call.seconds,
+        counters=call.counters,
+        compiles=call.compiles,
         output=output,
         written=written,
         inputs={k: v for k, v in inputs.items() if v},
