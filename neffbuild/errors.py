@@ -83,6 +83,10 @@ class ReplayMissError(NeffbuildError):
     exit_code = 6
 
 
+class WarmupMiss(ReplayMissError):
+    """`neffbuild.serve.warmup`: a shape the manifest lists compiled in the serving process."""
+
+
 class EnvironmentMismatch(NeffbuildError):
     """This host's environment fingerprint differs from the one a bundle was built for."""
 
@@ -145,6 +149,13 @@ class TrustError(NeffbuildError):
     back, by an untrusted key, or does not match what the store holds. Nothing was written."""
 
     exit_code = 16
+
+
+class UnlistedShape(NeffbuildError):
+    """A serving guard in mode "fail" refused a compile: a call at a shape the manifest does not
+    list (or that the pulled cache does not hold) would have compiled on a live request."""
+
+    exit_code = 17
 
 
 class Interrupted(NeffbuildError):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -285,7 +286,7 @@ def compile_components(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
     with its recipe's compiler settings (backends/recipe.py)."""
     import torch
 
-    from neffbuild.backends.recipe import compile_options, needs_scope, scoped
+    from neffbuild.backends.recipe import compile_options, scoped
 
     for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
         component = getattr(pipe, name, None)
@@ -308,30 +309,66 @@ def compile_components(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
             raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
         else:
             component.compile_repeated_blocks(backend=counter, fullgraph=True, dynamic=False)
-            component.register_forward_pre_hook(
-                lambda _m, args, kwargs, spec=spec: _record(spec, args, kwargs), with_kwargs=True
-            )
-            if needs_scope(recipe):  # the blocks compile inside the component's call: hold them around it
-                component.forward = scoped(component.forward, recipe)
+            # The blocks compile inside the component's call: record and scope around it.
+            component.forward = scoped(_recorded(spec, component.forward), recipe)
 
 
 _INPUTS: dict[str, dict[str, None]] = {}  # component -> its distinct input signatures, in call order
 _MAX_SIGNATURES = 16  # per component: a pipeline passing a per-step scalar would list every step
+_CURRENT = threading.local()  # .call: the listed component this thread is calling, and its inputs
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentCall:
+    component: str  # the listed spec, e.g. "vae.decode"
+    inputs: tuple[str, ...]  # describe_input of each argument, keywords as name=...
+
+
+# Set by a serving guard (neffbuild.serve.guard): turns an error a compiled call raised (a
+# refused recompile) into the guard's own, or returns None to let it pass.
+RefusalHook = Callable[[ComponentCall, Exception], Exception | None]
+_refusal_hooks: list[RefusalHook] = []
+
+
+def add_refusal_hook(hook: RefusalHook) -> None:
+    _refusal_hooks.append(hook)
+
+
+def remove_refusal_hook(hook: RefusalHook) -> None:
+    if hook in _refusal_hooks:
+        _refusal_hooks.remove(hook)
+
+
+def current_call() -> ComponentCall | None:
+    """The listed component this thread is inside (its latest call), for compile events."""
+    return getattr(_CURRENT, "call", None)
 
 
 def _recorded(spec: str, compiled: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
-        _record(spec, args, kwargs)
-        return compiled(*args, **kwargs)
+        this = _record(spec, args, kwargs)
+        outer = current_call()
+        _CURRENT.call = this
+        try:
+            return compiled(*args, **kwargs)
+        except RuntimeError as exc:
+            for hook in tuple(_refusal_hooks):
+                refusal = hook(this, exc)
+                if refusal is not None:
+                    raise refusal from exc
+            raise
+        finally:
+            _CURRENT.call = outer
 
     return call
 
 
-def _record(spec: str, args: Any, kwargs: Any) -> None:
+def _record(spec: str, args: Any, kwargs: Any) -> ComponentCall:
+    parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
     seen = _INPUTS.setdefault(spec, {})
     if len(seen) < _MAX_SIGNATURES:
-        parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
         seen.setdefault(", ".join(parts), None)
+    return ComponentCall(spec, tuple(parts))
 
 
 def describe_input(value: Any) -> str:

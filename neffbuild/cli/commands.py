@@ -57,7 +57,7 @@ jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=
 # `neffbuild --help` lists the commands by who runs them, in the order they run.
 SECTIONS = (
     ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "keygen", "schema", "recipe")),
-    ("A serving host", ("pull", "env", "status", "doctor", "verify")),
+    ("A serving host", ("pull", "env", "status", "doctor", "verify", "warmup")),
     ("The store", ("ls", "show", "diff", "du", "gc")),
 )
 
@@ -521,6 +521,46 @@ def verify(
         check = verify_files(manifest, cache_dir, store, env=os.environ, trust=_trust(trusted_keys))
         console.check(check.units)
         error = files_error(check)
+    if error:
+        raise error
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--cache-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="The pulled cache dir."
+)
+@click.option("--entry", help="Warm up this model entry only [default: every entry].")
+@click.option(
+    "--readiness-file", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
+    help="Removed first; written (atomically) once every listed shape hit: for a readinessProbe or ExecStartPost.",
+)  # fmt: skip
+@_allow_env_option
+@json_option
+def warmup(
+    manifest: Path,
+    cache_dir: Path,
+    entry: str | None,
+    readiness_file: Path | None,
+    allow_env: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Warm up MANIFEST's pipelines in this process against --cache-dir, as a server does with
+    neffbuild.serve (prepare, then one call per listed shape); exit 6 naming each shape that
+    compiled. A server that imports neffbuild calls neffbuild.serve.warmup itself."""
+    from neffbuild.host.exports import host_allow
+    from neffbuild.serve.warmup import warmup_cache_dir, warmup_error
+
+    reports = warmup_cache_dir(
+        manifest,
+        cache_dir,
+        environ=os.environ,
+        entry=entry,
+        allow_env=host_allow(allow_env, os.environ),
+        readiness_file=readiness_file,
+    )
+    Console(as_json).warmup(reports)
+    error = warmup_error(reports)
     if error:
         raise error
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from neffbuild.host.status import StatusReport
     from neffbuild.host.verify import ReplayReport, UnitFiles, UnitReplay
     from neffbuild.maint.storecheck import StoreCheck
+    from neffbuild.serve.warmup import WarmupReport
 
 
 class HostViews(BaseConsole):
@@ -67,6 +68,21 @@ class HostViews(BaseConsole):
         from neffbuild.host.exports import shell_lines
 
         sys.stdout.write(shell_lines(exports))
+
+    def warmup(self, reports: Sequence[WarmupReport]) -> None:
+        if self.as_json:
+            self.document({"ok": all(not r.missed for r in reports), "entries": [r.to_json() for r in reports]})
+            return
+        for r in reports:
+            self.table(
+                f"warm-up of model[{r.entry}] ({r.backend})",
+                [("shape", True), ("result", True), ("first call", False), ("compiles", False), ("graphs", False)],
+                [(s.shape, "MISS" if s.compiles else "hit", f"{s.seconds:.2f} s", str(s.compiles), _graphs(s.counters))
+                 for s in r.shapes],
+            )  # fmt: skip
+        missed = sum(len(r.missed) for r in reports)
+        shapes = sum(len(r.shapes) for r in reports)
+        self.out.print(f"{shapes - missed} of {shapes} shapes served from the cache", markup=False)
 
     def replay(self, report: ReplayReport) -> None:
         if self.as_json:
@@ -239,3 +255,10 @@ def print_store_check(console: BaseConsole, check: StoreCheck) -> None:
             console.out.print(f"{kind}: {f.key}: {f.problem}", markup=False)
     if check.clean:
         console.out.print("clean: every reference resolves")
+
+
+def _graphs(counters: Mapping[str, int]) -> str:
+    """Graphs the listed components received during a call: loaded from the cache, or compiled."""
+    from neffbuild.backends.base import GRAPH_PREFIX
+
+    return str(sum(v for k, v in counters.items() if k.startswith(GRAPH_PREFIX)))

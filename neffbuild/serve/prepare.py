@@ -1,10 +1,9 @@
-"""For serving code: `neffbuild.serve.prepare(pipe, manifest)` applies to a loaded pipeline exactly
-what the build applied: the entry's recipe (memory format, fusions, attention backend,
-quantization) and torch.compile with the same arguments on the same callables.
+"""`neffbuild.serve.prepare(pipe, manifest)` applies to a loaded pipeline exactly what the build
+applied: the entry's recipe (memory format, fusions, attention backend, quantization) and
+torch.compile with the same arguments on the same callables.
 
 It runs the very function the build worker and `verify --replay` run (Backend.apply_mode ->
-backends/recipe.py), so build and serving cannot drift. Set the pulled cache's exports
-(`neffbuild.apply_exports`, or what `pull` prints) before torch is imported.
+backends/recipe.py), so build and serving cannot drift.
 """
 
 from __future__ import annotations
