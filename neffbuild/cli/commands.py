@@ -56,7 +56,7 @@ jobs_option = click.option("--jobs", "-j", type=click.IntRange(1, 256), default=
 
 # `neffbuild --help` lists the commands by who runs them, in the order they run.
 SECTIONS = (
-    ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "keygen", "schema", "recipe")),
+    ("CI: prebuild and publish", ("plan", "build", "release", "push", "tag", "keygen", "schema", "recipe", "suggest")),
     ("A serving host", ("pull", "env", "status", "doctor", "verify", "warmup")),
     ("The store", ("ls", "show", "diff", "du", "gc")),
 )
@@ -704,6 +704,24 @@ def schema() -> None:
     from neffbuild.documents.manifest import manifest_json_schema
 
     click.echo(json.dumps(manifest_json_schema(), indent=2))
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.argument("events", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--write", is_flag=True, help="Apply the change to MANIFEST in place (comments and layout kept).")
+@json_option
+def suggest(manifest: Path, events: tuple[Path, ...], write: bool, as_json: bool) -> None:
+    """Turn serving hosts' compile events (neffbuild.serve.guard's EVENTS files) into the shapes
+    MANIFEST lacks: a TOML diff on stdout, a summary (and what no shape explains) on stderr. Exit 0
+    whether or not there is something to add."""
+    from neffbuild.maint.suggest import suggest as suggest_shapes
+
+    result = suggest_shapes(manifest, events, env=os.environ, write=write)
+    if result.written:
+        _report_after_change(lambda: Console(as_json).suggestion(result), f"wrote {manifest}")
+    else:
+        Console(as_json).suggestion(result)
 
 
 # ---- status -------------------------------------------------------------------------------

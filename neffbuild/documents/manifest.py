@@ -466,9 +466,10 @@ def is_local_model(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~")) or ref in (".", "..")
 
 
-def load_manifest(path: Path) -> LoadedManifest:
-    """Parse and validate a manifest; raise ManifestError listing every problem found."""
-    data = _read_toml(path)
+def load_manifest(path: Path, *, text: str | None = None) -> LoadedManifest:
+    """Parse and validate a manifest; raise ManifestError listing every problem found. With text:
+    that content, judged as if it were at path (an edit checked before it replaces the file)."""
+    data = _read_toml(path, text)
     if isinstance(data.get("model"), dict):
         raise ManifestError(
             f"{path}: model: a single [model] table; models are an array of tables",
@@ -491,9 +492,9 @@ def load_manifest(path: Path) -> LoadedManifest:
     return loaded
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path, text: str | None = None) -> dict[str, Any]:
     try:
-        raw_bytes = path.read_bytes()
+        raw_bytes = path.read_bytes() if text is None else text.encode("utf-8", "surrogatepass")
     except FileNotFoundError:
         raise ManifestError(f"{path}: no such manifest", hint="check the path, e.g. manifests/<name>.toml") from None
     except OSError as exc:
