@@ -66,6 +66,7 @@ class Event(_Strict):
         Field(max_length=MAX_FIELDS),
     ]
     compiles: Count
+    refused: bool = False  # mode "fail" refused the compile before it ran (so `compiles` is 0)
     fingerprint: Annotated[dict[Annotated[str, Field(max_length=200)], Text], Field(max_length=MAX_FIELDS)]
 
     @field_validator("time")

@@ -201,7 +201,7 @@ def judge(read: EventsRead, loaded: LoadedManifest, plan: Plan) -> Judged:
             judged.groups.setdefault((entry.id, problem, ()), []).append(located)
             continue
         if shape in entry.expanded_shapes():
-            if event.compiles == 0:
+            if event.compiles == 0 and not event.refused:
                 judged.covered += 1
             else:
                 reason = (

@@ -1,0 +1,124 @@
+"""What `neffbuild.serve.guard` costs a warm request, on the tiny FLUX.2-klein pipeline.
+
+One serving process (as the README's server: prepare, warm up, then requests at a listed shape):
+requests with no guard, under guard(mode="record") and under guard(mode="fail") are interleaved
+in rounds (the order rotates each round, so drift in the machine's load falls on every arm
+alike); each arm's median request time is compared with the no-guard arm's. A request that hits
+runs no compile callback, so what is measured is the guard's standing cost: the recorded call
+wrapper is there in every arm, the fail arm adds torch's fail_on_recompile stance.
+
+Run (the first run compiles the shape once into --work's cache dir, minutes on 2 cores):
+    .venv/bin/python bench/guard.py [--rounds 15] [--calls 4] [--work /tmp/neffbuild-bench-guard]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROCESS = r"""
+import json, os, statistics, sys, time
+manifest, model, events, rounds, calls = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+import torch, diffusers
+import neffbuild.serve as serve
+pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, torch_dtype=torch.float32, local_files_only=True)
+pipe = serve.prepare(pipe, manifest)
+from neffbuild.errors import WarmupMiss
+try:
+    warm = serve.warmup(pipe, manifest)
+except WarmupMiss:  # the setting-up run: it compiles into the cache dir, which is all it is for
+    sys.exit(0)
+def request():
+    started = time.perf_counter()
+    with torch.inference_mode():
+        pipe(prompt="a photo of a cat", height=128, width=128, num_inference_steps=2, max_sequence_length=64,
+             text_encoder_out_layers=[1], output_type="pt")
+    return time.perf_counter() - started
+def block(arm):
+    if arm == "none":
+        return [request() for _ in range(calls)]
+    with serve.guard(manifest, mode=arm, events=events, pipe=pipe):
+        return [request() for _ in range(calls)]
+arms = ["none", "record", "fail"]
+times = {a: [] for a in arms}
+for r in range(rounds):
+    for arm in arms[r % 3:] + arms[:r % 3]:
+        times[arm].extend(block(arm))
+lines = sum(1 for line in open(events) if line.strip()) if os.path.exists(events) else 0
+print("RESULT " + json.dumps({"warmup_compiles": sum(s.compiles for s in warm.shapes), "times": times, "events": lines}))
+"""
+
+MANIFEST = """name = "bench-guard"
+[[model]]
+id = "klein"
+model = "{model}"
+pipeline = "Flux2KleinPipeline"
+dtype = "float32"
+backend = "inductor"
+device = "cpu"
+mode = "full"
+components = ["transformer"]
+shapes = {{ height = 128, width = 128, batch = 1 }}
+[model.call]
+prompt = "a photo of a cat"
+num_inference_steps = 2
+max_sequence_length = 64
+text_encoder_out_layers = [1]
+[model.env]
+OMP_NUM_THREADS = "2"
+"""
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def run(work: Path, rounds: int, calls: int) -> dict:
+    model = work / "tiny-flux2-klein"
+    if not (model / "model_index.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(model)], check=True)
+    manifest = work / "guard.toml"
+    manifest.write_text(MANIFEST.format(model=model))
+    events = work / "events.jsonl"
+    events.unlink(missing_ok=True)
+    cache = work / "cache"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "2"}
+    if not cache.exists():  # compile once, so the measured process warms up from the cache as a server does
+        setup = [sys.executable, "-c", PROCESS, str(manifest), str(model), str(events), "0", "0"]
+        subprocess.run(setup, env=env, check=True, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", PROCESS, str(manifest), str(model), str(events), str(rounds), str(calls)],
+        env=env, capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    base = median(result["times"]["none"])
+    result["median_s"] = {arm: round(median(t), 4) for arm, t in result["times"].items()}
+    result["ratio"] = {arm: round(median(t) / base, 4) for arm, t in result["times"].items()}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=4, help="requests per arm per round")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/neffbuild-bench-guard"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    result = run(args.work, args.rounds, args.calls)
+    n = len(result["times"]["none"])
+    print(f"warm-up compiles: {result['warmup_compiles']}; events written: {result['events']}; {n} requests per arm")
+    print("| arm | median request | vs no guard |\n|---|---:|---:|")
+    for arm in ("none", "record", "fail"):
+        print(f"| {arm} | {result['median_s'][arm] * 1000:.1f} ms | {result['ratio'][arm]:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
