@@ -12,7 +12,7 @@ The three-release store (`three_releases`):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class Unit:
     normalized: dict[str, Any]
     fingerprint: Mapping[str, str]
     files: Mapping[str, bytes]  # cache path -> bytes
+    inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # what each component received
 
     @property
     def key(self) -> str:
@@ -82,6 +83,7 @@ def publish_units(
             key=unit.key, unit_id=unit.unit_id, unit=unit.normalized, backend="inductor",
             fingerprint=dict(unit.fingerprint), files=_entries(unit.files), counters={"compiles": 3, "graphs.transformer": 1},
             timings=Timings(load_s=1.5, first_call_s=40.0, total_s=41.5), created_at=created_at, neffbuild_version="test",
+            inputs=dict(unit.inputs),
         )  # fmt: skip
         publish_bundle(store, record, sources, jobs=8)
     merged: dict[str, bytes] = {}

@@ -158,6 +158,7 @@ def test_plan_shows_the_batch_the_graphs_see(tiny_sdxl: Path, tmp_path: Path, cl
     table = cli("plan", str(no_cfg), env={"COLUMNS": "200"})
     assert "keyed only as guidance_scale > 1 (do_classifier_free_guidance)" in table.stdout, table.stdout
     assert "the graphs see batch" not in table.stdout
+    assert "left out of the keys (warmup only): negative_prompt, num_inference_steps, prompt\n" in table.stdout
     doubled = cli("plan", str(tmp_path / "a.toml"))
     assert "sdxl/64x64x1: the graphs see batch 2 (classifier-free guidance doubles it)" in doubled.stdout, (
         doubled.stdout

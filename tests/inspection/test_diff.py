@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,6 +110,30 @@ def test_cli_json_and_errors(target: Target) -> None:
     assert mixed.returncode == 2 and "one is a release, the other a bundle" in mixed.stderr
     missing = run_cli("diff", "klein", "prod", "--store", target.url, env=target.env)
     assert missing.returncode == 8 and "tag 'prod' not found" in missing.stderr
+
+
+def test_bundles_whose_components_received_the_same_inputs_are_same_graphs(tmp_path: Path) -> None:
+    """Keys differ (another call argument), inputs recorded at build agree: diff says the graphs
+    are the same; other inputs, or a bundle that recorded none, say nothing of the kind."""
+    store = open_store(str(tmp_path / "store"), create=True, env={})
+    seen = {"transformer": ("float32[2, 16, 64]",), "vae.decode": ("float32[1, 32, 8, 8]",)}
+    base = klein_unit(128, 128)
+
+    def variant(call: dict[str, Any], inputs: dict[str, tuple[str, ...]]) -> Unit:
+        return Unit(base.unit_id, unit_of("klein", 128, 128, call=call), base.fingerprint, base.files, inputs)
+
+    old = variant({"max_sequence_length": 64, "guidance_scale": 5.0}, seen)
+    same = variant({"max_sequence_length": 64, "guidance_scale": 7.5}, seen)
+    other = variant({"max_sequence_length": 128}, {**seen, "transformer": ("float32[2, 32, 64]",)})
+    for n, unit in enumerate((old, same, other, base)):
+        publish_units(store, tmp_path / "w", f"r{n}", [unit])
+    assert len({old.key, same.key, other.key, base.key}) == 4
+    judged = {u.key: [c.same_graphs for c in diff(store, old.key, u.key).changed] for u in (same, other, base)}
+    assert judged == {same.key: [True], other.key: [False], base.key: [None]}
+    text = run_cli("diff", old.key, same.key, "--store", str(tmp_path / "store"))
+    assert text.returncode == 0, text.stderr
+    assert f"key {old.key} -> {same.key} (same graphs: every component received the same inputs)" in text.stdout
+    assert "same graphs" not in run_cli("diff", old.key, other.key, "--store", str(tmp_path / "store")).stdout
 
 
 # ---- diff --host: a release against this host (local store) -------------------------------------

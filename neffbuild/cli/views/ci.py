@@ -44,7 +44,8 @@ class CiViews(BaseConsole):
             self.out.print("fingerprint:")
             for k, v in plan.units[0].fingerprint.items():
                 self.out.print(f"  {k} = {v}")
-            left_out = sorted({name for u in plan.units for name in u.left_out})
+            # An argument keyed as a comparison's outcome is not warmup only: its own line says so.
+            left_out = sorted({name for u in plan.units for name in u.left_out if name not in u.reduced})
             if left_out:
                 self.out.print(f"left out of the keys (warmup only): {', '.join(left_out)}")
             reduced = dict(sorted({k: v for u in plan.units for k, v in u.reduced.items()}.items()))
