@@ -7,8 +7,12 @@ Two sources, because a compiler's cache is read two ways:
   `ctypes.dlopen` (the C++ kernels Inductor loads with cdll.LoadLibrary);
 - /proc/self/maps before and after: a shared library loaded by native code raises no audit event
   (an extension module imported through importlib, as Inductor's Python-binding kernels are, is
-  dlopened by the interpreter's C code), but it stays mapped.
-Reads by native code that maps nothing (a C++ fopen) and by child processes are not seen.
+  dlopened by the interpreter's C code), but it stays mapped;
+- `subprocess.Popen` events: a path under root named in a child's command line counts as opened
+  (Inductor's ISA probe dlopens its probe library in a child `python -c`).
+Not seen: reads by native code that maps nothing (a C++ fopen), a child's reads of files its command
+line does not name, and files only checked for existence (os.stat raises no audit event: Inductor
+rewrites an absent kernel source before it loads the kernel, so such a file is needed unopened).
 
 An audit hook cannot be removed, so one module-level hook is installed on first use and records
 only while a block runs (one at a time per process, as the worker runs its units).
@@ -17,6 +21,7 @@ only while a block runs (one at a time per process, as the worker runs its units
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,7 +47,12 @@ _installed = {"hook": False}
 
 def _hook(event: str, args: tuple[object, ...]) -> None:
     current = _state["current"]
-    if current is None or (event != "open" and event != "ctypes.dlopen") or not args:
+    if current is None or not args:
+        return
+    if event == "subprocess.Popen":
+        _named(current, args[1])
+        return
+    if event != "open" and event != "ctypes.dlopen":
         return
     path = args[0]
     if isinstance(path, int) or path is None:  # an open fd, or dlopen(None): the process itself
@@ -52,6 +62,16 @@ def _hook(event: str, args: tuple[object, ...]) -> None:
     except (TypeError, ValueError):
         return
     current._raw.add(name if os.path.isabs(name) else os.path.abspath(name))  # the cwd of the time
+
+
+def _named(current: Opened, argv: object) -> None:
+    """Paths under root named in a child's command line (whole words, or inside a -c program)."""
+    words = [argv] if isinstance(argv, str | bytes) else argv if isinstance(argv, list | tuple) else []
+    for word in words:
+        text = os.fsdecode(word) if isinstance(word, str | bytes) else ""
+        for prefix in current._prefixes:
+            for match in re.finditer(re.escape(prefix) + r"[^\s'\"]+", text):
+                current._raw.add(match.group())
 
 
 @contextmanager

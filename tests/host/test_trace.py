@@ -4,7 +4,9 @@ replay of the tiny release tracing what it opened, with a file added by hand sho
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from neffbuild.documents.records import to_json
 from neffbuild.errors import InputError
 from neffbuild.host.trace import TRACE_FORMAT, ReplayTrace, TracedFile, UnitTrace, read_trace, write_trace
 from neffbuild.inspect.unused import unused
-from tests.conftest import run_cli
+from tests.conftest import run_cli, write_manifest
 from tests.inspectkit import Target, target  # noqa: F401  (target: a fixture)
 
 
@@ -108,3 +110,78 @@ def test_the_cli_lists_unused_files_sanitised_and_as_json(target: Target, tmp_pa
     listed = [(-f["size"], f["path"]) for f in doc["unused"]]
     assert listed == sorted(listed) and len(listed) == 4 and doc["mismatch"] == []
     assert doc["unused_bytes"] == sum(n for p, n in sizes.items() if p != "headers/common.h")
+
+
+def test_trace_is_a_replay_option_written_outside_the_checked_dir(tiny_model: Path, tmp_path: Path) -> None:
+    manifest = str(write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,)))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for args, says in [
+        (("--trace", str(tmp_path / "t.json")), "--trace is a --replay option"),
+        (("--replay", "--trace", str(cache / "t.json")), "inside the checked cache dir"),
+        (("--replay", "--trace", str(tmp_path / "absent" / "t.json")), "its directory does not exist"),
+    ]:
+        result = run_cli("verify", manifest, "--cache-dir", str(cache), *args)
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+    assert list(cache.iterdir()) == []
+
+
+# ---- a real replay of the tiny release (the suite's shared build) ------------------------------
+
+
+def with_extra_file(store_path: Path, tag: str, work: Path, path: str, data: bytes) -> str:
+    """A release of tag's release with one more file, added by hand (in no unit's bundle); its id."""
+    from neffbuild.build.publish import publish_release
+    from neffbuild.documents.records import FileEntry
+    from neffbuild.documents.refs import resolve
+    from neffbuild.hashing import blake3_bytes, hash_bytes
+    from neffbuild.store import open_store
+    from neffbuild.store.base import BlobSource
+
+    store = open_store(str(store_path))
+    release = resolve(store, tag).release
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "extra").write_bytes(data)
+    store.put_blobs([BlobSource(hash_bytes(data), len(data), work / "extra", blake3_bytes(data))], jobs=1)
+    entry = FileEntry(path, len(data), hash_bytes(data), blake3_bytes(data))
+    files = tuple(sorted((*release.files, entry), key=lambda f: f.path))
+    return publish_release(store, dataclasses.replace(release, files=files))
+
+
+@pytest.mark.slow
+def test_a_traced_replay_lists_what_each_unit_opened_and_a_file_added_by_hand_is_unused(
+    built_store: Path, tiny_manifest: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(built_store, store)  # the shared store stays as the other tests expect it
+    extra = "fxgraph/added-by-hand.bin"
+    release_id = with_extra_file(store, "tiny-flux2-klein", tmp_path / "work", extra, b"dead weight " * 1000)
+    cache = tmp_path / "cache"
+    pulled = run_cli("pull", release_id, "--store", str(store), "--cache-dir", str(cache))
+    assert pulled.returncode == 0, pulled.stderr
+    assert (cache / extra).stat().st_size == 12000
+
+    trace_file = tmp_path / "trace.json"
+    replayed = run_cli("verify", str(tiny_manifest), "--cache-dir", str(cache), "--replay", "--trace", str(trace_file))
+    assert replayed.returncode == 0, replayed.stderr
+    trace = read_trace(trace_file)
+    assert trace.release_id == release_id and trace.backend == "inductor"
+    assert [u.unit_id for u in trace.units] == ["klein/128x128x1", "klein/128x256x1"]
+    release_paths = {f.path for f in trace.files}
+    assert extra in release_paths and extra not in trace.opened
+    for unit in trace.units:  # each call opened cache files, all of them files of the release
+        assert unit.opened and set(unit.opened) <= release_paths, unit
+    assert set(trace.opened) == set(trace.loading).union(*(u.opened for u in trace.units))
+    assert "the replay opened" in replayed.stdout and str(trace_file) in replayed.stdout
+
+    shown = run_cli("show", release_id, "--store", str(store), "--unused", str(trace_file), "--json")
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    assert {"path": extra, "size": 12000} in report["unused"] and report["mismatch"] == []
+    assert report["opened"] == len(trace.opened) and report["files"] == len(release_paths)
+    text = run_cli("show", release_id, "--store", str(store), "--unused", str(trace_file))
+    assert extra in text.stdout and "files unused" in text.stdout
+    # The tag's release lacks the extra file: the trace is of another release, and show says so.
+    other = run_cli("show", "tiny-flux2-klein", "--store", str(store), "--unused", str(trace_file))
+    assert other.returncode == 0 and f"the traced cache dir held release {release_id}" in other.stderr
+    assert extra not in other.stdout

@@ -9,6 +9,7 @@ import importlib.util
 import io
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def test_every_way_of_reading_a_cache_file_is_seen_and_nothing_else(
     outside = tmp_path / "outside.txt"
     outside.write_text("not under root")
     dynload = Path(sys.modules["_bisect"].__file__ or "")
+    shutil.copy(dynload, root / "probe.so")
     shutil.copy(dynload, root / "kernel.so")  # a shared library, as Inductor's C++ kernels are
     (root / "ext").mkdir()
     shutil.copy(dynload, root / "ext" / dynload.name)  # an extension module, as its Python-binding kernels are
@@ -41,8 +43,10 @@ def test_every_way_of_reading_a_cache_file_is_seen_and_nothing_else(
         spec = importlib.util.spec_from_file_location("_bisect", root / "ext" / dynload.name)
         assert spec is not None and spec.loader is not None
         spec.loader.create_module(spec)  # the interpreter dlopens it: no audit event, a mapping
+        program = f"import ctypes; ctypes.CDLL('{root / 'probe.so'}')"  # as Inductor's ISA probe does
+        subprocess.run([sys.executable, "-c", program], check=True)
     (root / "unread.bin").read_bytes()  # after the block
-    assert seen.paths == ("code.py", f"ext/{dynload.name}", "fx/ab/entry", "kernel.so", "osopen.bin")
+    assert seen.paths == ("code.py", f"ext/{dynload.name}", "fx/ab/entry", "kernel.so", "osopen.bin", "probe.so")
 
 
 def test_a_symlinked_root_counts_paths_by_either_name(tmp_path: Path) -> None:
