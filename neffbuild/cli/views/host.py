@@ -83,6 +83,8 @@ class HostViews(BaseConsole):
             )
             return
         traced = report.trace is not None
+        # The opened column counts the dir's files (what a release bundles), not the compiler's locks.
+        cached = report.trace.sizes.keys() if report.trace else set()
         self.table(
             f"replay of {report.cache_dir}",
             [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)]
@@ -94,7 +96,7 @@ class HostViews(BaseConsole):
                     f"{u.first_call_s:.2f} s",
                     str(u.compiles),
                     _files(len(u.written), u.written_bytes),
-                    *([f"{len(u.opened)} files"] * traced),
+                    *([f"{len(cached & set(u.opened))} files"] * traced),
                 )
                 for u in report.units
             ],
