@@ -11,7 +11,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from neffbuild.runner.jobs import (
     result_path,
     write_json_atomic,
 )
+from neffbuild.runner.opened import Opened, opened_under
 
 # Modules to import before the job runs (comma-separated). The seam through which tests register
 # a substitute compile backend (tests/neuron_double.py); future backends may load plugins so.
@@ -38,18 +40,31 @@ WORKER_IMPORTS_ENV = "NEFFBUILD_WORKER_IMPORTS"
 def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerResult:
     # The runtime first: importing it may set defaults in this environment (torch_neuronx does),
     # and the key must name the environment the compiler runs in.
-    backend.prepare_process(len(job.shapes))
-    facts = backend.worker_facts(env, job.entry.device)
-    fingerprint = backend.fingerprint(facts, env, backend.scope(job.entry))
-    started = time.perf_counter()
-    pipe = backend.load_pipeline(job.entry, job.model_ref)
-    runner = backend.apply_mode(pipe, job.entry)
-    load_s = time.perf_counter() - started
+    with _traced(job) as loading:
+        backend.prepare_process(len(job.shapes))
+        facts = backend.worker_facts(env, job.entry.device)
+        fingerprint = backend.fingerprint(facts, env, backend.scope(job.entry))
+        started = time.perf_counter()
+        pipe = backend.load_pipeline(job.entry, job.model_ref)
+        runner = backend.apply_mode(pipe, job.entry)
+        load_s = time.perf_counter() - started
     runs = [
         _run_shape(job, backend, runner, unit_id, shape)
         for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)
     ]
-    return WorkerResult(fingerprint=fingerprint, load_s=load_s, runs=tuple(runs))
+    return WorkerResult(
+        fingerprint=fingerprint, load_s=load_s, runs=tuple(runs), opened_loading=loading.paths if loading else ()
+    )
+
+
+@contextmanager
+def _traced(job: WorkerJob) -> Iterator[Opened | None]:
+    """The files under the watched dir the block opens, when the job asks (else None)."""
+    if not (job.trace and job.watch_dir):
+        yield None
+        return
+    with opened_under(Path(job.watch_dir)) as seen:
+        yield seen
 
 
 def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shape: Shape) -> ShapeRun:
@@ -59,7 +74,8 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
     watched = Path(job.watch_dir) if job.watch_dir else None
     files_before = _snapshot(backend, watched)
     inputs_before = input_signatures()
-    call = measured_call(backend, runner, job.entry, shape)
+    with _traced(job) as opened:
+        call = measured_call(backend, runner, job.entry, shape)
     files_after = _snapshot(backend, watched)
     written = _changes(files_before, files_after)
     inputs = {k: tuple(s for s in v if s not in inputs_before.get(k, ())) for k, v in input_signatures().items()}
@@ -75,6 +91,7 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
         output=output,
         written=written,
         inputs={k: v for k, v in inputs.items() if v},
+        opened=opened.paths if opened else (),
     )
 
 

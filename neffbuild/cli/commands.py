@@ -471,6 +471,13 @@ def retry_policy(env: Mapping[str, str]) -> Policy | None:
     type=click.Path(path_type=Path, file_okay=False),
     help="Replay: where its private copy of the cache dir goes (created if absent) [default: temp dir].",
 )
+@click.option(
+    "--trace",
+    "trace_to",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="PATH",
+    help="Replay: write which cache files each unit opened to PATH (JSON), for `neffbuild show REF --unused PATH`.",
+)
 @trust_options
 @json_option
 def verify(
@@ -482,6 +489,7 @@ def verify(
     outputs: Path | None,
     in_place: bool,
     work_dir: Path | None,
+    trace_to: Path | None,
     trusted_keys: tuple[Path, ...],
     as_json: bool,
 ) -> None:
@@ -493,6 +501,8 @@ def verify(
     console = Console(as_json)
     if in_place and not replay:
         raise InputError("--in-place is a --replay option", hint="add --replay")
+    if trace_to is not None and not replay:
+        raise InputError("--trace is a --replay option", hint="add --replay")
     if manifest is None:
         from neffbuild.cli.views.host import print_store_check
         from neffbuild.maint.storecheck import check_store, store_error
@@ -514,8 +524,9 @@ def verify(
             outputs_dir=outputs,
             progress=progress,
             in_place=in_place,
+            trace_to=trace_to,
         )
-        console.replay(report)
+        console.replay(report, trace_to)
         error = miss_error(report)
     else:
         check = verify_files(manifest, cache_dir, store, env=os.environ, trust=_trust(trusted_keys))
@@ -786,11 +797,24 @@ def ls_command(tag_name: str | None, store: StoreChoice, as_json: bool) -> None:
 
 @cli.command("show")
 @click.argument("ref", metavar="REF")
+@click.option(
+    "--unused",
+    "trace",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="TRACE",
+    help="List REF's files that no unit opened in this replay trace (`verify --replay --trace TRACE`), largest first.",
+)
 @store_option
 @json_option
-def show_command(ref: str, store: StoreChoice, as_json: bool) -> None:
+def show_command(ref: str, trace: Path | None, store: StoreChoice, as_json: bool) -> None:
     """Show a release's units (REF: TAG, TAG@N, release id or prefix) or a bundle's files (its key)."""
     from neffbuild.cli.views import store as output
+
+    if trace is not None:
+        from neffbuild.inspect.unused import unused
+
+        output.unused_files(Console(as_json), unused(store.open(os.environ), ref, trace))
+        return
     from neffbuild.inspect.show import show
 
     output.shown_ref(Console(as_json), show(store.open(os.environ), ref))

@@ -45,6 +45,7 @@ from neffbuild.errors import (
 from neffbuild.hashing import hash_file
 from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.exports import serving_dirs
+from neffbuild.host.trace import ReplayTrace, TracedFile, UnitTrace, write_trace
 from neffbuild.host.trust import Trust, verify_release
 from neffbuild.runner.jobs import (
     DEFAULT_LOGS_DIR,
@@ -68,7 +69,7 @@ from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
 from neffbuild.units.plan import BuildUnit, Plan, make_plan
 
-_ELSEWHERE = "a replay never writes into the dir it checks: give --work-dir / --outputs another place"
+_ELSEWHERE = "a replay never writes into the dir it checks: give --work-dir / --outputs / --trace another place"
 FICLONE = 0x40049409  # linux/fs.h: share the source's extents (a reflink), copy-on-write
 
 
@@ -80,6 +81,7 @@ class UnitReplay:
     written: tuple[WrittenFile, ...]  # what the call wrote into the private copy
     counters: Mapping[str, int]
     output: str | None = None
+    opened: tuple[str, ...] = ()  # with trace: cache files its call opened (host/trace.py)
 
     @property
     def hit(self) -> bool:
@@ -107,6 +109,7 @@ class ReplayReport:
     units: tuple[UnitReplay, ...]
     view: ViewCopy = ViewCopy()
     in_place: bool = False  # against cache_dir itself, read-only to the replay (no copy)
+    trace: ReplayTrace | None = None  # asked for: which cache files the replay opened
 
     @property
     def misses(self) -> list[UnitReplay]:
@@ -125,6 +128,7 @@ class _Replay:
     logs_dir: Path
     workers: Workers
     notify: OnPhase
+    trace: bool
 
 
 def verify_replay(
@@ -136,14 +140,33 @@ def verify_replay(
     outputs_dir: Path | None = None,
     progress: Progress = no_progress,
     in_place: bool = False,
+    trace_to: Path | None = None,
 ) -> ReplayReport:
-    """`neffbuild verify --replay [--in-place]`: replay the manifest against cache_dir (see replay)."""
+    """`neffbuild verify --replay [--in-place] [--trace PATH]`: replay the manifest against
+    cache_dir (see replay); with trace_to, write the trace document there (host/trace.py)."""
     plan = _plan_for(manifest, cache_dir, env)[1]
+    if trace_to is not None:
+        _check_trace_path(trace_to, cache_dir)
     with progress(len(plan.units)) as notify:
-        return replay(
+        report = replay(
             plan, cache_dir, env=env, work_dir=work_dir, outputs_dir=outputs_dir,
-            logs_dir=logs_dir_for(work_dir), notify=notify, in_place=in_place,
+            logs_dir=logs_dir_for(work_dir), notify=notify, in_place=in_place, trace=trace_to is not None,
         )  # fmt: skip
+    if trace_to is not None and report.trace is not None:
+        write_trace(trace_to, report.trace)
+    return report
+
+
+def _check_trace_path(path: Path, cache_dir: Path) -> None:
+    """Before minutes of replay: the trace can be written, and not into the checked dir."""
+    full = path.expanduser().resolve()
+    if full.is_relative_to(cache_dir.expanduser().resolve()):
+        raise InputError(f"--trace {path} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE)
+    if not full.parent.is_dir() or full.is_dir():
+        raise InputError(
+            f"--trace {path}: {'a directory' if full.is_dir() else 'its directory does not exist'}",
+            hint="give --trace a file path in an existing directory",
+        )
 
 
 @dataclass(frozen=True)
@@ -185,10 +208,12 @@ def replay(
     logs_dir: Path = DEFAULT_LOGS_DIR,
     notify: OnPhase | None = None,
     in_place: bool = False,
+    trace: bool = False,
 ) -> ReplayReport:
     """Run every unit's warmup against a private copy of cache_dir (in_place: against cache_dir,
     which this process must not be able to write), one fresh process per model entry (as
-    serving does); cache_dir itself is only read (in place: but for the backend's lock dir)."""
+    serving does); cache_dir itself is only read (in place: but for the backend's lock dir).
+    With trace, each worker also records which cache files it opened (report.trace)."""
     backend = get_backend(plan.backend_name)
     with CacheDir.opened(cache_dir) as cache:  # resolved once; in place, its read-only check
         cache_dir = cache.path
@@ -202,11 +227,13 @@ def replay(
                 raise InputError(f"--outputs {outputs_dir}: cannot create it ({exc.strerror or exc})") from None
         if in_place:
             cache.require_read_only(plan.backend_name, serving_dirs(plan.backend_name))
+        state = cache.read_state()[1] if trace else None
     root = make_scratch_root(work_dir, "neffbuild-replay-")
     if root.resolve().is_relative_to(cache_dir):  # the system's temp dir is
         root.rmdir()
         raise InputError(f"replay scratch {root} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE)
     results: list[UnitReplay] = []
+    loading: set[str] = set()
     copy = ViewCopy()
     with supervised(cleanup=lambda: remove_tree(root)) as workers:
         run = _Replay(
@@ -218,6 +245,7 @@ def replay(
             logs_dir.expanduser().resolve() / run_name(),
             workers,
             notify or (lambda unit_id, status: None),
+            trace,
         )
         dirty = not in_place
         for units in plan.by_entry().values():
@@ -225,12 +253,44 @@ def replay(
                 remove_tree(run.view)
                 copy = _add(copy, make_view(cache_dir, run.view))
             before = {} if in_place else tree_state(run.view)
-            results.extend(_replay_entry(units, run))
+            replays, opened_loading = _replay_entry(units, run)
+            results.extend(replays)
+            loading.update(opened_loading)
             dirty = not in_place and tree_state(run.view) != before
-    return ReplayReport(cache_dir, tuple(results), copy, in_place)
+    traced = None
+    if trace:
+        traced = trace_of(
+            backend, cache_dir, results, loading, state.release_id if state else None, state.tag if state else None
+        )
+    return ReplayReport(cache_dir, tuple(results), copy, in_place, traced)
 
 
-def _replay_entry(units: list[BuildUnit], run: _Replay) -> list[UnitReplay]:
+def trace_of(
+    backend: Backend,
+    cache_dir: Path,
+    units: list[UnitReplay],
+    loading: set[str],
+    release_id: str | None,
+    tag: str | None,
+) -> ReplayTrace:
+    """The trace document of a replay: what each unit opened, against what the dir holds (the
+    files the backend would bundle from it; the checked dir is only read)."""
+    files = tuple(TracedFile(rel, (cache_dir / rel).stat().st_size) for rel in backend.select_files(cache_dir))
+    opened = set(loading).union(*(u.opened for u in units))
+    return ReplayTrace(
+        cache_dir=str(cache_dir),
+        backend=backend.name,
+        release_id=release_id,
+        tag=tag,
+        files=files,
+        loading=tuple(sorted(loading)),
+        units=tuple(UnitTrace(u.unit_id, u.opened) for u in units),
+        opened=tuple(sorted(opened)),
+    )
+
+
+def _replay_entry(units: list[BuildUnit], run: _Replay) -> tuple[list[UnitReplay], tuple[str, ...]]:
+    """The entry's replays, and the files its worker opened while loading (with run.trace)."""
     entry = units[0].entry
     scratch = run.root / entry.id
     # Every variable the compiler writes through points into scratch: its cache at the private
@@ -244,6 +304,7 @@ def _replay_entry(units: list[BuildUnit], run: _Replay) -> list[UnitReplay]:
         shapes=tuple(u.shape for u in units),
         outputs_dir=str(run.outputs_dir) if run.outputs_dir else None,
         watch_dir=str(run.view),
+        trace=run.trace,
     )
     launch = lambda job_file: run.backend.launch_command(entry, job_file)  # noqa: E731
     try:
@@ -254,10 +315,13 @@ def _replay_entry(units: list[BuildUnit], run: _Replay) -> list[UnitReplay]:
         for u in units:
             run.notify(u.unit_id, "failed")
         raise _with_kept_log(exc, scratch, run.logs_dir / unit_dir_name(units[0].unit_id)) from None
-    replays = [UnitReplay(r.unit_id, r.first_call_s, r.compiles, r.written, r.counters, r.output) for r in result.runs]
+    replays = [
+        UnitReplay(r.unit_id, r.first_call_s, r.compiles, r.written, r.counters, r.output, r.opened)
+        for r in result.runs
+    ]
     for r in replays:
         run.notify(r.unit_id, "hit" if r.hit else "miss")
-    return replays
+    return replays, result.opened_loading
 
 
 def _with_kept_log(exc: NeffbuildError, scratch: Path, dest: Path) -> BuildError:

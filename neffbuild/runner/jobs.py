@@ -61,6 +61,7 @@ class WorkerJob(_Frozen):
     outputs_dir: str | None = None  # where to save each call's output tensor, for comparisons
     watch_dir: str | None = None  # replay: report cache files each call creates, modifies or deletes
     events_file: str | None = None  # where the worker appends its phase events (JSON lines)
+    trace: bool = False  # replay: also report which files under watch_dir each call opened (runner/opened.py)
 
 
 class WrittenFile(_Frozen):
@@ -79,6 +80,9 @@ class ShapeRun(_Frozen):
     output: str | None = None
     written: tuple[WrittenFile, ...] = ()
     inputs: dict[str, tuple[str, ...]] = {}  # per component: its distinct input signatures (base.input_signatures)
+    # With job.trace: files under watch_dir (relative) opened during this call. A kernel an
+    # earlier unit of the same process loaded is not opened again: the union is what was read.
+    opened: tuple[str, ...] = ()
 
 
 class WorkerResult(_Frozen):
@@ -88,6 +92,7 @@ class WorkerResult(_Frozen):
     error: str | None = None
     traceback: str | None = None  # the worker's own, shown by the CLI with --debug
     peak_rss: int = 0  # bytes: the worker's peak resident memory (its own or a child's, whichever is larger)
+    opened_loading: tuple[str, ...] = ()  # with job.trace: files under watch_dir opened before the first call
 
 
 def write_json_atomic(path: Path, model: BaseModel) -> None:

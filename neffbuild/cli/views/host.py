@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neffbuild.cli.views.console import BaseConsole, human_size, json_fields, say_err
@@ -84,7 +85,7 @@ class HostViews(BaseConsole):
         shapes = sum(len(r.shapes) for r in reports)
         self.out.print(f"{shapes - missed} of {shapes} shapes served from the cache", markup=False)
 
-    def replay(self, report: ReplayReport) -> None:
+    def replay(self, report: ReplayReport, trace_to: Path | None = None) -> None:
         if self.as_json:
             self.document(
                 {
@@ -93,12 +94,17 @@ class HostViews(BaseConsole):
                     "units": report.units,
                     "view": report.view,
                     "in_place": report.in_place,
+                    **({"trace": str(trace_to), "opened": report.trace.opened} if trace_to and report.trace else {}),
                 }
             )
             return
+        traced = report.trace is not None
+        # The opened column counts the dir's files (what a release bundles), not the compiler's locks.
+        cached = report.trace.sizes.keys() if report.trace else set()
         self.table(
             f"replay of {report.cache_dir}",
-            [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)],
+            [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)]
+            + [("opened", False)] * traced,
             [
                 (
                     u.unit_id,
@@ -106,12 +112,15 @@ class HostViews(BaseConsole):
                     f"{u.first_call_s:.2f} s",
                     str(u.compiles),
                     _files(len(u.written), u.written_bytes),
+                    *([f"{len(cached & set(u.opened))} files"] * traced),
                 )
                 for u in report.units
             ],
         )
         for u in report.misses:
             self._would_write(u)
+        if report.trace is not None:
+            self._trace_summary(report, trace_to)
         if report.in_place:
             self.out.print(
                 f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed in place against "
@@ -124,6 +133,21 @@ class HostViews(BaseConsole):
         self.out.print(
             f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed against a private copy of "
             f"{report.cache_dir} ({v.files} files, {human_size(v.bytes)}, copied in {v.seconds:.2f} s: {methods}), which was only read",
+            markup=False,
+        )
+
+    def _trace_summary(self, report: ReplayReport, trace_to: Path | None) -> None:
+        trace = report.trace
+        assert trace is not None
+        sizes = trace.sizes
+        opened = set(trace.opened)
+        unread = {p: n for p, n in sizes.items() if p not in opened}
+        total = sum(sizes.values())
+        self.out.print(
+            f"trace{f' written to {trace_to}' if trace_to else ''}: the replay opened {len(opened & sizes.keys())} of the "
+            f"{len(sizes)} cache files ({human_size(total - sum(unread.values()))} of {human_size(total)}); "
+            f"{len(unread)} files ({human_size(sum(unread.values()))}) no unit opened "
+            f"(`neffbuild show REF --unused {trace_to or 'TRACE'}` lists a release's)",
             markup=False,
         )
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from neffbuild.inspect.du import Usage
     from neffbuild.inspect.ls import Listing, TagHistory
     from neffbuild.inspect.show import BundleView, ReleaseView, UnitView
+    from neffbuild.inspect.unused import UnusedReport
     from neffbuild.maint.gc import GcPlan, GcResult
 
 
@@ -125,6 +126,26 @@ def shown_ref(console: BaseConsole, view: ReleaseView | BundleView) -> None:
     for u in view.units:
         counted = ", ".join(f"{k}={v}" for k, v in sorted(u.counters.items()) if v)
         console.out.print(f"{u.unit_id}: {counted or 'no compile counters'}", markup=False)
+
+
+def unused_files(console: BaseConsole, report: UnusedReport) -> None:
+    """`neffbuild show REF --unused TRACE`: the files no unit opened, largest first."""
+    for problem in report.mismatch:  # on stderr, --json or not: the list may not be this release's
+        say_err(f"warning: {report.trace} may not be a trace of {report.ref}: {problem}")
+    if console.as_json:
+        console.document(report)
+        return
+    tagged = f" (tag {report.tag})" if report.tag else ""
+    console.table(
+        f"files of {report.name}{tagged} that no unit opened in {report.trace}",
+        [("path", True), ("size", False)],
+        [(f.path, human_size(f.size)) for f in report.unused],
+    )
+    console.out.print(
+        f"{len(report.unused)} of {report.files} files unused, {human_size(report.unused_bytes)} of "
+        f"{human_size(report.bytes)}; the replay opened {report.opened} ({human_size(report.opened_bytes)})",
+        markup=False,
+    )
 
 
 def _unit_header(console: BaseConsole, u: UnitView, title: str) -> None:
