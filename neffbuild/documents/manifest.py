@@ -359,7 +359,8 @@ class ModelEntry(_Strict):
         # text encoder, negative_prompt the unconditional half): a pipeline zips them.
         for name, value in sorted(self.call.items()):
             if name != "prompt" and PROMPT_ARGS.match(name) and isinstance(value, list) and len(value) != prompts:
-                return f"call.{name} has {len(value)} entries for {prompts} prompts; give as many"
+                given = f"{len(value)} {'entry' if len(value) == 1 else 'entries'}"
+                return f"call.{name} has {given} for {prompts} prompt{'' if prompts == 1 else 's'}; give as many"
         sets = self.shapes if isinstance(self.shapes, list) else [self.shapes]
         if sum(s.size for s in sets) > MAX_UNITS:
             return f"shapes expand to more than {MAX_UNITS} units; split the entry"
