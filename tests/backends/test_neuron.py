@@ -814,6 +814,16 @@ def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_b
     assert not [p for p in cache.rglob("*.lock") if ".neffbuild" not in p.parts]
     replayed = replay(plan, cache, env=env)
     assert not replayed.misses and [u.compiles for u in replayed.units] == [0, 0]
+    # That 0 means something: without one second-layout entry, each unit holding it compiles it again.
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(cache, damaged, symlinks=True)
+    gone = next(f for f in on_disk if EAGER_NEFF.match(f))
+    (damaged / gone).chmod(0o644)
+    (damaged / gone).unlink()
+    missed = replay(plan, damaged, env=env)
+    assert {u.unit_id: u.compiles for u in missed.units} == {u: int(gone in f) for u, f in files.items()}
 
 
 def load_bundle(store, key: str):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -157,26 +159,65 @@ def run(args: tuple[str, ...], **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+SGR = re.compile("\x1b\\[[0-9;]*m")  # neffbuild's own colours: the only escape a terminal may get
+
+
+def run_on_terminal(args: tuple[str, ...], **env: str) -> subprocess.CompletedProcess[str]:
+    """args with stdout and stderr each on a pseudo-terminal: colour on, rich's terminal path."""
+    full = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "CI")} | {"TERM": "xterm-256color"} | env
+    (out_main, out_sub), (err_main, err_sub) = pty.openpty(), pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "neffbuild", *args], stdin=subprocess.DEVNULL, stdout=out_sub, stderr=err_sub, env=full
+    )
+    os.close(out_sub)
+    os.close(err_sub)
+    read = {out_main: b"", err_main: b""}
+    live = set(read)
+    while live:
+        for fd in select.select(list(live), [], [], 120)[0]:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:  # EIO: the child closed its side
+                chunk = b""
+            read[fd] += chunk
+            if not chunk:
+                live.discard(fd)
+                os.close(fd)
+    process.wait(timeout=120)
+    text = {fd: data.decode().replace("\r\n", "\n") for fd, data in read.items()}
+    return subprocess.CompletedProcess(args, process.returncode, text[out_main], text[err_main])
+
+
 def test_no_command_writes_a_control_byte_from_a_hostile_store_and_each_exits_as_for_a_clean_one(
     tmp_path: Path,
 ) -> None:
-    runs = {}
-    for name, text, path_text, color in (
-        ("clean", "clean-text", "clean-path", {}), ("hostile", NASTY, PATH_NASTY, {}), ("hostile", NASTY, PATH_NASTY, {"FORCE_COLOR": "1"})
+    runs, moved = {}, {}
+    for name, text, path_text, color, where in (
+        ("clean", "clean-text", "clean-path", {}, "pipe"), ("hostile", NASTY, PATH_NASTY, {}, "pipe"),
+        ("hostile", NASTY, PATH_NASTY, {"FORCE_COLOR": "1"}, "pipe"),
+        # On a terminal colour is on (FORCE_COLOR or not): rich's terminal path, where markup in
+        # data would become a hyperlink or end the command; only neffbuild's own SGR colours pass.
+        ("hostile", NASTY, PATH_NASTY, {"FORCE_COLOR": "1"}, "terminal"),
     ):  # fmt: skip
-        work = tmp_path / f"{name}{len(color)}"
+        work = tmp_path / f"{name}{len(color)}{where}"
         work.mkdir()
         published = publish_with(
             LocalStore(work / "store", create=True), work, text, path_text
         )  # `tag` moves it: one each
-        runs[name, bool(color)] = [(args, run(args, **color)) for args in commands(published, work / "cache")]
-    for (name, color), results in runs.items():
-        for (args, result), (_, clean) in zip(results, runs["clean", False], strict=True):
-            assert result.returncode == clean.returncode, (name, color, args, result.stderr)
+        runner = run_on_terminal if where == "terminal" else run
+        mode = (name, bool(color), where)
+        runs[mode] = [(args, runner(args, **color)) for args in commands(published, work / "cache")]
+        moved[mode] = read_tag(published.store, "t")[0].release == published.v1  # type: ignore[index]
+    for mode, results in runs.items():
+        for (args, result), (_, clean) in zip(results, runs["clean", False, "pipe"], strict=True):
+            assert result.returncode == clean.returncode, (mode, args, result.stderr)
             assert "Traceback" not in result.stderr and "internal error" not in result.stderr
             for stream in (result.stdout, result.stderr):
-                assert CONTROLS.search(stream) is None, (name, color, args, stream)
-    hostile = dict((args[0] + (args[1] if args[0] == "ls" else ""), r) for args, r in runs["hostile", False])
+                assert CONTROLS.search(SGR.sub("", stream)) is None, (mode, args, stream)
+                assert mode[2] == "terminal" or "\x1b" not in stream, (mode, args, stream)
+    assert all(moved.values()), moved
+    assert any(SGR.search(r.stdout + r.stderr) for _, r in runs["hostile", True, "terminal"])  # colour was on
+    hostile = dict((args[0] + (args[1] if args[0] == "ls" else ""), r) for args, r in runs["hostile", False, "pipe"])
     assert hostile["tag"].returncode == 0 and "\\x1b[2J" in hostile["tag"].stdout  # moved, and its report shown escaped
     assert "\\u202e" in hostile["show"].stdout and "[/]" in hostile["show"].stdout  # shown, never parsed
     assert hostile["pull"].returncode == 0 and 'TORCHINDUCTOR_NOTE="$(printf' in hostile["pull"].stdout

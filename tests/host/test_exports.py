@@ -346,20 +346,37 @@ def test_systemd_refuses_what_the_env_file_refuses(tmp_path: Path, raw: str) -> 
     assert lib.load_env_file(None, str(env_file).encode(), ctypes.byref(entries)) < 0
 
 
+# Any text a document can carry (no lone surrogate), weighted towards what quoting, systemd's
+# parser or a terminal treats specially: C0 and C1 controls, noncharacters, BOM, bidi, separators.
 _value = st.text(
-    st.characters(blacklist_categories=("Cs", "Cc", "Cn"), blacklist_characters="\ufeff")
-    | st.sampled_from("\t'\"\\ #;$"),
+    st.characters(blacklist_categories=("Cs",))
+    | st.sampled_from("\t'\"\\ #;$`\x00\x07\x1b\r\n\x7f\x85\x9b\xa0\u2028\u202e\ufdd0\ufeff\ufffe\U0010ffff"),
     max_size=40,
 )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(values=st.lists(_value, min_size=1, max_size=8))
-def test_any_value_the_env_file_takes_reads_back_identically(tmp_path: Path, values: list[str]) -> None:
-    exports = {f"TORCHINDUCTOR_V{i}": v for i, v in enumerate(values)}
+def test_every_value_the_env_file_takes_reads_back_identically_by_systemd_bash_and_eval(
+    tmp_path: Path, values: list[str]
+) -> None:
+    """The validator is the only filter: what env_file_text accepts, systemd's EnvironmentFile=,
+    bash's `source` and `eval` of the shell form (pull's stdout) all read back exactly."""
+    exports = {}
+    for i, value in enumerate(values):
+        try:
+            env_file_text({"TORCHINDUCTOR_X": value})
+        except IntegrityError:
+            continue  # refused, with a clear error, never written
+        exports[f"TORCHINDUCTOR_V{i}"] = value
+    if not exports:
+        return
     env_file = tmp_path / "fuzz.env"
     env_file.write_text(env_file_text(exports), encoding="utf-8")
-    by_bash = read_back_by_bash(env_file)
-    by_systemd = read_back_by_systemd(env_file)
-    assert {k: by_bash.get(k) for k in exports} == exports
-    assert {k: by_systemd.get(k) for k in exports} == exports
+    by_eval = subprocess.run(
+        ["env", "-i", "bash", "-c", 'eval "$1"; env -0', "-", shell_lines(exports)], capture_output=True, check=True
+    )
+    evaluated = dict(item.split("=", 1) for item in by_eval.stdout.decode().split("\0") if item)
+    assert {k: read_back_by_systemd(env_file).get(k) for k in exports} == exports
+    assert {k: read_back_by_bash(env_file).get(k) for k in exports} == exports
+    assert {k: evaluated.get(k) for k in exports} == exports

@@ -33,6 +33,8 @@ def test_the_selfcheck_skips_every_check_without_torch_neuronx(cli, tmp_path):
         done.returncode == 0
         and done.stdout.count("SKIP") == len(NAMES)
         and "torch_neuronx is not importable" in done.stdout
+        and "nothing checked: every check was skipped" in done.stdout
+        and "ready" not in done.stdout
     )
 
 

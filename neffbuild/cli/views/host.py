@@ -199,7 +199,13 @@ class HostViews(BaseConsole):
             if c.status == "fail" and c.fix:
                 self.out.print(f"      {'':10}  fix: {c.fix}")
         failed = sum(c.status == "fail" for c in report.checks)
-        self.out.print("this host is ready" if not failed else f"{failed} check(s) failed")
+        if failed:
+            self.out.print(f"{failed} check(s) failed")
+        elif all(c.status == "skip" for c in report.checks):
+            # e.g. --neuron-selfcheck off Trainium: exit 0, but nothing here says the host is ready
+            self.out.print("nothing checked: every check was skipped")
+        else:
+            self.out.print("this host is ready")
 
 
 def _files(count: int, size: int) -> str:
