@@ -131,9 +131,17 @@ def test_suggest_covers_the_event_and_the_rebuilt_release_replays_both_shapes(
     assert replay.returncode == 0, replay.stdout + replay.stderr
     report = json.loads(replay.stdout)
     assert report["misses"] == 0 and len(report["units"]) == 2
+    ready = tmp_path / "ready.json"  # and the script-less readiness check passes on it
+    warm = cli("warmup", str(manifest), "--cache-dir", str(cache), "--readiness-file", str(ready), "--json")
+    assert warm.returncode == 0, warm.stdout + warm.stderr
+    [entry] = json.loads(warm.stdout)["entries"]
+    assert [(s["shape"], s["compiles"]) for s in entry["shapes"]] == [("128x128x1", 0), ("128x256x1", 0)]
+    assert json.loads(ready.read_text())["entries"][0]["ok"] is True
 
 
-def test_warmup_against_a_cache_dir_missing_a_shape_fails_naming_it(built, tiny_model: Path, tmp_path: Path, cli) -> None:
+def test_warmup_against_a_cache_dir_missing_a_shape_fails_naming_it(
+    built, tiny_model: Path, tmp_path: Path, cli
+) -> None:
     two = write_manifest(tmp_path / "two-shapes.toml", tiny_model)
     cache = tmp_path / "cache"  # the one-shape release: 128x256x1's files are not in it
     _pull(cli, built.path, built.first_build["release_id"], cache)
