@@ -257,6 +257,27 @@ def test_a_throttled_pacer_lets_requests_go_in_the_order_they_asked() -> None:
     assert pacer.take(pacer.join()) == pytest.approx(gap)
 
 
+def test_a_request_whose_turn_looks_past_the_deadline_still_goes_when_it_comes_sooner() -> None:
+    """At the current rate a request's turn, behind 20 others, lies past the deadline; but those
+    ahead leave (or the rate grows): it goes then. It does not sleep to the deadline holding up the
+    queue behind it (each request waits its turn in order, so one asleep would stop them all)."""
+    with retry.operation(retry.Policy(min_rate=5.0)) as op, retry.bounded(3.0, "pulling prod"):
+        op.pacer.throttled(op.pacer.now())  # paced at its floor: a request every 0.2 s
+        ahead = [op.pacer.join() for _ in range(20)]  # the turn after theirs: 4 s away, past the deadline
+        went: list[float] = []
+        task = retry.carried(lambda: (retry.paced("s3://b/k", retry.Tries()), went.append(time.monotonic())))
+        thread = threading.Thread(target=task, daemon=True)
+        thread.start()
+        while len(op.pacer._waiting) < len(ahead) + 1:  # it has asked, and been told to wait
+            time.sleep(0.01)
+        time.sleep(0.2)
+        left_at = time.monotonic()
+        for ticket in ahead:  # they gave up (their operation stopped): it is next
+            op.pacer.leave(ticket)
+        thread.join(timeout=10)
+    assert went and went[0] - left_at < 1.0, (went, left_at)
+
+
 def test_a_stopped_operation_wakes_its_waits_and_raises_abandoned() -> None:
     from neffbuild.errors import Abandoned
 
