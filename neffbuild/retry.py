@@ -537,11 +537,11 @@ def paced(where: str, tries: Tries) -> None:
     ticket = op.pacer.join()
     try:
         while (delay := op.pacer.take(ticket)) > 0:
+            # Look again every window, even when the turn estimated at today's rate lies past the
+            # deadline: the rate may grow and those ahead go or leave sooner, and a request asleep
+            # until the deadline would hold up every one queued behind it.
             deadline = _CURRENT.get()
-            if deadline is not None and delay >= deadline.left():
-                _wait(op, deadline.left())
-            else:
-                _wait(op, min(delay, op.policy.window_s))  # the rate may change meanwhile: look again
+            _wait(op, min(delay, op.policy.window_s, deadline.left() if deadline is not None else math.inf))
             check(where)
     finally:
         op.pacer.leave(ticket)

@@ -22,7 +22,8 @@ Modes:
 - "stall": successful GET responses for `paths` forward their headers, then nothing until the
   client hangs up or the proxy stops (a frozen server).
 
-`seen` records every request as (method, path, headers with lower-case names), in arrival order.
+`seen` records every request as (method, path, headers with lower-case names), in arrival order;
+`seen_at` the time.monotonic() of each.
 
 The proxy counts what it forwards back to clients: `bytes_down` (response heads and bodies as the
 server sent them; what a fault mode makes up or cuts off is not counted), `requests`, and
@@ -68,6 +69,7 @@ class TcpProxy:
         self._tokens = 0.0 if limit is None else max(1.0, limit)
         self._filled = time.monotonic()
         self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.seen_at: list[float] = []  # time.monotonic() of each request in seen
         self.bytes_down = 0
         self.requests = 0
         self.exchanges: list[tuple[str, str, int]] = []
@@ -237,6 +239,7 @@ class TcpProxy:
     def _saw(self, method: bytes, path: bytes, headers: Sequence[bytes]) -> None:
         fields = dict(h.decode(errors="replace").split(":", 1) for h in headers if b":" in h)
         with self._cuts_lock:
+            self.seen_at.append(time.monotonic())
             self.seen.append(
                 (
                     method.decode(),

@@ -257,6 +257,27 @@ def test_a_throttled_pacer_lets_requests_go_in_the_order_they_asked() -> None:
     assert pacer.take(pacer.join()) == pytest.approx(gap)
 
 
+def test_a_request_whose_turn_looks_past_the_deadline_still_goes_when_it_comes_sooner() -> None:
+    """At the current rate a request's turn, behind 20 others, lies past the deadline; but those
+    ahead leave (or the rate grows): it goes then. It does not sleep to the deadline holding up the
+    queue behind it (each request waits its turn in order, so one asleep would stop them all)."""
+    with retry.operation(retry.Policy(min_rate=5.0)) as op, retry.bounded(3.0, "pulling prod"):
+        op.pacer.throttled(op.pacer.now())  # paced at its floor: a request every 0.2 s
+        ahead = [op.pacer.join() for _ in range(20)]  # the turn after theirs: 4 s away, past the deadline
+        went: list[float] = []
+        task = retry.carried(lambda: (retry.paced("s3://b/k", retry.Tries()), went.append(time.monotonic())))
+        thread = threading.Thread(target=task, daemon=True)
+        thread.start()
+        while len(op.pacer._waiting) < len(ahead) + 1:  # it has asked, and been told to wait
+            time.sleep(0.01)
+        time.sleep(0.2)
+        left_at = time.monotonic()
+        for ticket in ahead:  # they gave up (their operation stopped): it is next
+            op.pacer.leave(ticket)
+        thread.join(timeout=10)
+    assert went and went[0] - left_at < 1.0, (went, left_at)
+
+
 def test_a_stopped_operation_wakes_its_waits_and_raises_abandoned() -> None:
     from neffbuild.errors import Abandoned
 
@@ -384,6 +405,16 @@ def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, 
     assert note.startswith(
         f"note: the store throttled this pull: {throttles} answers 503 SlowDown or 429, {throttles} retries, "
     )
+    # A human run says it in the same one line, beside its usual summary; stdout keeps only the exports.
+    with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=2) as proxy:
+        human = cli(
+            "pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "human"), "--timeout", "60",
+            env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint},
+        )  # fmt: skip
+    assert human.returncode == 0, human.stderr
+    (note,) = [line for line in human.stderr.splitlines() if "throttled" in line]
+    assert note.startswith("note: the store throttled this pull: 2 answers 503 SlowDown or 429, 2 retries, ")
+    assert "throttled" not in human.stdout
     quiet = cli("pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "again"), "--json", env=s3_env)
     again = json.loads(quiet.stdout)
     assert (again["throttled"], again["retries"], again["waited_s"], again["paced_to"]) == (0, 0, 0.0, None)
@@ -447,6 +478,35 @@ def test_a_fatal_error_stops_the_pulls_other_requests_and_keeps_what_landed(
     landed = {p.name for p in (tmp_path / "cache").iterdir() if p.is_file()}
     assert landed <= small.keys()
     _assert_cache_holds(tmp_path / "cache", {rel: files[rel] for rel in landed})
+
+
+@pytest.mark.s3
+def test_a_fatal_error_cuts_the_pulls_reads_in_flight_within_a_second(
+    s3_url, s3_env, s3_server, tmp_path: Path
+) -> None:
+    """Fail fast for requests reading a body (issue 26, scope 3): two large files' ranged GETs
+    stall after their heads (each read would wait READ_S, and the deadline is 600 s) while the
+    third's blob is gone (404): the pull fails within a second of the 404, its stalled reads cut."""
+    large = {f"large{i}.bin": PART + i for i in range(3)}  # fewer than STREAM_MIN: fetched as ranges
+    _published(s3_url, s3_env, tmp_path / "src", large)
+    digests = {f.path: f.digest for f in resolve(open_store(s3_url, env=s3_env), "prod").release.files}
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    gone = blob_key(digests["large0.bin"])
+    client_for(s3_server).delete_object(Bucket=bucket, Key=f"{prefix}/{gone}")
+    stalled = [blob_key(digests[rel]) for rel in large if rel != "large0.bin"]
+    with TcpProxy(_port(s3_server.endpoint), mode="stall", paths=stalled) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        with pytest.raises(NotFoundError) as err:
+            ensure_cache("prod", store=s3_url, cache_dir=tmp_path / "cache", env=env, host_check=False, timeout=600)
+        failed_at = time.monotonic()
+        asked = list(zip(proxy.seen, proxy.seen_at, strict=True))
+    assert "large0.bin" in err.value.message
+    the_404 = max(at for (method, path, _), at in asked if method == "GET" and gone in path)
+    reading = [at for (method, path, _), at in asked if method == "GET" and any(s in path for s in stalled)]
+    # A stalled read never ends by itself: any that was sent, before the 404 or just after, had to be cut.
+    assert reading, asked
+    assert failed_at - the_404 < 1.0, failed_at - the_404
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and ".neffbuild" not in p.parts]
 
 
 @pytest.mark.s3
