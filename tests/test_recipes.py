@@ -20,7 +20,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+# Three real builds (five units: a dynamic entry's units each compile its graph) in one fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
 DYNAMIC_WIDTHS = [128, 256, 384]  # 64, 128, 192 image tokens (64 text tokens: distinct symbols)
 GUIDE_FLAGS = (
