@@ -3,10 +3,9 @@ once, pulled into another path, replayed with 0 compiles, and served by fresh pr
 neffbuild.serve.prepare (or paste `neffbuild recipe`'s plain Python) and count 0 compiler-cache
 misses; a server compiling with the default recipe misses against the same cache.
 
-The two entries are the suite's only new real builds: (a) max-autotune-no-cudagraphs with the
+The three entries are the suite's only new real builds: (a) max-autotune-no-cudagraphs with the
 diffusers guide's Inductor flags, (b) channels_last on vae.decode and fused QKV on the
-transformer. (c) dynamic shapes is not here yet: its replay still counts a compile on the first
-size (measured twice), see docs/recipes.md."""
+transformer, (c) dynamic shapes (duck_shape = false) over three sizes, served by one graph."""
 
 from __future__ import annotations
 
@@ -21,8 +20,10 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+# Three real builds (five units: a dynamic entry's units each compile its graph) in one fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
+DYNAMIC_WIDTHS = [128, 256, 384]  # 64, 128, 192 image tokens (64 text tokens: distinct symbols)
 GUIDE_FLAGS = (
     "{ conv_1x1_as_mm = true, coordinate_descent_tuning = true, epilogue_fusion = false, "
     "coordinate_descent_check_all_directions = true }"
@@ -53,6 +54,8 @@ def recipe_entries(model: Path) -> str:
             entry("layout", '["transformer", "vae.decode"]', "{ height = 128, width = 128 }",
                   '[model.compile.components.transformer]\nfuse_qkv = true\n'
                   '[model.compile.components."vae.decode"]\nmemory_format = "channels_last"\n'),
+            entry("dynamic", '["transformer"]', f"{{ height = 128, width = {DYNAMIC_WIDTHS} }}",
+                  "[model.compile]\ndynamic = true\nduck_shape = false\n"),
         ]
     )  # fmt: skip
 
@@ -99,7 +102,7 @@ for height, width in sizes:
     with torch.inference_mode():
         pipe(prompt="a photo of a cat", num_inference_steps=2, max_sequence_length=64,
              text_encoder_out_layers=(1,), height=height, width=width, output_type="pt")
-print(json.dumps({f"{g}.{k}": v for g in ("inductor", "aot_autograd", "neffbuild.graphs") for k, v in counters[g].items()}))
+print(json.dumps({f"{g}.{k}": v for g in ("inductor", "aot_autograd", "neffbuild.graphs", "stats") for k, v in counters[g].items()}))
 """
 MISSES = ("inductor.fxgraph_cache_miss", "aot_autograd.autograd_cache_miss")
 
@@ -116,7 +119,8 @@ def serve(release: Release, model: Path, how: str, arg: str, sizes: list[tuple[i
 
 def test_each_recipe_entry_builds_and_replays_from_another_path_with_zero_compiles(recipes_built: Release, cli) -> None:
     outcomes = {o["unit_id"]: o for o in recipes_built.build["outcomes"]}
-    assert sorted(outcomes) == ["autotune/128x128x1", "layout/128x128x1"]
+    dynamic = [f"dynamic/128x{w}x1" for w in DYNAMIC_WIDTHS]
+    assert sorted(outcomes) == ["autotune/128x128x1", *dynamic, "layout/128x128x1"]
     assert all(o["status"] == "built" and o["compiles"] > 0 for o in outcomes.values())
     result = cli("verify", str(recipes_built.manifest), "--cache-dir", str(recipes_built.cache), "--replay", "--json")
     assert result.returncode == 0, result.stderr
@@ -125,11 +129,15 @@ def test_each_recipe_entry_builds_and_replays_from_another_path_with_zero_compil
     for unit in report["units"]:
         assert unit["compiles"] == 0 and unit["written"] == [], unit
         assert unit["counters"].get("inductor.select_algorithm_autotune", 0) == 0, unit  # no benchmark on a hit
+    # (c): replayed in one process in the manifest's order, the first size loads the symbolic
+    # graph from the cache and the other sizes run it without tracing another.
+    graphs = {u["unit_id"]: u["counters"].get("stats.unique_graphs", 0) for u in report["units"]}
+    assert [graphs[u] for u in dynamic] == [1, 0, 0], graphs
 
 
 @pytest.mark.parametrize(
     ("entry", "sizes"),
-    [("autotune", [(128, 128)]), ("layout", [(128, 128)])],
+    [("autotune", [(128, 128)]), ("layout", [(128, 128)]), ("dynamic", [(128, w) for w in DYNAMIC_WIDTHS])],
 )
 def test_a_fresh_server_that_calls_prepare_hits_every_graph(
     recipes_built: Release, tiny_model: Path, entry: str, sizes: list[tuple[int, int]]
@@ -139,6 +147,10 @@ def test_a_fresh_server_that_calls_prepare_hits_every_graph(
     assert counters.get("inductor.fxgraph_cache_hit", 0) > 0 and counters.get("neffbuild.graphs.transformer", 0) > 0
     if entry == "layout":
         assert counters.get("neffbuild.graphs.vae.decode", 0) > 0
+    if entry == "dynamic":  # the three sizes share one symbolic graph, loaded once
+        assert counters.get("stats.unique_graphs") == 1 and counters.get("aot_autograd.autograd_cache_hit") == 1, (
+            counters
+        )
 
 
 def test_a_server_compiling_with_the_default_recipe_misses_the_autotune_release(

@@ -301,14 +301,16 @@ def compile_components(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
                 raise ValueError(f"{type(component).__name__} has no method {method!r}")
             setattr(component, method, scoped(_recorded(spec, torch.compile(bound, **options)), recipe))
         elif entry.mode == "full":
-            component.compile(backend=counter, fullgraph=True, dynamic=False)
+            # The recipe's torch.compile arguments (dynamic!), not fixed ones: a dynamic entry
+            # compiled static graphs here, one per shape, and nothing said so.
+            component.compile(backend=counter, **compile_options(recipe))
             # Module.compile keeps the compiled call here; recording outside it keeps the
             # graph whole (a hook would run inside it).
             component._compiled_call_impl = scoped(_recorded(spec, component._compiled_call_impl), recipe)
         elif not getattr(component, "_repeated_blocks", None):
             raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
         else:
-            component.compile_repeated_blocks(backend=counter, fullgraph=True, dynamic=False)
+            component.compile_repeated_blocks(backend=counter, **compile_options(recipe))
             # The blocks compile inside the component's call: record and scope around it.
             component.forward = scoped(_recorded(spec, component.forward), recipe)
 

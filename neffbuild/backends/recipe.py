@@ -7,10 +7,11 @@ torch.compile. Module settings run once per module ('vae.decode' and 'vae.encode
 
 Scope: Inductor settings and the compile mode travel inside the compiler object
 (torch._TorchCompileInductorWrapper, what torch.compile(mode=, options=) builds), which patches
-Inductor's config only while it compiles a graph. The two process-wide settings a recipe has,
-float32 matmul precision and the duck-shape switch of dynamic shapes, are read when a graph
-traces and runs, so each compiled callable sets them around its own call and restores them:
-two entries in one process do not leak settings into each other.
+Inductor's config only while it compiles a graph. The process-wide settings a recipe has,
+float32 matmul precision and, for dynamic shapes, the duck-shape switch and Dynamo's
+specialize_float, are read when a graph traces and runs, so each compiled callable sets them
+around its own call and restores them: two entries in one process do not leak settings into
+each other.
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ def scoped(call: Callable[..., Any], recipe: ResolvedRecipe) -> Callable[..., An
 
 
 def needs_scope(recipe: ResolvedRecipe) -> bool:
-    return recipe.matmul_precision is not None or (recipe.dynamic and not recipe.duck_shape)
+    return recipe.matmul_precision is not None or recipe.dynamic
 
 
 @contextmanager
 def process_settings(recipe: ResolvedRecipe) -> Iterator[None]:
     import torch
+    import torch._dynamo
     import torch.fx.experimental._config as fx_config
 
     saved = torch.get_float32_matmul_precision()
@@ -94,10 +96,22 @@ def process_settings(recipe: ResolvedRecipe) -> Iterator[None]:
     try:
         # Duck shaping gives equal sizes one symbol (and so specialises their equality): read
         # when a frame traces, so it must hold during the call that compiles.
-        with fx_config.patch(use_duck_shape=recipe.duck_shape) if recipe.dynamic else nullcontext():
+        with dynamic_settings(recipe, fx_config, torch._dynamo.config) if recipe.dynamic else nullcontext():
             yield
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+@contextmanager
+def dynamic_settings(recipe: ResolvedRecipe, fx_config: Any, dynamo_config: Any) -> Iterator[None]:
+    # specialize_float: with dynamic=True Dynamo makes every Python float a symbol (diffusers'
+    # rotary embedding has float defaults); AOTAutograd cannot turn one used as a scalar into a
+    # tensor, so it restarts the frame with those floats constant. That first attempt's
+    # AOTAutograd lookup misses in every fresh process (it saves nothing), so a pulled cache
+    # never served the first call without one. Constant floats from the start: one attempt, one
+    # lookup, a hit (docs/recipes.md, "Dynamic shapes").
+    with fx_config.patch(use_duck_shape=recipe.duck_shape), dynamo_config.patch(specialize_float=True):
+        yield
 
 
 def compile_options(recipe: ResolvedRecipe) -> dict[str, Any]:

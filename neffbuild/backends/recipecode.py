@@ -49,6 +49,9 @@ def _process_settings(recipe: ResolvedRecipe) -> list[str]:
         lines.append(f"torch.set_float32_matmul_precision({recipe.matmul_precision!r})")
     if recipe.dynamic and not recipe.duck_shape:
         lines += ["import torch.fx.experimental._config", "torch.fx.experimental._config.use_duck_shape = False"]
+    if recipe.dynamic:
+        # Floats constant from the first trace: otherwise the first call misses a pulled cache.
+        lines.append("torch._dynamo.config.specialize_float = True")
     return lines
 
 

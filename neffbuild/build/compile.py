@@ -406,8 +406,8 @@ def build_unit(
 def warmup_shapes(unit: BuildUnit) -> list[Shape]:
     """The shapes a unit's worker calls, in order. Static: its own. Dynamic: the entry's shapes up
     to its own, in the manifest's order, as a server warms up: the symbolic graph is the one the
-    first shape traces, and each unit's cache is what such a server finds (this alone did not
-    make the tiny transformer's dynamic replay hit: docs/recipes.md, "Known gap")."""
+    first shape traces, and each unit's cache is what such a server finds (the recipe's
+    specialize_float makes that first call hit: backends/recipe.py)."""
     if not unit.entry.compile.dynamic:
         return [unit.shape]
     shapes = unit.entry.expanded_shapes()

@@ -171,7 +171,9 @@ def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, st
 
 def graph_groups(entry: ModelEntry) -> list[list[str]]:
     """A dynamic entry's shapes by the graph they share: Inductor specialises sizes 0 and 1, so a
-    batch of one (and a side of one) is its own graph; the others share one symbolic graph."""
+    batch of one (and a side of one) is its own graph; the others share one symbolic graph.
+    Divisibility guards come from the model's code and are known only once traced (the tiny
+    FLUX.2-klein transformer has none): `verify --replay` counts each shape's new graphs."""
     groups: dict[tuple[bool, bool, bool], list[str]] = {}
     for shape in entry.expanded_shapes():
         images = shape.batch * entry.prompts_per_call
@@ -182,7 +184,10 @@ def graph_groups(entry: ModelEntry) -> list[list[str]]:
 def dynamic_note(entry: ModelEntry) -> str:
     groups = "; ".join(", ".join(g) for g in graph_groups(entry))
     duck = "" if not entry.compile.duck_shape else " (duck shaping may specialise sizes that happen to be equal)"
-    return f"model[{entry.id}]: dynamic: shapes that share a graph: {groups}{duck}"
+    return (
+        f"model[{entry.id}]: dynamic: shapes that share a graph: {groups}{duck}; a divisibility guard in the "
+        "model's code would split them further (`verify --replay` counts each shape's new graphs)"
+    )
 
 
 def check_buildable(plan: Plan) -> None:

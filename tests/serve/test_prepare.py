@@ -79,6 +79,7 @@ def test_recipe_prints_the_statements_the_build_applies(tiny_model: Path, tmp_pa
         "torch.set_float32_matmul_precision('high')",
         "import torch.fx.experimental._config",
         "torch.fx.experimental._config.use_duck_shape = False",
+        "torch._dynamo.config.specialize_float = True",
         "pipe.transformer.fuse_qkv_projections()",
         "pipe.vae.to(memory_format=torch.channels_last)",
         "pipe.transformer.compile(fullgraph=True, dynamic=True, options={'conv_1x1_as_mm': True})",
