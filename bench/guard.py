@@ -8,7 +8,7 @@ runs no compile callback, so what is measured is the guard's standing cost: the 
 wrapper is there in every arm, the fail arm adds torch's fail_on_recompile stance.
 
 Run (the first run compiles the shape once into --work's cache dir, minutes on 2 cores):
-    .venv/bin/python bench/guard.py [--rounds 15] [--calls 4] [--work /tmp/neffbuild-bench-guard]
+    .venv/bin/python bench/guard.py [--rounds 200] [--calls 2] [--work /tmp/neffbuild-bench-guard]
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def run(work: Path, rounds: int, calls: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--calls", type=int, default=4, help="requests per arm per round")
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=2, help="requests per arm per round")
     parser.add_argument("--work", type=Path, default=Path("/tmp/neffbuild-bench-guard"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
