@@ -79,3 +79,16 @@ def test_bad_mode_and_unwritable_events_fail_at_start_up(tiny_manifest: Path, tm
         guard(tiny_manifest, mode="strict")  # type: ignore[arg-type]
     with pytest.raises(DiskError, match=r"events file .*/missing/events.jsonl: No such file or directory"):
         guard(tiny_manifest, events=tmp_path / "missing" / "events.jsonl")
+
+
+def test_warn_logs_one_line_per_compile_and_records_it(
+    linear, tiny_manifest: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    events = tmp_path / "events.jsonl"
+    with caplog.at_level("WARNING", logger="neffbuild.serve.guard"), guard(tiny_manifest, mode="warn", events=events):
+        linear(torch.randn(2, 4))
+        linear(torch.randn(6, 4))
+    [record] = [r for r in caplog.records if r.name == "neffbuild.serve.guard"]
+    assert record.getMessage().startswith("compiled while serving: transformer of model[klein] at an unrecovered size")
+    assert "float32[6, 4]" in record.getMessage()
+    assert [e["mode"] for e in _events(events)] == ["warn"]
