@@ -95,7 +95,7 @@ def test_a_failed_pull_is_retried_after_a_jittered_bounded_delay_and_exit_3_is_r
     service = pull["Service"]
     assert service["Type"] == "oneshot" and service["Restart"] == "on-failure" and service["RestartSec"] == "15s"
     prevented = {int(code) for code in service["RestartPreventExitStatus"].split()}
-    assert 3 not in prevented and 9 not in prevented and {2, 4, 7, 8, 10} <= prevented
+    assert 3 not in prevented and 9 not in prevented and {2, 4, 7, 8, 10, 13, 16} <= prevented
     assert (pull["Unit"]["StartLimitIntervalSec"], pull["Unit"]["StartLimitBurst"]) == ("1h", "4")
     assert "Exit 3:" in (DEPLOY / "neffbuild-pull.service").read_text()  # the comments say what exit 3 means
     command = service["ExecStopPost"]
