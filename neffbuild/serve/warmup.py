@@ -21,7 +21,7 @@ from typing import Any
 from neffbuild.backends import get_backend
 from neffbuild.backends.calls import measured_call
 from neffbuild.documents.manifest import LoadedManifest, ModelEntry, load_manifest
-from neffbuild.errors import DiskError, WarmupMiss
+from neffbuild.errors import DiskError, NotFoundError, WarmupMiss
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.host.pull import serving_env
 from neffbuild.serve.prepare import prepare, select_entry
@@ -141,7 +141,12 @@ def warmup_cache_dir(
     entries = [select_entry(loaded, "", entry)] if entry is not None else list(loaded.manifest.models)
     if readiness_file is not None:
         _remove(readiness_file)
-    environ.update(serving_env(cache_dir, allow_env=allow_env))
+    try:
+        exports = serving_env(cache_dir, allow_env=allow_env)
+    except NotFoundError as exc:  # its hint names `env`'s own way out (TAG --store), which warmup has not
+        hint = f"pull a release into it first: neffbuild pull TAG --cache-dir {cache_dir}"
+        raise NotFoundError(exc.message, hint=hint) from None
+    environ.update(exports)
     reports = []
     for chosen in entries:
         backend = get_backend(chosen.backend)
