@@ -150,7 +150,7 @@ def verify_replay(
     with progress(len(plan.units)) as notify:
         report = replay(
             plan, cache_dir, env=env, work_dir=work_dir, outputs_dir=outputs_dir,
-            logs_dir=logs_dir_for(work_dir), notify=notify, in_place=in_place, trace=trace_to is not None,
+            logs_dir=logs_dir_for(work_dir), notify=notify, how=ReplayHow(in_place, trace=trace_to is not None),
         )  # fmt: skip
     if trace_to is not None and report.trace is not None:
         write_trace(trace_to, report.trace)
@@ -198,6 +198,15 @@ def _plan_for(manifest: Path, cache_dir: Path, env: Mapping[str, str]) -> tuple[
     return loaded, plan
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayHow:
+    """How a replay runs: in place (against the checked dir itself, which it must not be able to
+    write) rather than a private copy; traced (each worker records which cache files it opened)."""
+
+    in_place: bool = False
+    trace: bool = False
+
+
 def replay(
     plan: Plan,
     cache_dir: Path,
@@ -207,13 +216,13 @@ def replay(
     outputs_dir: Path | None = None,
     logs_dir: Path = DEFAULT_LOGS_DIR,
     notify: OnPhase | None = None,
-    in_place: bool = False,
-    trace: bool = False,
+    how: ReplayHow = ReplayHow(),
 ) -> ReplayReport:
     """Run every unit's warmup against a private copy of cache_dir (in_place: against cache_dir,
     which this process must not be able to write), one fresh process per model entry (as
     serving does); cache_dir itself is only read (in place: but for the backend's lock dir).
     With trace, each worker also records which cache files it opened (report.trace)."""
+    in_place, trace = how.in_place, how.trace
     backend = get_backend(plan.backend_name)
     with CacheDir.opened(cache_dir) as cache:  # resolved once; in place, its read-only check
         cache_dir = cache.path
