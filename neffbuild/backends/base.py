@@ -322,8 +322,17 @@ _CURRENT = threading.local()  # .call: the listed component this thread is calli
 
 @dataclass(frozen=True, slots=True)
 class ComponentCall:
+    """A listed component's call in progress. Its inputs are described only when asked (a
+    compile event): describing every call's arguments would cost every denoising step."""
+
     component: str  # the listed spec, e.g. "vae.decode"
-    inputs: tuple[str, ...]  # describe_input of each argument, keywords as name=...
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """describe_input of each argument, keywords as name=..."""
+        return signature_parts(self.args, self.kwargs)
 
 
 # Set by a serving guard (neffbuild.serve.guard): turns an error a compiled call raised (a
@@ -348,7 +357,8 @@ def current_call() -> ComponentCall | None:
 
 def _recorded(spec: str, compiled: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
-        this = _record(spec, args, kwargs)
+        _record(spec, args, kwargs)
+        this = ComponentCall(spec, args, kwargs)
         outer = current_call()
         _CURRENT.call = this
         try:
@@ -365,12 +375,14 @@ def _recorded(spec: str, compiled: Any) -> Any:
     return call
 
 
-def _record(spec: str, args: Any, kwargs: Any) -> ComponentCall:
-    parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
+def _record(spec: str, args: Any, kwargs: Any) -> None:
     seen = _INPUTS.setdefault(spec, {})
     if len(seen) < _MAX_SIGNATURES:
-        seen.setdefault(", ".join(parts), None)
-    return ComponentCall(spec, tuple(parts))
+        seen.setdefault(", ".join(signature_parts(args, kwargs)), None)
+
+
+def signature_parts(args: Any, kwargs: Any) -> tuple[str, ...]:
+    return tuple([describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())])
 
 
 def describe_input(value: Any) -> str:
