@@ -178,6 +178,8 @@ def guard(
     now, so a path that cannot be written fails at start-up (DiskError), not on a request."""
     if mode not in MODES:
         raise InputError(f"guard mode {mode!r} is not one of {', '.join(MODES)}", hint="record, warn or fail")
+    if mode == "record" and events is None:  # it would record nothing and look installed
+        raise InputError("guard mode 'record' needs events=PATH", hint="pass the file to append compile events to")
     loaded = manifest if isinstance(manifest, LoadedManifest) else load_manifest(Path(manifest))
     chosen = _entry(loaded, entry, pipe)
     path = Path(events) if events is not None else None

@@ -77,6 +77,8 @@ def test_the_call_size_is_read_from_the_pipelines_call_frame(tiny_manifest: Path
 def test_bad_mode_and_unwritable_events_fail_at_start_up(tiny_manifest: Path, tmp_path: Path) -> None:
     with pytest.raises(InputError, match="guard mode 'strict' is not one of record, warn, fail"):
         guard(tiny_manifest, mode="strict")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"guard mode 'record' needs events=PATH"):
+        guard(tiny_manifest)
     with pytest.raises(DiskError, match=r"events file .*/missing/events.jsonl: No such file or directory"):
         guard(tiny_manifest, events=tmp_path / "missing" / "events.jsonl")
 
