@@ -63,6 +63,9 @@ class BackendHost:
     # without: its variable and default. None: the backend has none.
     lock_dir_env: str | None = None
     default_lock_dir: str = ""
+    # Variables that turn the runtime's cache off, and the values that do: a host with one set
+    # compiles every graph whatever it pulled.
+    cache_switches: tuple[tuple[str, frozenset[str]], ...] = ()
 
 
 BACKEND_HOSTS = {
@@ -75,6 +78,13 @@ BACKEND_HOSTS = {
         # torch_neuronx 0.1.0 creates it when its compilation cache starts (CompilationCache.cpp:40-58).
         lock_dir_env="TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
         default_lock_dir="/tmp/local_cache",
+        # The disk cache: "1" on the C++ path (PersistentCacheBackend.cpp:18, 57), also "true" or
+        # "yes" on the Python path (kernels/cache_utils.py:18-20); the Python in-memory caches
+        # (utils.py:190-198). Case-insensitive where Python reads it.
+        cache_switches=(
+            ("TORCH_NEURONX_NEFF_DISABLE_CACHE", frozenset({"1", "true", "yes"})),
+            ("TORCH_NEURONX_DISABLE_NEFF_CACHE", frozenset({"1", "true", "yes"})),
+        ),
     ),
     "inductor": BackendHost(
         module="torch",
@@ -123,6 +133,7 @@ def run_doctor(
         check_writable(where),
         check_free_space(where, release, host),
         check_lock_dir(info, {**env, **(release.env if release else {})}),
+        check_cache_on(info, {**env, **(release.env if release else {})}),
     )
     return DoctorReport(backend=name, cache_dir=where, checks=checks)
 
@@ -241,12 +252,37 @@ def check_writable(cache_dir: Path) -> Check:
     return Check("writable", "pass", f"{cache_dir} is writable{made}")
 
 
+def check_cache_on(info: BackendHost, env: Mapping[str, str]) -> Check:
+    """No variable in the server's environment turns the runtime's cache off."""
+    if not info.cache_switches:
+        return Check("cache on", "skip", "this backend has no cache switch")
+    off = [f"{name}={env[name]}" for name, values in info.cache_switches if env.get(name, "").lower() in values]
+    if off:
+        return Check(
+            "cache on",
+            "fail",
+            f"{', '.join(off)} in this environment turns the compile cache off: every graph compiles, whatever was pulled",
+            f"unset {', '.join(o.split('=', 1)[0] for o in off)} in the server's environment",
+        )
+    return Check("cache on", "pass", f"neither {' nor '.join(n for n, _ in info.cache_switches)} turns the cache off")
+
+
 def check_lock_dir(info: BackendHost, env: Mapping[str, str]) -> Check:
     """The runtime's lock dir can be made by the serving user: without it the server fails to
     start even when every lookup would hit, also with a read-only cache dir."""
     if info.lock_dir_env is None:
         return Check("lock dir", "skip", "this backend keeps its locks inside the cache dir")
-    raw = env.get(info.lock_dir_env) or info.default_lock_dir  # empty counts as unset upstream
+    if env.get(info.lock_dir_env) == "":
+        # The C++ path takes empty as unset (CompilationCache.cpp:41-58); the Python path's
+        # os.getenv gives "", the working directory (kernels/cache_utils.py:13-15).
+        return Check(
+            "lock dir",
+            "fail",
+            f"{info.lock_dir_env} is set but empty: one runtime path uses {info.default_lock_dir}, "
+            "the other the server's working directory",
+            f"unset {info.lock_dir_env}, or set it to a dir the server's user can write",
+        )
+    raw = env.get(info.lock_dir_env) or info.default_lock_dir
     where = Path(os.path.abspath(raw))
     writable = check_writable(where)
     if writable.status == "pass":

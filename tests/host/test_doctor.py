@@ -189,11 +189,11 @@ def test_release_env_is_what_the_server_runs_with(tmp_path):
     rel = release(built, env={"NEURON_CC_FLAGS": "--model-type=transformer"})
     host = persistent_host(facts=fake_facts(HERE_FACTS))
     assert by_name(run_doctor(env={}, cache_dir=tmp_path, release=rel, host=host), "versions").status == "pass"
-    extra = {"TORCH_NEURONX_COMPLEX_DECOMPOSE": "0"}
+    extra = {"TORCH_NEURONX_ENABLE_NKI_SDPA": "0"}
     check = by_name(run_doctor(env=extra, cache_dir=tmp_path, release=rel, host=host), "versions")
     assert (
         check.status == "fail"
-        and "env.TORCH_NEURONX_COMPLEX_DECOMPOSE: this host sets '0', the build did not" in check.detail
+        and "env.TORCH_NEURONX_ENABLE_NKI_SDPA: this host sets '0', the build did not" in check.detail
     )
 
 
@@ -224,7 +224,7 @@ def test_all_pass_on_a_good_host(tmp_path):
     host = persistent_host(dev_dir=tmp_path / "dev", facts=fake_facts(HERE_FACTS))
     report = run_doctor(env={CACHE_ENV: str(tmp_path / "cache")}, release=release(host_fingerprint()), host=host)
     assert report.ok, report_lines(report)
-    assert report.cache_dir == tmp_path / "cache" and [c.status for c in report.checks] == ["pass"] * 7
+    assert report.cache_dir == tmp_path / "cache" and [c.status for c in report.checks] == ["pass"] * 8
 
 
 def test_release_from_a_file_or_a_store(tmp_path):
@@ -286,5 +286,28 @@ def test_the_neuron_lock_dir_must_be_creatable_even_for_a_read_only_cache(tmp_pa
         ),
         "lock dir",
     )
-    assert "/tmp/local_cache" in default.detail
+    # Set but empty: the C++ path's default, the Python path's working directory (cache_utils.py:13-15).
+    assert default.status == "fail" and "/tmp/local_cache" in default.detail and "working directory" in default.detail
+    unset = by_name(
+        run_doctor(env={"TMPDIR": str(tmp_path)}, cache_dir=tmp_path, backend="neuron", host=host), "lock dir"
+    )
+    assert "/tmp/local_cache" in unset.detail and str(tmp_path) not in unset.detail
     assert by_name(run_doctor(env={}, cache_dir=tmp_path, backend="inductor", host=host), "lock dir").status == "skip"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TORCH_NEURONX_NEFF_DISABLE_CACHE", "1"),  # the disk cache, C++ and Python paths
+        ("TORCH_NEURONX_NEFF_DISABLE_CACHE", "True"),  # the Python path: case-insensitive, also yes
+        ("TORCH_NEURONX_DISABLE_NEFF_CACHE", "yes"),  # the other spelling: the Python in-memory caches
+    ],
+)
+def test_a_host_env_that_turns_the_neuron_cache_off_fails(tmp_path, name, value):
+    host = persistent_host(facts=fake_facts(HERE_FACTS))
+    check = by_name(run_doctor(env={name: value}, cache_dir=tmp_path, backend="neuron", host=host), "cache on")
+    assert check.status == "fail" and f"{name}={value}" in check.detail and name in check.fix
+    # "0" leaves it on.
+    on = by_name(run_doctor(env={name: "0"}, cache_dir=tmp_path, backend="neuron", host=host), "cache on")
+    assert on.status == "pass"
+    assert by_name(run_doctor(env={}, cache_dir=tmp_path, backend="inductor", host=host), "cache on").status == "skip"
