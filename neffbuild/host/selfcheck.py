@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from neffbuild.backends.base import Scope
-from neffbuild.backends.neuron import BUILD_FACT, IMPORT_DEFAULTS, NeuronBackend, sync_mode
+from neffbuild.backends.neuron import BUILD_FACT, IMPORT_DEFAULTS, TARGET_ENV, NeuronBackend, sync_mode
 from neffbuild.host.doctor import Check, DoctorReport
+from neffbuild.printable import printable
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ WATCHED = (
     "TORCH_NEURONX_RETAIN_DEVICE_MODE", "TORCH_NEURONX_ENABLE_ASYNC_NRT", "TORCH_NEURONX_ENABLE_STACK_TRACE",
     "NEURON_RT_ALLOW_LEGACY_NEFF", "NEURON_RT_DBG_ZEROCOPY",
 )  # fmt: skip
-NAMES = ("import defaults", "venv paths", "tp keys", "read-only")
+NAMES = ("import defaults", "platform", "venv paths", "eager ops", "tp keys", "read-only", "lock dir")
+DEFAULT_LOCK_DIR = Path("/tmp/local_cache")  # CompilationCache.cpp:50-57, kernels/cache_utils.py:15
 
 Run = Callable[[Sequence[str], Mapping[str, str]], subprocess.CompletedProcess[str]]
 
@@ -55,9 +58,12 @@ def neuron_selfcheck(
     try:
         checks = (
             check_import_defaults(backend, env, run),
+            check_platform(backend, env, run),
             check_venv_paths(root / "paths", env, run),
+            check_eager_ops(root / "eager", env, run),
             check_tp_keys(backend, env, run),
             check_read_only(root / "readonly", env, run),
+            check_lock_dir(root / "locks", env, run),
         )
     finally:
         _make_writable(root)
@@ -108,6 +114,9 @@ def check_venv_paths(root: Path, env: Mapping[str, str], run: Run) -> Check:
             return _broken("venv paths", done)
         results.append(found)
     first, second = results
+    unknown = _unrecognised(results)
+    if unknown:
+        return _unknown_layout("venv paths", unknown)
     if int(first.get("compiles", 0)) < 1:
         return Check(
             "venv paths",
@@ -158,8 +167,63 @@ def check_tp_keys(backend: NeuronBackend, env: Mapping[str, str], run: Run, tens
     return Check("tp keys", "pass", f"plan and {tensor_parallel} ranks agree on all {len(planned)} fields")
 
 
+def check_platform(backend: NeuronBackend, env: Mapping[str, str], run: Run) -> Check:
+    """The target and logical cores keyed from DMI (plan) against the runtime's own answer
+    (utils.get_platform_target / get_lnc_setting, from nrt_get_instance_info)."""
+    clean = {k: v for k, v in env.items() if k not in ("NEURON_LOGICAL_NC_CONFIG", TARGET_ENV)}
+    done = run([sys.executable, "-m", PROBE, "platform"], clean)
+    found = _json_line(done)
+    if not isinstance(found, dict):
+        return _broken("platform", done)
+    planned = backend.fingerprint(backend.collect_facts(clean, "neuron"), clean, Scope("neuron"))
+    wrong = [
+        f"{field} {planned[field]!r} (DMI), runtime {found.get(name)!r}"
+        for field, name in (("neuron.target", "target"), ("neuron.lnc", "lnc"))
+        if planned[field] != str(found.get(name))
+    ]
+    if wrong:
+        return Check(
+            "platform",
+            "fail",
+            f"the key would say {'; '.join(wrong)}",
+            "every unit would be keyed for another target: fix _FAMILIES in neffbuild/backends/neuron.py "
+            f"(or set {TARGET_ENV} / NEURON_LOGICAL_NC_CONFIG for the build and the servers alike)",
+        )
+    return Check(
+        "platform", "pass", f"DMI and the runtime agree: target {found['target']}, {found['lnc']} logical cores"
+    )
+
+
+def check_eager_ops(root: Path, env: Mapping[str, str], run: Run) -> Check:
+    """An eager run of the probe model as a build runs it (CPU fallback off): it compiles, and
+    every file it writes is one the bundler takes."""
+    from neffbuild.backends.neuron_probe import PROBE_MODULE, PROBE_SOURCE
+
+    source = root / "src"
+    source.mkdir(parents=True)
+    (source / f"{PROBE_MODULE}.py").write_text(PROBE_SOURCE)
+    probe_env = {**env, **NeuronBackend().worker_env(root / "cache", root / "scratch")}
+    done = run([sys.executable, "-m", PROBE, "compile", str(source), "eager"], probe_env)
+    found = _json_line(done)
+    if not isinstance(found, dict):
+        return _broken("eager ops", done)  # a failed op names itself: it would fail a build too
+    if found.get("unrecognised"):
+        return _unknown_layout("eager ops", _unrecognised([found]))
+    if int(found.get("compiles", 0)) < 1 or not found.get("written"):
+        return Check(
+            "eager ops",
+            "fail",
+            f"an eager run counted {found.get('compiles')} compiles and wrote {len(found.get('written') or [])} "
+            "files the bundler takes",
+            "eager units would be refused (no cache files) or ship without their ops: fix compiler_counters / "
+            "select_files in neffbuild/backends/neuron.py",
+        )
+    return Check("eager ops", "pass", f"{found['compiles']} compiles, {len(found['written'])} files, all bundled")
+
+
 def check_read_only(root: Path, env: Mapping[str, str], run: Run) -> Check:
-    """A read-only NEFF dir serves with a writable lock dir; an unwritable lock dir fails start-up."""
+    """A hit over a warm NEFF dir writes nothing into it. chmod a-w does not stop root, so the
+    tree (every path, its inode, size and mtime) is compared before and after the serving run."""
     from neffbuild.backends.neuron_probe import PROBE_MODULE, PROBE_SOURCE
 
     source, cache = root / "src", root / "cache"
@@ -171,33 +235,96 @@ def check_read_only(root: Path, env: Mapping[str, str], run: Run) -> Check:
     if not isinstance(_json_line(warm), dict):
         return _broken("read-only", warm)
     _make_read_only(cache)
+    before = _tree(cache)
     serving = {k: v for k, v in env.items() if k != "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"}
-    serving = {**serving, "TORCH_NEURONX_NEFF_CACHE_DIR": str(cache), "TORCH_NEURONX_METRICS_ENABLED": "1"}
-    hit = run(
-        [sys.executable, "-m", PROBE, "compile", str(source)],
-        {**serving, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(root / "locks")},
-    )
+    serving = {
+        **serving,
+        "TORCH_NEURONX_NEFF_CACHE_DIR": str(cache),
+        "TORCH_NEURONX_METRICS_ENABLED": "1",
+        "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(root / "locks"),
+    }
+    hit = run([sys.executable, "-m", PROBE, "compile", str(source)], serving)
     found = _json_line(hit)
     if not isinstance(found, dict):
         return _broken("read-only", hit)
-    # /proc refuses new dirs even to root: the lock dir cannot be made.
-    refused = run(
-        [sys.executable, "-m", PROBE, "compile", str(source)],
-        {**serving, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/proc/neffbuild-locks"},
-    )
-    starts = "starts anyway" if refused.returncode == 0 else "fails to start"
-    if found.get("compiles") or found.get("written"):
+    after = _tree(cache)
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    if found.get("compiles") or changed:
         return Check(
             "read-only",
             "fail",
-            f"a hit over a read-only dir compiled {found.get('compiles')} and wrote {found.get('written')}",
+            f"a hit over a warm NEFF dir compiled {found.get('compiles')} and changed {changed[:4] or 'nothing'}",
             "do not serve this wheel from a read-only NEFF dir",
         )
-    return Check(
-        "read-only",
-        "pass",
-        f"a read-only NEFF dir served with 0 compiles and no writes; with an unwritable lock dir the server {starts}",
+    how = "compared the tree (as root chmod does not stop writes)" if os.geteuid() == 0 else "dir made read-only"
+    return Check("read-only", "pass", f"a hit served with 0 compiles and wrote nothing into the NEFF dir ({how})")
+
+
+def check_lock_dir(root: Path, env: Mapping[str, str], run: Run) -> Check:
+    """Where the runtime puts its lock dir when TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR is unset (doctor
+    checks the literal /tmp/local_cache, not $TMPDIR), and that one it cannot make fails start-up."""
+    from neffbuild.backends.neuron_probe import PROBE_MODULE, PROBE_SOURCE
+
+    source = root / "src"
+    source.mkdir(parents=True)
+    (source / f"{PROBE_MODULE}.py").write_text(PROBE_SOURCE)
+    tmpdir = root / "tmp"
+    tmpdir.mkdir()
+    base = {k: v for k, v in env.items() if k != "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"}
+    base = {**base, "TORCH_NEURONX_NEFF_CACHE_DIR": str(root / "cache"), "TMPDIR": str(tmpdir)}
+    unset = run([sys.executable, "-m", PROBE, "compile", str(source)], base)
+    if not isinstance(_json_line(unset), dict):
+        return _broken("lock dir", unset)
+    fix = "update doctor's lock dir check (neffbuild/host/doctor.py, BACKEND_HOSTS) to this wheel"
+    if (tmpdir / "local_cache").exists():
+        return Check(
+            "lock dir", "fail", "with it unset the runtime made $TMPDIR/local_cache, not /tmp/local_cache", fix
+        )
+    if not DEFAULT_LOCK_DIR.is_dir():
+        return Check("lock dir", "fail", f"with it unset the runtime made no {DEFAULT_LOCK_DIR}", fix)
+    # /proc refuses new dirs even to root: the lock dir cannot be made.
+    refused = run(
+        [sys.executable, "-m", PROBE, "compile", str(source)],
+        {**base, "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/proc/neffbuild-locks"},
     )
+    if refused.returncode == 0:
+        return Check(
+            "lock dir",
+            "fail",
+            "with a lock dir it cannot make the runtime still served: doctor fails such hosts for nothing",
+            fix,
+        )
+    return Check(
+        "lock dir",
+        "pass",
+        f"unset: {DEFAULT_LOCK_DIR} (not $TMPDIR); one it cannot make fails start-up, as doctor assumes",
+    )
+
+
+def _unrecognised(results: Sequence[Mapping[str, object]]) -> list[str]:
+    found: set[str] = set()
+    for result in results:
+        paths = result.get("unrecognised")
+        if isinstance(paths, list):
+            found.update(p for p in paths if isinstance(p, str))
+    return sorted(found)
+
+
+def _unknown_layout(name: str, paths: list[str]) -> Check:
+    return Check(
+        name,
+        "fail",
+        f"the compiler wrote {len(paths)} file(s) the bundler does not know: {', '.join(printable(p) for p in paths[:3])}",
+        "builds would fail on them: teach select_files in neffbuild/backends/neuron.py this layout",
+    )
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    return {
+        p.relative_to(root).as_posix(): (st.st_ino, st.st_size, st.st_mtime_ns)
+        for p in [root, *root.rglob("*")]
+        if (st := p.lstat())
+    }
 
 
 def _make_read_only(root: Path) -> None:

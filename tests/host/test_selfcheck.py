@@ -10,8 +10,19 @@ from pathlib import Path
 import pytest
 
 from neffbuild.backends.neuron import NeuronBackend
-from neffbuild.host.selfcheck import NAMES, check_import_defaults, check_tp_keys, neuron_selfcheck, run_probe
-from tests.backends.test_neuron import _has_torch_neuronx, fake_torch_neuronx
+from neffbuild.host.selfcheck import (
+    NAMES,
+    check_eager_ops,
+    check_import_defaults,
+    check_lock_dir,
+    check_platform,
+    check_read_only,
+    check_tp_keys,
+    check_venv_paths,
+    neuron_selfcheck,
+    run_probe,
+)
+from tests.backends.test_neuron import DOUBLE_ENV, TESTS, _has_torch_neuronx, fake_torch_neuronx
 
 
 def with_fake(tmp_path: Path, **kw: str) -> tuple[NeuronBackend, dict[str, str]]:
@@ -62,3 +73,72 @@ def test_the_import_defaults_check_reads_the_wheels_sync_mode(tmp_path):
     backend, env = with_fake(tmp_path / "dev", build_type="DEV", NEURON_LAUNCH_BLOCKING="1")
     failed = check_import_defaults(backend, env, run_probe)
     assert failed.status == "fail" and "expects NEURON_LAUNCH_BLOCKING=0" in failed.detail and failed.fix
+
+
+def with_double(
+    tmp_path: Path, product: str = "trn2.48xlarge", fake: dict[str, str] | None = None, **double: str
+) -> tuple[NeuronBackend, dict[str, str]]:
+    """The stand-in torch_neuronx, the test double as the compiler (tests/neuron_double.py; double:
+    its NEFFBUILD_DOUBLE_* switches) and a DMI product name."""
+    package = fake_torch_neuronx(tmp_path / "site", **(fake or {}))
+    path = os.pathsep.join([str(package.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    env = {
+        **os.environ,
+        **DOUBLE_ENV,
+        "PYTHONPATH": path,
+        **{f"NEFFBUILD_DOUBLE_{k.upper()}": v for k, v in double.items()},
+    }
+    dmi = tmp_path / "product_name"
+    dmi.write_text(product + "\n")
+    return NeuronBackend(env=env, package_dir=lambda name: package, product_name_file=dmi), env
+
+
+def test_every_check_passes_against_the_double_on_a_good_host(tmp_path):
+    backend, env = with_double(tmp_path)
+    report = neuron_selfcheck(env=env, work_dir=tmp_path, backend=backend)
+    assert [c.name for c in report.checks] == list(NAMES)
+    # The torchrun ranks of "tp keys" read this machine's DMI, not the injected file; that check
+    # passes with one DMI for both in its own test above.
+    assert [c for c in report.checks if c.status != "pass" and c.name != "tp keys"] == [], report.checks
+
+
+def test_the_platform_check_compares_dmi_with_the_runtimes_own_answer(tmp_path):
+    backend, env = with_double(tmp_path / "a", product="trn1.32xlarge")  # the runtime says trn2
+    check = check_platform(backend, env, run_probe)
+    assert check.status == "fail" and "neuron.target 'trn1' (DMI), runtime 'trn2'" in check.detail, check
+    backend, env = with_double(tmp_path / "b", fake={"lnc": "1"})  # a trn2 the runtime runs at 1 logical core
+    check = check_platform(backend, env, run_probe)
+    assert check.status == "fail" and "neuron.lnc '2' (DMI), runtime '1'" in check.detail, check
+
+
+def test_the_venv_paths_check_fails_without_counted_compiles_or_on_an_unknown_layout(tmp_path):
+    _, env = with_double(tmp_path / "a", uncounted="1")
+    check = check_venv_paths(tmp_path / "a" / "w", env, run_probe)
+    assert check.status == "fail" and "counted 0 compiles" in check.detail, check
+    _, env = with_double(tmp_path / "b", layout="flat")
+    check = check_venv_paths(tmp_path / "b" / "w", env, run_probe)
+    assert check.status == "fail" and "the bundler does not know" in check.detail and ".neff" in check.detail, check
+
+
+def test_the_eager_check_runs_an_op_with_fallback_off_and_sees_what_it_wrote(tmp_path):
+    _, env = with_double(tmp_path / "a", fail_op="Linear")  # would run on CPU, silently, in a server
+    check = check_eager_ops(tmp_path / "a" / "w", env, run_probe)
+    assert check.status == "fail" and "Operation Linear failed to execute on Neuron" in check.detail, check
+    _, env = with_double(tmp_path / "b", layout="none")  # a wheel that caches eager ops elsewhere
+    check = check_eager_ops(tmp_path / "b" / "w", env, run_probe)
+    assert check.status == "fail" and "wrote 0 files" in check.detail, check
+
+
+def test_the_read_only_check_sees_a_write_even_as_root(tmp_path):
+    _, env = with_double(tmp_path, touch_on_hit="1")  # a hit that writes beside its entry
+    check = check_read_only(tmp_path / "w", env, run_probe)
+    assert check.status == "fail" and ".neff.hit" in check.detail, check
+
+
+def test_the_lock_dir_check_covers_the_unset_default_and_an_unmakeable_dir(tmp_path):
+    _, env = with_double(tmp_path / "a", local_default="tmpdir")  # unset follows $TMPDIR
+    check = check_lock_dir(tmp_path / "a" / "w", env, run_probe)
+    assert check.status == "fail" and "$TMPDIR/local_cache, not /tmp/local_cache" in check.detail, check
+    _, env = with_double(tmp_path / "b", local_optional="1")  # starts without its lock dir
+    check = check_lock_dir(tmp_path / "b" / "w", env, run_probe)
+    assert check.status == "fail" and "still served" in check.detail, check
