@@ -149,6 +149,11 @@ class Backend(ABC):
     def select_files(self, cache_dir: Path) -> list[str]:
         """Relative paths of the cache files to bundle (no locks, temp files or debug output)."""
 
+    def unrecognised_files(self, cache_dir: Path) -> list[str]:
+        """Files the compiler wrote that select_files neither takes nor knows to leave (temp
+        files, locks): another layout, which a build must not publish as if it were complete."""
+        return []
+
     @abstractmethod
     def is_content_keyed(self, path: str) -> bool:
         """True if the path is itself a key of the compiler's cache, so any copy of it serves."""

@@ -31,6 +31,7 @@ seam can never carry the key of a real Neuron build):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters, load_arguments, pipeline_class
-from neffbuild.backends.serving import NEURON
+from neffbuild.backends.serving import NEURON, NEURON_COMPILER
 
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry
@@ -71,6 +72,8 @@ _NEFF_ENTRY = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/(\1\2[0-9a-f]{28})\.neff
 # Its Python compiler path (synchronous eager ops): $DIR/<sha256>/<sha256>.neff, written to a
 # `tmp*.tmp` file beside it then renamed (kernels/cache_utils.py:28-38).
 _SUBPROCESS_ENTRY = re.compile(r"^([0-9a-f]{64})/\1\.neff$")
+# What upstream leaves only after a crash between write and rename: never bundled, not unknown.
+_TEMP_FILE = re.compile(r"^(?:[0-9a-f]{2}/[0-9a-f]{2}/\.tmp\.[A-Za-z0-9]{6}|[0-9a-f]{64}/tmp[^/]*\.tmp)$")
 # libneuronxla (torch-xla based): neuronxcc-<ver>/MODULE_<graph hash>+<flags hash>/<file>.
 _MODULE_FILE = re.compile(r"^neuronxcc-[^/]+/MODULE_[^/]+/[^/]+$")
 _MODULE_KEEP = frozenset(
@@ -89,13 +92,11 @@ TP_TRANSFORMERS = frozenset(
 )
 _TP_PIPELINES = re.compile(r"^(Flux|Flux2|QwenImage)\w*Pipeline$")
 
-# Variables that change what neuronx-cc produces are keyed; those that only place files, switch
-# caches off or change run-time behaviour (the host-only names a release may not export,
-# serving.NEURON) and those named as fields below are not.
-_ENV_PREFIXES = ("TORCH_NEURONX_", "NEURON_")
+# Variables that change what neuronx-cc is given or produces are keyed (serving.NEURON_COMPILER,
+# the exact list with the upstream file of each: docs/trainium.md); those named as fields below
+# are keyed there. Any other NEURON_*/TORCH_NEURONX_* name is not, unless the entry's own env sets it.
 _NAMED_ENV = ("NEURON_CC_FLAGS", "NEURON_COMPILER_OPT_LEVEL", "NEURON_LOGICAL_NC_CONFIG", "NEURON_LAUNCH_BLOCKING")
-_ENV_NOT_KEYED = NEURON.host_only | {NEURON.cache_env, *_NAMED_ENV}
-_ENV_NOT_KEYED_PREFIXES = NEURON.host_only_prefixes
+KEYED_ENV = NEURON_COMPILER - set(_NAMED_ENV)
 # Defaults `import torch_neuronx` writes when unset (__init__.py:44-65) that change what is cached;
 # the others it writes are run-time only (serving.NEURON_RUNTIME, NEURON_RT_*). Equal to the
 # default keys as unset. NEURON_LAUNCH_BLOCKING's default depends on the wheel: `neuron.sync`.
@@ -127,12 +128,19 @@ SUBPROCESS_FILES = "neuron.SubprocessCache.Files"
 
 # The native key omits the compiler version; these make ours carry it (and the framework's).
 _DISTRIBUTIONS = ("torch", "torch-neuronx", "neuronx-cc", "diffusers", "transformers")
-_VERSION_FIELDS = (*_DISTRIBUTIONS, "python")
+# What writes the StableHLO both upstream keys hash: Neuron's torch-mlir fork for graphs
+# (neuron_dynamo_backend/fx/fx_importer.py) and jax for some eager ops (kernels/xla_kernel.py,
+# python_ops/jax/). Found by import name (the fork's distribution name is not ours to guess);
+# 'absent' is allowed: not every install has jax.
+HLO_MODULES = {"torch-mlir": "torch_mlir", "jax": "jax", "jaxlib": "jaxlib"}
+_VERSION_FIELDS = (*_DISTRIBUTIONS, *HLO_MODULES, "python")
 # Where the model code lives (source locations are in the key) and which neuronx-cc runs.
 _PLACE_FIELDS = ("venv", "neuronx-cc.bin", "neuronx-cc.bin-version")
 _REQUIRED_FACTS = (*_VERSION_FIELDS, "target")  # what a [toolchain] table must give
 
 VersionOf = Callable[[str], str | None]
+ModuleVersion = Callable[[str], str | None]
+RequiresPython = Callable[[str], str | None]
 PackageDir = Callable[[str], Path | None]
 RunVersion = Callable[[str], str | None]
 
@@ -182,6 +190,48 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
+def requires_python(distribution: str) -> str | None:
+    """A distribution's Requires-Python (None: not installed, or it says nothing)."""
+    try:
+        return metadata.metadata(distribution)["Requires-Python"]  # None when absent
+    except metadata.PackageNotFoundError:
+        return None
+
+
+_SPEC = re.compile(r"^\s*(>=|<=|==|!=|~=|>|<)\s*(\d+(?:\.\d+)*)(\.\*)?\s*$")
+
+
+def python_excluded(spec: str, version: tuple[int, ...]) -> bool:
+    """True when a Requires-Python spec (PEP 440 clauses over release numbers) excludes version.
+    A clause this cannot read excludes nothing: refusing on a guess would be worse."""
+    for clause in spec.split(","):
+        found = _SPEC.match(clause)
+        if not found:
+            continue
+        op, wanted, star = found.group(1), tuple(int(n) for n in found.group(2).split(".")), found.group(3)
+        have = tuple(version[: len(wanted)]) if star or op == "~=" else tuple(version[:3])
+        want = wanted if star or op == "~=" else (*wanted, 0, 0)[:3]
+        ok = {
+            ">=": have >= want, "<=": have <= want, ">": have > want, "<": have < want,
+            "==": have == want, "!=": have != want,
+            "~=": have >= wanted and version[: len(wanted) - 1] == wanted[:-1],
+        }[op]  # fmt: skip
+        if not ok:
+            return True
+    return False
+
+
+@functools.cache
+def _distributions_by_module() -> Mapping[str, list[str]]:
+    return metadata.packages_distributions()
+
+
+def module_version(module: str) -> str | None:
+    """'<distribution> <version>' of what provides a top-level module, without importing it."""
+    found = sorted({f"{d} {installed_version(d)}" for d in _distributions_by_module().get(module, [])})
+    return ", ".join(found) or None
+
+
 def instance_family(product_name: str) -> str | None:
     """'trn2.48xlarge' -> 'trn2'; None for anything that is not a known Neuron instance."""
     family = product_name.strip().split(".", 1)[0].lower()
@@ -202,7 +252,7 @@ class NeuronBackend(Backend):
     # the persistent key hashes (venv path, Python, the model libraries' files and lines).
     breaking_fields = (
         "backend", "device", "torch", "torch-neuronx", "neuronx-cc", "neuronx-cc.bin-version", "neuron.*", "env.*",
-        "diffusers", "transformers", "python", "venv",
+        "diffusers", "transformers", "python", "venv", *HLO_MODULES,
     )  # fmt: skip
     # Another path to the same compiler version compiles the same NEFFs.
     informational_fields = ("neuronx-cc.bin",)
@@ -218,6 +268,8 @@ class NeuronBackend(Backend):
         package_dir: PackageDir = package_dir,
         prefix: str = sys.prefix,
         run_version: RunVersion = compiler_version,
+        module_version: ModuleVersion = module_version,
+        requires_python: RequiresPython = requires_python,
     ) -> None:
         self._version_of = version_of
         self._product_name_file = product_name_file
@@ -225,6 +277,8 @@ class NeuronBackend(Backend):
         self._package_dir = package_dir
         self._prefix = prefix
         self._run_version = run_version
+        self._module_version = module_version
+        self._requires_python = requires_python
 
     def package_dir_of(self, name: str) -> Path | None:
         """Where this backend finds a package (torch_neuronx) without importing it."""
@@ -236,6 +290,7 @@ class NeuronBackend(Backend):
         # Versions come from package metadata, so planning works on a CI host without
         # torch-neuronx ("absent"); the instance type from DMI, never from the network (IMDS).
         facts = {dist: self._version_of(dist) or ABSENT for dist in _DISTRIBUTIONS}
+        facts.update({field: self._module_version(module) or ABSENT for field, module in HLO_MODULES.items()})
         facts["python"] = ".".join(platform.python_version_tuple()[:2])
         facts["instance.type"] = _read_text(self._product_name_file)
         facts["target"] = compile_target(instance_family(facts["instance.type"])) or "unknown"
@@ -331,6 +386,20 @@ class NeuronBackend(Backend):
                     f"({', '.join(_REQUIRED_FACTS)}) to plan for it from here",
                 )
             ]
+        spec = self._requires_python("torch-neuronx")
+        here = ".".join(map(str, sys.version_info[:3]))
+        if spec and python_excluded(
+            spec, sys.version_info[:3]
+        ):  # its wheel was installed anyway (--ignore-requires-python)
+            return [
+                Problem(
+                    "backend",
+                    f"'neuron', but torch-neuronx {self._version_of('torch-neuronx') or '?'} requires Python {spec} "
+                    f"and the workers would run {sys.executable} (Python {here}), which neffbuild needs >= 3.11 for",
+                    "use a torch-neuronx release whose Requires-Python includes this Python (docs/trainium.md, "
+                    "'Releases and Pythons'), or plan for the build host with a [toolchain] table",
+                )
+            ]
         if find_compiler(env) is None:  # TorchNeuron runs it by name: every compile would fail
             return [
                 Problem(
@@ -362,9 +431,15 @@ class NeuronBackend(Backend):
             "TORCH_NEURONX_NEFF_DISABLE_CACHE": "0",
             # The older torch-xla stack (libneuronxla) caches here; its entries land in the same dir.
             "NEURON_COMPILE_CACHE_URL": str(cache_dir),
-            # Counters are off by default; a failed compile must fail the build, not run eagerly.
+            # Counters are off by default; a failed compile must fail the build, not run on CPU.
             "TORCH_NEURONX_METRICS_ENABLED": "1",
+            # A compiled graph's failure (neuron_dynamo_backend/backend.py:237) ...
             "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1",
+            # ... and an eager op's: the Python path falls back unless this is "1"
+            # (python_ops/base.py:716), the C++ path through ErrorRecovery unless it is not "1"/"true"
+            # (csrc/core/utils/ErrorRecovery.cpp:20). Neither fallback counts or writes anything.
+            "TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS": "1",
+            "NEURON_FALLBACK_ENABLED": "0",
             # TP ranks share keys and this lock dir: a rank must wait out another's long compile
             # rather than break its lock and compile the same graph again.
             "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT": str(BUILD_LOCK_TIMEOUT_S),
@@ -387,6 +462,17 @@ class NeuronBackend(Backend):
                 selected.append(rel)
         selected.extend(_complete_module_files(cache_dir))
         return sorted(selected)
+
+    def unrecognised_files(self, cache_dir: Path) -> list[str]:
+        selected = set(self.select_files(cache_dir))
+        found = []
+        for path in sorted(cache_dir.rglob("*")):
+            if path.is_dir() and not path.is_symlink():
+                continue
+            rel = path.relative_to(cache_dir).as_posix()
+            if rel not in selected and not _TEMP_FILE.match(rel) and not _MODULE_FILE.match(rel):
+                found.append(rel)
+        return found
 
     def is_content_keyed(self, path: str) -> bool:
         # Every layout names entries by a hash of what they compile: any copy of a path serves.
@@ -518,9 +604,8 @@ def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
     return {
         f"env.{k}": v
         for k, v in sorted(env.items())
-        if k not in _ENV_NOT_KEYED
-        and not k.startswith(_ENV_NOT_KEYED_PREFIXES)
-        and (k.startswith(_ENV_PREFIXES) or k in unit.env)
+        if (k in KEYED_ENV or (k in unit.env and k not in _NAMED_ENV and k != NEURON.cache_env))
+        and not NEURON.is_host_only(k)
         and IMPORT_DEFAULTS.get(k) != v
     }
 

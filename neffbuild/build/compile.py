@@ -33,6 +33,7 @@ from neffbuild.documents.signing import Signing
 from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyCompiledError, WorkerKilled
 from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
+from neffbuild.printable import printable
 from neffbuild.runner.jobs import (
     OnPhase,
     Progress,
@@ -372,9 +373,20 @@ def build_unit(
             hint=no_graph_hint(silent[0]),
             compiles=run.compiles,
         )
+    unknown = backend.unrecognised_files(cache_dir)
+    if unknown:  # another layout: a bundle without it would be reported built and miss when served
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise BuildError(
+            f"{unit.unit_id}: the compiler wrote {printable(unknown[0])}{more} in {backend.cache_env}, "
+            f"in a layout the {backend.name} backend does not bundle",
+            hint=f"the compiler's cache layout changed: teach select_files in neffbuild/backends/{backend.name}.py",
+        )
     files = _hash_outputs(backend, cache_dir)
-    if unit.entry.mode != "eager" and not files:
-        raise BuildError(f"{unit.unit_id}: the warmup wrote no cache files", hint=f"is {backend.cache_env} honoured?")
+    if not files and (unit.entry.mode != "eager" or backend.caches_eager):
+        eager = " (mode eager: every op compiles on its first run)" if unit.entry.mode == "eager" else ""
+        raise BuildError(
+            f"{unit.unit_id}: the warmup wrote no cache files{eager}", hint=f"is {backend.cache_env} honoured?"
+        )
     record = BundleRecord(
         key=unit.key,
         unit_id=unit.unit_id,

@@ -61,10 +61,13 @@ RELEASE_IMPORT_DEFAULTS = {
 }  # fmt: skip
 
 
-def fake_torch_neuronx(root: Path, build_type: str = "RELEASE", **changed_defaults: str) -> Path:
+def fake_torch_neuronx(
+    root: Path, build_type: str = "RELEASE", *, target: str = "trn2", lnc: str = "2", **changed_defaults: str
+) -> Path:
     """A package named torch_neuronx that does at import what 0.1.0's does to the environment
     (and nothing else; metrics.set_enabled does nothing): for the planner's file reading and the
-    worker's import. changed_defaults: a wheel that writes other defaults."""
+    worker's import. changed_defaults: a wheel that writes other defaults. Its utils answer the
+    runtime's platform questions (target and logical cores, as nrt_get_instance_info would)."""
     package = root / "torch_neuronx"
     package.mkdir(parents=True)
     (package / "_build_config.py").write_text(f'BUILD_TYPE = "{build_type}"\n')
@@ -77,6 +80,10 @@ def fake_torch_neuronx(root: Path, build_type: str = "RELEASE", **changed_defaul
         "import os\n" + "".join(f"os.environ.setdefault({k!r}, {v!r})\n" for k, v in defaults.items())
     )
     (package / "metrics.py").write_text("def set_enabled(flag):\n    pass\n")
+    (package / "utils.py").write_text(  # utils.py:254-265; the C++ side honours NEURON_LOGICAL_NC_CONFIG
+        f"import os\n\n\ndef get_platform_target():\n    return {target!r}\n\n\n"
+        f"def get_lnc_setting():\n    return os.environ.get('NEURON_LOGICAL_NC_CONFIG', {lnc!r})\n"
+    )
     return package
 
 
@@ -137,14 +144,24 @@ def test_instance_families_map_to_compile_targets():
     ]  # fmt: skip
 
 
+# Read by torch_neuronx 0.1.0 at run time only; an earlier backend keyed and exported them.
+ISSUE_RUNTIME_ONLY = (
+    "NEURON_MAX_RESOURCE_SLOTS", "NEURON_FALLBACK_ENABLED", "NEURON_ENHANCED_ERROR_HANDLING",
+    "TORCH_NEURONX_ENABLED_METRIC_TABLES", "TORCH_NEURONX_DYNAMO_DISABLE_CPU_AUTOCOPY",
+)  # fmt: skip
+
+
 def test_worker_and_runtime_only_variables_do_not_split_keys(tmp_path):
     backend = backend_on(tmp_path)
     facts = backend.collect_facts({}, "neuron")
-    base = {"TORCH_NEURONX_COMPLEX_DECOMPOSE": "0"}
+    base = {"TORCH_NEURONX_ENABLE_NKI_SDPA": "0"}
     plan_fp = backend.fingerprint(facts, base, entry())
     worker = {**base, **backend.worker_env(tmp_path / "cache", tmp_path), "NEURON_RT_VISIBLE_CORES": "0-3", "RANK": "1"}
     assert backend.fingerprint(facts, worker, entry()) == plan_fp
-    assert plan_fp["env.TORCH_NEURONX_COMPLEX_DECOMPOSE"] == "0"  # changes lowering: keyed
+    assert plan_fp["env.TORCH_NEURONX_ENABLE_NKI_SDPA"] == "0"  # changes the decomposition: keyed
+    # Names 0.1.0 reads only at run time, and names it does not read at all, split nothing.
+    runtime = dict.fromkeys(ISSUE_RUNTIME_ONLY, "1") | {"TORCH_NEURONX_COMPLEX_DECOMPOSE": "0"}
+    assert backend.fingerprint(facts, {**base, **runtime}, entry()) == plan_fp
 
 
 def test_venv_path_and_model_library_versions_change_the_key_and_break_a_host(tmp_path):
@@ -398,6 +415,7 @@ def test_components_compile_through_the_real_compiler_and_count_their_graphs(tmp
     from tests import neuron_double  # noqa: F401 - registers the substitute compile backend
 
     monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("NEURON_LAUNCH_BLOCKING", "1")  # eager ops to the second layout, graphs alone in the first
     backend = NeuronBackend(env={COMPILE_BACKEND_ENV: "neffbuild_neuron_double", DEVICE_ENV: "cpu"})
     torch._dynamo.reset()
     counters.clear()
@@ -416,7 +434,8 @@ def test_components_compile_through_the_real_compiler_and_count_their_graphs(tmp
             + delta.get("neuron.CompilationCache.PersistentHits", 0)
             >= 1
         )
-    assert len(backend.select_files(tmp_path / "cache")) == 2  # transformer and vae.decode graphs
+    graphs = [f for f in backend.select_files(tmp_path / "cache") if NEFF.match(f)]
+    assert len(graphs) == 2  # transformer and vae.decode graphs
 
 
 @pytest.mark.parametrize("name", ["inductor", "neuron"])
@@ -676,7 +695,10 @@ def test_real_neuron_compile_fills_the_documented_layout_and_hits_on_rerun(tmp_p
     cache = tmp_path / "cache"
     assert _real_compile(cache, tmp_path / "a") >= 1
     files = NeuronBackend().select_files(cache)
-    assert files and all(NEFF.match(f) for f in files)
+    # The graph in the first layout; eager ops around it (randn on the device) in the second in
+    # synchronous mode (a release wheel's default), else in the first. Nothing in a third.
+    assert any(NEFF.match(f) for f in files) and all(NEFF.match(f) or EAGER_NEFF.match(f) for f in files)
+    assert NeuronBackend().unrecognised_files(cache) == []
     assert _real_compile(cache, tmp_path / "b") == 0  # a fresh process loads every NEFF from disk
     assert NeuronBackend().select_files(cache) == files
 
@@ -865,3 +887,237 @@ def test_a_build_checks_the_lock_dir_and_compile_scratch_before_a_worker_starts(
     assert all(
         "cannot create files in /sys/kernel" in o.error and o.log is None for o in report.outcomes
     )  # no worker ran
+
+
+# -- second reading against torch_neuronx 0.1.0 (issue 36) ---------------------------------------
+
+DOCS = TESTS.parent / "docs" / "trainium.md"
+TABLE_HEADING = "### Every variable TorchNeuron reads"
+
+
+def variable_table() -> list[tuple[str, str, str]]:
+    """(name, upstream files, treatment) per row of the docs table."""
+    text = DOCS.read_text()
+    assert TABLE_HEADING in text, "docs/trainium.md lost its variable table"
+    rows = []
+    for line in text.split(TABLE_HEADING, 1)[1].splitlines():
+        if rows and not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows.append((cells[0].strip("`"), cells[1], cells[2]))
+    return rows
+
+
+def test_the_docs_table_of_torchneuron_variables_is_what_the_code_does(tmp_path):
+    from neffbuild.backends.serving import NEURON, NEURON_COMPILER, NEURON_OTHER_STACKS
+
+    rows = variable_table()
+    names = [n for n, _, _ in rows]
+    assert len(names) == len(set(names)) and len(rows) >= 40
+    # Every name the code lists (less OMP_NUM_THREADS and the other stacks' paths) has a row, and no other.
+    listed = (NEURON_COMPILER | NEURON.host_only | {NEURON.cache_env}) - NEURON_OTHER_STACKS
+    assert set(names) == listed
+    backend = backend_on(tmp_path, package_dir=lambda name: fake_torch_neuronx(tmp_path / "site"))
+    facts = backend.collect_facts({}, "neuron")
+    unset = backend.fingerprint(facts, {}, entry())
+    for name, where, treatment in rows:
+        assert re.fullmatch(r"(`[\w/]+\.(py|cpp|h):[\d,]+`(; )?)+", where), (name, where)
+        keyed = backend.fingerprint(facts, {name: "neffbuild-probe"}, entry()) != unset
+        exported = NEURON.declares(name) or name == NEURON.cache_env
+        assert (keyed, exported, NEURON.is_host_only(name)) == {
+            "keyed + exported": (True, True, False),
+            "exported": (False, True, False),
+            "host-only": (False, False, True),
+        }[treatment], name
+    assert {n for n, _, t in rows if t == "host-only"} >= set(ISSUE_RUNTIME_ONLY)
+
+
+def test_a_release_exports_only_what_shapes_the_artifact():
+    from neffbuild.backends.serving import NEURON
+
+    assert not any(NEURON.declares(n) for n in ISSUE_RUNTIME_ONLY)
+    assert not NEURON.declares("TORCH_NEURONX_SOMETHING_NEW")  # exact, not a prefix
+    assert NEURON.declares("NEURON_CC_FLAGS") and NEURON.declares("TORCH_NEURONX_MLIR_ATEN_OPS")
+
+
+def test_the_packages_that_write_the_hashed_hlo_are_keyed_and_a_host_with_another_is_a_mismatch(tmp_path):
+    from neffbuild.documents.records import Release, ReleaseUnit
+    from neffbuild.host.hostcheck import check_host
+
+    def host(mlir: str | None, jax: str | None) -> NeuronBackend:
+        modules = {"torch_mlir": mlir, "jax": jax}
+        return backend_on(tmp_path, module_version=modules.get)
+
+    builder = host("torch-mlir 20260101+neuron", "jax 0.6.2")
+    built = builder.fingerprint(builder.collect_facts({}, "neuron"), {}, entry())
+    assert built["torch-mlir"] == "torch-mlir 20260101+neuron" and built["jax"] == "jax 0.6.2"
+    assert built["jaxlib"] == "absent"  # allowed: planning does not refuse it
+    assert not {"torch-mlir", "jax", "jaxlib"} & set(builder.unusable_facts(builder.collect_facts({}, "neuron"), {}))
+    release = Release(
+        name="r", manifest_digest="0" * 32, backend="neuron", cache_env="TORCH_NEURONX_NEFF_CACHE_DIR", env={},
+        fingerprint=built, units=(ReleaseUnit(unit_id="m/32x32x1", key="k" * 32),), files=(),
+    )  # fmt: skip
+    for other, field in (
+        (host("torch-mlir 20260301+neuron", "jax 0.6.2"), "torch-mlir"),
+        (host("torch-mlir 20260101+neuron", None), "jax"),
+    ):
+        report = check_host(release, {}, facts=lambda b, env, device, other=other: other.collect_facts(env, device))
+        assert [d.name for d in report.breaking] == [field], report.breaking
+    same = check_host(release, {}, facts=lambda b, env, device: builder.collect_facts(env, device))
+    assert same.ok
+
+
+def test_files_in_no_known_layout_are_named(tmp_path):
+    backend = NeuronBackend()
+    for rel in (
+        "ab/cd/abcd" + "0" * 28 + ".neff",
+        "ab/cd/.tmp.Xy12Qz",  # TorchNeuron's temp file: left by a crash, not a layout
+        "a" * 64 + "/" + "a" * 64 + ".neff",
+        "a" * 64 + "/tmpk2j4.tmp",
+        "neuronxcc-2.21/MODULE_1+a/model.log",  # libneuronxla, a cached failure: known, not bundled
+    ):
+        touch(tmp_path, rel)
+    assert backend.unrecognised_files(tmp_path) == []
+    touch(tmp_path, "abcd" + "0" * 28 + ".neff")  # a third layout
+    touch(tmp_path, "ab/cd/ffff" + "0" * 28 + ".neff")  # shard dirs that disagree with the key
+    (tmp_path / "link.neff").symlink_to(tmp_path / "ab")
+    assert backend.unrecognised_files(tmp_path) == [
+        "ab/cd/ffff" + "0" * 28 + ".neff",
+        "abcd" + "0" * 28 + ".neff",
+        "link.neff",
+    ]
+
+
+def test_a_build_worker_turns_every_cpu_fallback_off_without_splitting_keys(tmp_path):
+    env = NeuronBackend().worker_env(tmp_path / "cache", tmp_path)
+    # Compiled graphs, the Python path's eager ops (python_ops/base.py:716) and the C++ path's (ErrorRecovery.cpp:20).
+    assert env["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
+    assert env["TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS"] == "1" and env["NEURON_FALLBACK_ENABLED"] == "0"
+
+
+def test_python_requirements_are_read_as_pep_440_release_clauses():
+    from neffbuild.backends.neuron import python_excluded
+
+    assert python_excluded(">=3.10,<3.11", (3, 11, 7)) and not python_excluded(">=3.10,<3.11", (3, 10, 14))
+    assert python_excluded("==3.10.*", (3, 11, 0)) and not python_excluded("==3.11.*", (3, 11, 2))
+    assert not python_excluded(">=3.10", (3, 12, 1)) and python_excluded("~=3.12", (3, 11, 9))
+    assert not python_excluded("a clause nobody reads", (3, 11, 0))
+
+
+def test_plan_refuses_a_torch_neuronx_whose_python_the_worker_cannot_run(tmp_path):
+    package = fake_torch_neuronx(tmp_path / "site")
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    too_new = f">=3.8,<{here}"  # 0.1.0 says ">=3.10,<3.11"; neffbuild needs >= 3.11
+    backend = backend_on(tmp_path, package_dir=lambda name: package, requires_python=lambda d: too_new)
+    problems = backend.check_host(entry(), {"PATH": os.defpath}, declared=False)
+    assert len(problems) == 1 and f"requires Python {too_new}" in problems[0].message
+    assert sys.executable in problems[0].message and "Releases and Pythons" in problems[0].hint
+    fits = backend_on(tmp_path, package_dir=lambda name: package, requires_python=lambda d: f">={here}")
+    assert all(
+        "requires Python" not in p.message for p in fits.check_host(entry(), {"PATH": os.defpath}, declared=False)
+    )
+    assert backend.check_host(entry(), {}, declared=True) == []  # planning for another host
+
+
+def _unit(id_: str, mode: str, env: str) -> str:
+    return f"""
+[[model]]
+id = "{id_}"
+model = "./tiny"
+pipeline = "Flux2KleinPipeline"
+dtype = "float32"
+backend = "neuron"
+device = "neuron"
+mode = "{mode}"
+shapes = {{ height = 32, width = 32 }}
+call = {{ num_inference_steps = 1, max_sequence_length = 64, text_encoder_out_layers = [1] }}
+env = {{ {env} }}
+"""
+
+
+# Upstream behaviours the double imitates (tests/neuron_double.py): a failed eager op that would
+# run on CPU, a cache file in a layout the bundler does not know, and a wheel that caches elsewhere.
+# One serving process has one environment: synchronous and asynchronous entries build apart.
+REFUSED_SYNC = (
+    'name = "tiny-neuron-refused-sync"\n'
+    + _unit("fallback", "eager", 'NEURON_LAUNCH_BLOCKING = "1", NEFFBUILD_DOUBLE_FAIL_OP = "Linear"')
+    + _unit("nowhere", "eager", 'NEURON_LAUNCH_BLOCKING = "1", NEFFBUILD_DOUBLE_LAYOUT = "none"')
+)
+REFUSED_ASYNC = (
+    'name = "tiny-neuron-refused-async"\n'
+    + _unit("fallbackasync", "eager", 'NEURON_LAUNCH_BLOCKING = "0", NEFFBUILD_DOUBLE_FAIL_OP = "Linear"')
+    + _unit("third", "regional", 'NEURON_LAUNCH_BLOCKING = "0", NEFFBUILD_DOUBLE_LAYOUT = "flat"')
+)
+
+
+@pytest.mark.slow
+def test_a_build_refuses_cpu_fallback_unknown_layouts_and_an_empty_eager_unit(tmp_path, tiny_model, cli):
+    (tmp_path / "tiny").symlink_to(tiny_model)
+    env = {**DOUBLE_ENV, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    store = tmp_path / "store"
+    errors = {}
+    for text in (REFUSED_SYNC, REFUSED_ASYNC):
+        path = tmp_path / "neffbuild.toml"
+        path.write_text(text)
+        done = cli("build", str(path), "--store", str(store), "--json", env=env)
+        assert done.returncode == 5, done.stderr
+        for o in json.loads(done.stdout)["outcomes"]:
+            errors[o["unit_id"].split("/")[0]] = (o["status"], o.get("error") or "")
+    assert {u: s for u, (s, _) in errors.items()} == dict.fromkeys(
+        ("fallback", "fallbackasync", "third", "nowhere"), "failed"
+    ), errors
+    # Synchronous (the Python path) and asynchronous (the C++ path): the op is named, not run on CPU.
+    assert "Operation Linear failed to execute on Neuron" in errors["fallback"][1]
+    assert "Operation Linear failed to execute on Neuron" in errors["fallbackasync"][1]
+    third = errors["third"][1]
+    assert re.search(
+        r"the compiler wrote [0-9a-f]{32}\.neff \(and \d+ more\) in TORCH_NEURONX_NEFF_CACHE_DIR, in a layout the neuron backend does not bundle",
+        third,
+    ), third
+    assert "wrote no cache files (mode eager" in errors["nowhere"][1]
+    # Nothing published: no release, no tag, no bundle.
+    assert not [
+        p for p in store.rglob("*") if p.is_file() and p.parts[len(store.parts)] in ("releases", "tags", "bundles")
+    ]
+
+
+@pytest.mark.parametrize("field", ["torch-mlir", "jax"])
+def test_status_names_a_torch_mlir_or_jax_that_differs_from_the_builds(tmp_path, cli, field):
+    from neffbuild.backends.base import Scope
+    from neffbuild.build.publish import move_tag, publish_bundle, publish_release
+    from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
+    from neffbuild.store import open_store
+    from tests.storekit import write_files
+
+    unit = {
+        "model": {"synthetic": "0"}, "pipeline": "P", "dtype": "float32", "backend": "neuron", "device": "neuron",
+        "mode": "full", "components": ["transformer"], "tensor_parallel": 1,
+        "shape": {"height": 32, "width": 32, "batch": 1}, "call": {}, "env": {},
+    }  # fmt: skip
+    backend = NeuronBackend()  # this host's real facts, as `status` reads them in its own process
+    here = backend.fingerprint(backend.collect_facts(os.environ, "neuron"), os.environ, Scope.of_unit(unit))
+    assert here[field] == "absent"  # a field of every neuron key: this host has none
+    built = {**here, field: f"{field} 9.9.9"}  # the build host had one
+    (source,) = write_files(tmp_path / "src", {"ab/cd/abcd" + "0" * 28 + ".neff": 100})
+    entry_ = FileEntry(
+        path="ab/cd/abcd" + "0" * 28 + ".neff", size=source.size, digest=source.digest, blake3=source.blake3
+    )
+    record = BundleRecord(
+        key=unit_key(unit, built), unit_id="m/32x32x1", unit=unit, backend="neuron", fingerprint=built,
+        files=(entry_,), counters={}, timings=Timings(), created_at="2026-01-01T00:00:00+00:00", neffbuild_version="test",
+    )  # fmt: skip
+    store = open_store(str(tmp_path / "store"), create=True)
+    publish_bundle(store, record, [source], jobs=1)
+    release = Release(
+        name="prod", manifest_digest="0" * 32, backend="neuron", cache_env="TORCH_NEURONX_NEFF_CACHE_DIR", env={},
+        fingerprint=built, units=(ReleaseUnit(unit_id="m/32x32x1", key=record.key),), files=(entry_,),
+    )  # fmt: skip
+    move_tag(store, "prod", publish_release(store, release))
+    cache = tmp_path / "cache"
+    pulled = cli("pull", "prod", "--store", str(tmp_path / "store"), "--cache-dir", str(cache), "--no-host-check")
+    assert pulled.returncode == 0, pulled.stderr
+    done = cli("status", "--cache-dir", str(cache), "--json")
+    report = json.loads(done.stdout)
+    assert done.returncode == 12 and [u["state"] for u in report["units"]] == ["mismatch"], done.stdout
+    assert [(c["name"], c["breaking"]) for c in report["units"][0]["changes"]] == [(field, True)]
