@@ -179,8 +179,10 @@ def test_each_backend_declares_its_compiler_settings() -> None:
     )
     assert all(
         neuron.declares(n)
-        for n in ("NEURON_CC_FLAGS", "NEURON_LOGICAL_NC_CONFIG", "TORCH_NEURONX_X", "OMP_NUM_THREADS")
+        for n in ("NEURON_CC_FLAGS", "NEURON_LOGICAL_NC_CONFIG", "TORCH_NEURONX_MLIR_ATEN_OPS", "OMP_NUM_THREADS")
     )
+    # Exact names, not a prefix: one torch_neuronx does not read needs the host's consent.
+    assert not neuron.declares("TORCH_NEURONX_X")
     # Runtime placement is the host's: a release may not pin a host's cores.
     assert not any(neuron.declares(n) for n in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID"))
     assert not any(
