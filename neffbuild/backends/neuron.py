@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters, load_arguments, pipeline_class
 from neffbuild.backends.serving import NEURON, NEURON_COMPILER
+from neffbuild.names import STATE_DIR
 
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry
@@ -470,6 +471,8 @@ class NeuronBackend(Backend):
             if path.is_dir() and not path.is_symlink():
                 continue
             rel = path.relative_to(cache_dir).as_posix()
+            if rel.startswith(f"{STATE_DIR}/"):
+                continue  # pull's own state in a pulled dir
             if rel not in selected and not _TEMP_FILE.match(rel) and not _MODULE_FILE.match(rel):
                 found.append(rel)
         return found

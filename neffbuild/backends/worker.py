@@ -96,12 +96,13 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
 
 
 def _snapshot(backend: Backend, cache_dir: Path | None) -> dict[str, tuple[int, int, int]]:
-    """(size, mtime, inode) of every bundle-worthy file: any change during a replay is a compile
-    (a rewrite by rename changes the inode even when size and mtime happen to match)."""
+    """(size, mtime, inode) of every bundle-worthy file, and of any in a layout the backend does
+    not know: any change during a replay is a compile (a rewrite by rename changes the inode even
+    when size and mtime happen to match), also one the bundler would have missed."""
     if cache_dir is None:
         return {}
     snapshot = {}
-    for rel in backend.select_files(cache_dir):
+    for rel in [*backend.select_files(cache_dir), *backend.unrecognised_files(cache_dir)]:
         st = (cache_dir / rel).stat()
         snapshot[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
     return snapshot

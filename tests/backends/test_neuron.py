@@ -846,6 +846,12 @@ def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_b
     (damaged / gone).unlink()
     missed = replay(plan, damaged, env=env)
     assert {u.unit_id: u.compiles for u in missed.units} == {u: int(gone in f) for u, f in files.items()}
+    # A wheel that writes that compile in another layout: no counter counts it, yet replay sees
+    # the new file and calls it a miss (it used to watch the bundled layouts only).
+    elsewhere = replay(plan, damaged, env={**env, "NEFFBUILD_DOUBLE_LAYOUT": "flat"})
+    by_id = {u.unit_id: u for u in elsewhere.units}
+    assert by_id[eager.unit_id].compiles == 0 and not by_id[eager.unit_id].hit  # uncounted, yet seen
+    assert all(re.fullmatch(r"[0-9a-f]+\.neff", w.path) for u in elsewhere.units for w in u.written)
 
 
 def load_bundle(store, key: str):
@@ -976,6 +982,7 @@ def test_files_in_no_known_layout_are_named(tmp_path):
         "a" * 64 + "/" + "a" * 64 + ".neff",
         "a" * 64 + "/tmpk2j4.tmp",
         "neuronxcc-2.21/MODULE_1+a/model.log",  # libneuronxla, a cached failure: known, not bundled
+        ".neffbuild/state.json",  # pull's own
     ):
         touch(tmp_path, rel)
     assert backend.unrecognised_files(tmp_path) == []
