@@ -93,6 +93,7 @@ def with_double(
     return NeuronBackend(env=env, package_dir=lambda name: package, product_name_file=dmi), env
 
 
+@pytest.mark.slow  # the whole self-check: about a dozen fresh processes (110 s here)
 def test_every_check_passes_against_the_double_on_a_good_host(tmp_path):
     backend, env = with_double(tmp_path)
     report = neuron_selfcheck(env=env, work_dir=tmp_path, backend=backend)
