@@ -104,6 +104,8 @@ def move_tag(
         history: tuple[TagEvent, ...] = ()
         if current is not None:
             old = current[0]
+            if attempt and event in old.history:
+                return old  # a swap reported lost that held after all (swap_tag errs that way only)
             if old.release == release_id and signing is None:
                 return old  # already there: an unchanged re-publish writes nothing
             history = old.history
