@@ -51,6 +51,7 @@ from neffbuild.documents.records import (
     to_json,
 )
 from neffbuild.errors import InputError, IntegrityError, NotFoundError, StateCorrupt
+from neffbuild.formats import writes
 from neffbuild.fs.confined import disk_error, open_dir_beneath
 from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.names import STATE_DIR, tag_problem
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from neffbuild.documents.refs import ResolvedRelease
     from neffbuild.store.base import Store
 
-STATE_FORMAT = "neffbuild.cache-state/2"
+STATE_FORMAT = writes("cache state")
 STATE_FILE = "state.json"
 STATE_MAX = 256 << 20  # a larger state file is not ours: ignored (it only saves re-hashing)
 
