@@ -58,8 +58,17 @@ class Trust:
 
 def trust_from(paths: Sequence[Path], env: Mapping[str, str], pin: str | None = None) -> Trust | None:
     """The host's trust: --trusted-key files, else NEFFBUILD_TRUSTED_KEYS; None if neither (a
-    --release pin alone is an InputError: pinning vouches for nothing without a key)."""
+    --release pin alone is an InputError: pinning vouches for nothing without a key). The variable
+    set to no file at all is a TrustError, never no verification."""
     files = list(paths) or [Path(p.strip()) for p in env.get(TRUSTED_KEYS_ENV, "").split(",") if p.strip()]
+    if not files and not paths and TRUSTED_KEYS_ENV in env:
+        # Set but empty (a template whose value did not expand): whoever set it meant to require
+        # signatures, so it fails closed like any trust failure instead of turning checks off.
+        raise TrustError(
+            f"{TRUSTED_KEYS_ENV} is set but names no public key file: verification would be off",
+            hint=f"list the trusted public key files (comma-separated), or unset {TRUSTED_KEYS_ENV} to trust"
+            " whoever can write the store",
+        )
     if not files:
         if pin is not None:
             raise InputError("--release pins a signed release", hint=f"give --trusted-key or set {TRUSTED_KEYS_ENV}")

@@ -368,3 +368,24 @@ def test_ensure_cache_takes_trusted_keys_from_its_argument_or_the_environment(fl
     )
     assert (pinned.release_id, pinned.tag) == (fleet.one, None)
     assert read_cache_state(fleet.cache)[1].accepted == {"prod": 1}
+
+
+@pytest.mark.parametrize("value", ["", " , "])
+def test_an_empty_trusted_keys_variable_refuses_instead_of_turning_verification_off(fleet: Fleet, value: str) -> None:
+    move_tag(fleet.store, "plain", fleet.one)  # unsigned: served only if verification is off
+    cache = fleet.tmp / "fresh"
+    refused = _cli(
+        "pull", "plain", "--store", fleet.store.url, "--cache-dir", str(cache), "--no-host-check",
+        env={"NEFFBUILD_TRUSTED_KEYS": value},
+    )  # fmt: skip
+    assert refused.returncode == 16, refused.stderr
+    assert "NEFFBUILD_TRUSTED_KEYS is set but names no public key file" in refused.stderr
+    assert "hint: list the trusted public key files" in refused.stderr
+    assert not cache.exists()
+    from neffbuild.api import ensure_cache
+
+    with pytest.raises(TrustError, match="names no public key file"):
+        ensure_cache("plain", store=fleet.store, cache_dir=cache, env={"NEFFBUILD_TRUSTED_KEYS": value})
+    # Unset, nothing changes: the host trusts whoever can write the store (docs/security.md).
+    pulled = _cli("pull", "plain", "--store", fleet.store.url, "--cache-dir", str(cache), "--no-host-check")
+    assert pulled.returncode == 0, pulled.stderr
