@@ -57,7 +57,12 @@ FORMATS: dict[str, Format] = {
             ("store.lease._decode",),
         ),
         # Version 1 of the state had no format field: host.state reads it as such.
-        Format("cache state", ("neffbuild.cache-state/2",), ("neffbuild.cache-state/2",), ("host.state.decode",)),
+        Format(
+            "cache state",
+            ("neffbuild.cache-state/2", "neffbuild.cache-state/3"),  # /3: /2 with the tag expiries accepted
+            ("neffbuild.cache-state/2", "neffbuild.cache-state/3"),
+            ("host.state.parse_state",),
+        ),
         Format(
             "plan",
             ("neffbuild.units.plan/1",),

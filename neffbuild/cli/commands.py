@@ -388,7 +388,11 @@ _env_file_option = click.option(
 )
 @click.option(
     "--allow-stale", is_flag=True,
-    help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning.",
+    help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning. With trusted keys, only until the tag's signed statement expires (else exit 16).",
+)  # fmt: skip
+@click.option(
+    "--allow-expired", is_flag=True,
+    help="With --allow-stale and trusted keys: keep the installed release even past its signed tag statement's expiry.",
 )  # fmt: skip
 @click.option(
     "--verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
@@ -411,6 +415,7 @@ def pull(
     lock_timeout: float,
     timeout: float,
     allow_stale: bool,
+    allow_expired: bool,
     verify: str,
     trusted_keys: tuple[Path, ...],
     pin: str | None,
@@ -432,7 +437,9 @@ def pull(
         host_env=None if no_host_check else os.environ, lock_timeout=lock_timeout, timeout=timeout, verify=verify,
         policy=retry_policy(os.environ), trust=_trust(trusted_keys, pin),
     )  # fmt: skip
-    report = pull_or_stale(lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale)
+    report = pull_or_stale(
+        lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale, allow_expired=allow_expired
+    )
     _report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
 
 

@@ -234,6 +234,7 @@ def pull(
         _, old = cache.read_state()
         resolved, verified = _resolved(store, ref, old, o.trust)
         accepted = verified.accepted(old.accepted) if verified else old.accepted
+        expires = verified.expires(old.expires) if verified else old.expires
         retry.check(store.url)
         exports = release_exports(resolved, cache.path, o.allow_env)
         env_text = env_file_text(exports) if o.env_file is not None else ""
@@ -248,13 +249,13 @@ def pull(
         warnings = preflight(installed, {**o.host_env, **exports}) if o.host_env is not None else ()
         scan, missing = _missing_that_fits(cache, installed, old.files, o)
         cache.make()
-        if missing or not _recorded(old, installed, scan.found) or accepted != old.accepted:
+        if missing or not _recorded(old, installed, scan.found) or (accepted, expires) != (old.accepted, old.expires):
             retry.check(store.url)
             files = len(installed.release.files)
             retry.doing(f"fetching {len(missing)} of {files} files ({sum(f.size for f in missing)} bytes)")
             log.info("%s: release %s, fetching %d of %d files", label, resolved.release_id, len(missing), files)
             with _repairing(old, cache.state_path):
-                missing = _complete(store, resolved, cache, scan, installed, o, accepted)
+                missing = _complete(store, resolved, cache, scan, installed, o, (accepted, expires))
         else:
             log.info("%s: release %s already complete in %s", label, resolved.release_id, cache.path)
         make_serving_dirs(cache.path, serving_dirs(resolved.release.backend))
@@ -403,7 +404,7 @@ def _complete(
     scan: Scan,
     installed: Installed,
     o: PullOptions,
-    accepted: Mapping[str, int],
+    trusted: tuple[Mapping[str, int], Mapping[str, str]],
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
@@ -429,7 +430,7 @@ def _complete(
             with cache.beneath() as tree:
                 found.update({f.path: _stat(tree, f.path, root) for f in missing})
         # The tag versions accepted go in with the files: only a pull that passed every check records them.
-        _save_state(state_dir, cache.path, _state_bytes(installed, found, accepted), old_state)
+        _save_state(state_dir, cache.path, _state_bytes(installed, found, *trusted), old_state)
     return missing
 
 
@@ -568,9 +569,12 @@ def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
 
 
 def _state_bytes(
-    installed: Installed, found: Mapping[str, os.stat_result | None], accepted: Mapping[str, int]
+    installed: Installed,
+    found: Mapping[str, os.stat_result | None],
+    accepted: Mapping[str, int],
+    expires: Mapping[str, str],
 ) -> bytes:
-    return encode_state(installed, _state_files(installed, found), accepted)
+    return encode_state(installed, _state_files(installed, found), accepted, expires)
 
 
 def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:

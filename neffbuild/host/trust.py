@@ -113,6 +113,13 @@ class Verified:
             tag_expires=tag.expires.isoformat() if tag else None,
         )
 
+    def expires(self, before: Mapping[str, str]) -> dict[str, str]:
+        """When each tag's accepted statement expires, once this pull completes (a stale boot
+        checks it: host/fallback.py)."""
+        if self.tag is None:
+            return dict(before)
+        return {**before, self.tag.tag: self.tag.expires.isoformat()}
+
     def accepted(self, before: Mapping[str, int]) -> dict[str, int]:
         """The highest tag versions accepted once this pull completes."""
         if self.tag is None:
