@@ -239,14 +239,14 @@ def pull(
         exports = release_exports(resolved, cache.path, o.allow_env)
         env_text = env_file_text(exports) if o.env_file is not None else ""
         retry.doing(f"reading the bundles of release {resolved.release_id}")
-        installed = _installed(store, resolved, exports, old, o.jobs, verified)
+        installed = _installed(store, resolved, exports, old, o.jobs, verified, fresh=o.verify == "full")
         retry.check(store.url)
         lock_timeout = o.lock_timeout
         if deadline is not None:
             lock_timeout = deadline.left() if lock_timeout is None else min(lock_timeout, deadline.left())
         o = replace(o, lock_timeout=lock_timeout)
         retry.doing("checking the cache dir")
-        warnings = preflight(installed, {**o.host_env, **exports}) if o.host_env is not None else ()
+        installed, warnings = _host_checked(store, resolved, installed, old, o, exports)
         scan, missing = _missing_that_fits(cache, installed, old.files, o)
         cache.make()
         if missing or not _recorded(old, installed, scan.found) or (accepted, expires) != (old.accepted, old.expires):
@@ -597,6 +597,31 @@ def _state_size(installed: Installed) -> int:
     return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
 
 
+def _host_checked(
+    store: Store,
+    resolved: ResolvedRelease,
+    installed: Installed,
+    old: CacheState,
+    o: PullOptions,
+    exports: Mapping[str, str],
+) -> tuple[Installed, tuple[str, ...]]:
+    """preflight; where it refuses units the state supplied, they are read again from the store's
+    bundles first. Nothing binds a state's unit fingerprints to their keys (a bundle's key is not
+    always recomputable from its parts), so an edited fingerprint would otherwise refuse every pull
+    for good; the store's bundles are what the release's keys name."""
+    if o.host_env is None:
+        return installed, ()
+    serving = {**o.host_env, **exports}
+    try:
+        return installed, preflight(installed, serving)
+    except EnvironmentMismatch:
+        if old.installed is None or installed.units is not old.installed.units:
+            raise
+    log.warning("%s: the state's unit fingerprints refuse this host; reading them from the bundles", resolved.where)
+    installed = replace(installed, units=release_units(store, resolved, o.jobs))
+    return installed, preflight(installed, serving)
+
+
 def _installed(
     store: Store,
     resolved: ResolvedRelease,
@@ -604,15 +629,18 @@ def _installed(
     old: CacheState,
     jobs: int,
     verified: Verified | None = None,
+    *,
+    fresh: bool = False,
 ) -> Installed:
     """What the state will record for this pull. The units and the install time carry over from
     the state when it already holds this release, so a no-op pull reads no bundle and writes
-    nothing; a verified release's units come from the bundles its check read."""
+    nothing (fresh, as `--verify full` asks: the units are read from the bundles again); a
+    verified release's units come from the bundles its check read."""
     same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None
     if verified is not None:
         units = tuple(installed_unit(u, b) for u, b in zip(resolved.release.units, verified.bundles, strict=True))
     else:
-        units = same.units if same else release_units(store, resolved, jobs)
+        units = same.units if same and not fresh else release_units(store, resolved, jobs)
     return Installed(
         release_id=resolved.release_id,
         tag=resolved.tag or "",
