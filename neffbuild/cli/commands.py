@@ -1030,7 +1030,7 @@ def _report_after_change(show: Callable[[], None], done: str) -> None:
         sys.stdout.flush()  # here, not at exit: a closed pipe is this command's to report
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a printing failure (rich exits 1 on a closed pipe)
         if _DEBUG["on"]:
-            traceback.print_exc()
+            _print_traceback()
         _stdout_to_devnull()
         try:
             why = (
@@ -1079,11 +1079,16 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
         return 1
 
 
+def _print_traceback() -> None:
+    """The traceback being handled, each line sanitised: its messages carry store strings too."""
+    sys.stderr.write(_lines(traceback.format_exc().rstrip()) + "\n")
+
+
 def _print_error(
     message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None
 ) -> None:
     if _DEBUG["on"]:
-        traceback.print_exc()
+        _print_traceback()
         if debug_detail:
             click.echo(f"the worker's traceback:\n{_lines(debug_detail.rstrip())}", err=True)
     # Messages carry names from stores, state files and paths: each line passes the sanitiser.
