@@ -49,7 +49,7 @@ from typing import Any
 from neffbuild import retry
 from neffbuild.documents.records import FileEntry
 from neffbuild.documents.refs import ResolvedRelease, resolve
-from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
+from neffbuild.errors import DiskError, EnvironmentMismatch, IntegrityError, NotFoundError, StateCorrupt
 from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.confined import (
     Beneath,
@@ -426,7 +426,10 @@ def _complete(
                 )
                 for f in missing
             ]
-            store.download_blobs(targets, o.jobs, release=resolved.release_id)
+            try:
+                store.download_blobs(targets, o.jobs, release=resolved.release_id)
+            except IntegrityError as exc:
+                raise _what_landed(exc, cache, missing) from None
             with cache.beneath() as tree:
                 found.update({f.path: _stat(tree, f.path, root) for f in missing})
         # The tag versions accepted go in with the files: only a pull that passed every check records them.
@@ -566,6 +569,21 @@ def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
     except OSError as exc:
         raise disk_error(exc, cache_dir / rel) from None
     return st if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
+def _what_landed(exc: IntegrityError, cache: CacheDir, missing: list[FileEntry]) -> IntegrityError:
+    """A corrupt blob stops the pull while others land beside it (in parallel): the hint says
+    what the cache dir now holds, not that nothing was written."""
+    with cache.beneath() as tree:
+        landed = sum(_stat(tree, f.path, cache.path) is not None for f in missing)
+    if not landed:
+        return exc
+    return IntegrityError(
+        exc.message,
+        hint=f"the store object is corrupt: rebuild or re-push the release. {landed} other of the {len(missing)} files"
+        f" this pull fetched landed in {cache.path}, each verified against the release; the state is unchanged"
+        " (the next pull of a good release keeps or replaces them)",
+    )
 
 
 def _state_bytes(
