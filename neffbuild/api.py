@@ -24,6 +24,7 @@ class EnsureCacheOptions(TypedDict, total=False):
 
     timeout: float | None
     allow_stale: bool
+    allow_expired: bool
     host_check: bool
     env: Mapping[str, str] | None
     verify: str
@@ -39,6 +40,7 @@ class _Ensure:
 
     timeout: float | None = None
     allow_stale: bool = False
+    allow_expired: bool = False
     host_check: bool = True
     env: Mapping[str, str] | None = None
     verify: str = "fast"
@@ -60,7 +62,8 @@ def ensure_cache(
     when it passes, and it caps the wait for another pull's lock; past it, DeadlineExceeded (a
     StoreError). None (default): no deadline. allow_stale (default False): an unreachable store
     (StoreError) returns the release cache_dir already holds, if it is REF's and complete, with
-    `stale` set. host_check (default True): compare this host (env, default os.environ, read
+    `stale` set; with trusted keys, only until the tag's accepted signed statement expires, unless
+    allow_expired (default False; docs/security.md). host_check (default True): compare this host (env, default os.environ, read
     only) with the release first. env also holds the S3 settings when store is a URL
     (AWS_ENDPOINT_URL, credentials).
     verify: "fast" (default) trusts files whose (size, mtime) pull recorded; "full" rehashes every file.
@@ -90,7 +93,9 @@ def ensure_cache(
         allow_env=host_allow(o.allow_env, environ), host_env=environ if o.host_check else None, timeout=o.timeout,
         verify=o.verify, policy=o.policy, trust=trust_from([Path(k) for k in o.trusted_keys], environ, o.release),
     )  # fmt: skip
-    return pull_or_stale(opened, ref, Path(cache_dir), pull_options, allow_stale=o.allow_stale)
+    return pull_or_stale(
+        opened, ref, Path(cache_dir), pull_options, allow_stale=o.allow_stale, allow_expired=o.allow_expired
+    )
 
 
 def _known(options: EnsureCacheOptions) -> EnsureCacheOptions:

@@ -35,7 +35,11 @@ class InputError(NeffbuildError):
 
 
 class ManifestError(InputError):
-    """The manifest is invalid; the message names file, entry and key."""
+    """The manifest is invalid; the message names file, entry and key (several problems: a count
+    in the message, each on a detail line)."""
+
+    def __str__(self) -> str:
+        return "\n".join((self.message, *self.details))  # every problem, for a caller of the API
 
 
 class PipelineMismatch(InputError):

@@ -126,7 +126,7 @@ def test_every_documented_keyword_is_an_option_with_its_documented_default() -> 
 
     documented = documented_keywords()
     assert set(documented) == {
-        "timeout", "allow_stale", "host_check", "env", "verify", "allow_env", "policy", "trusted_keys", "release"
+        "timeout", "allow_stale", "allow_expired", "host_check", "env", "verify", "allow_env", "policy", "trusted_keys", "release"
     }  # fmt: skip
     assert set(EnsureCacheOptions.__optional_keys__) == set(documented) and not EnsureCacheOptions.__required_keys__
     assert {f.name: f.default for f in fields(_Ensure)} == documented

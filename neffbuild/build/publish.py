@@ -7,8 +7,6 @@ references. neffbuild/store/lease.py says why that means no publish ends up refe
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -18,8 +16,8 @@ from datetime import UTC, datetime
 from neffbuild.build.sign import sign_release
 from neffbuild.documents.records import TAG_FORMAT_SIGNED, BundleRecord, Release, TagEvent, TagRecord, dump
 from neffbuild.documents.refs import read_tag
-from neffbuild.documents.signing import Signing, sign_statement, tag_statement
-from neffbuild.errors import ConflictError, NotFoundError
+from neffbuild.documents.signing import Signing, SigningKey, open_envelope, sign_statement, tag_claim, tag_statement
+from neffbuild.errors import ConflictError, NotFoundError, TrustError
 from neffbuild.hashing import blake3_bytes
 from neffbuild.names import check_digest, check_tag
 from neffbuild.retry import backoff
@@ -104,12 +102,14 @@ def move_tag(
         history: tuple[TagEvent, ...] = ()
         if current is not None:
             old = current[0]
+            if attempt and event in old.history:
+                return old  # a swap reported lost that held after all (swap_tag errs that way only)
             if old.release == release_id and signing is None:
                 return old  # already there: an unchanged re-publish writes nothing
             history = old.history
         record = TagRecord(name=name, release=release_id, history=(*history, event))
         if signing is not None:
-            version = max(len(record.history), _signed_version(current[0] if current else None) + 1)
+            version = next_version(current[0] if current else None, name, signing.key, datetime.now(UTC))
             statement = tag_statement(name, release_id, blake3_bytes(release_data), version, signing.expires)
             record = replace(record, format=TAG_FORMAT_SIGNED, statement=sign_statement(statement, signing.key))
         if store.swap_tag(name, dump(record), current[1] if current else None):
@@ -121,16 +121,25 @@ def move_tag(
     raise ConflictError(f"tag {name}: lost {TAG_RETRIES} compare-and-swap races", hint="retry the publish")
 
 
-def _signed_version(old: TagRecord | None) -> int:
-    """The version of the tag's current signed statement (read, not verified: only a floor for
-    the next one), or 0."""
+def next_version(old: TagRecord | None, name: str, key: SigningKey, now: datetime) -> int:
+    """The next signed tag statement's version: above the current statement's if that verifies
+    with this key and names this tag, and never below the clock (milliseconds since the epoch:
+    finer than any two signings of one tag, so a chain of them does not run ahead of it).
+
+    The tag document itself is not evidence: whoever can write tags can reset its history or
+    plant any version (Infinity included), so nothing unverified counts. The clock floor keeps a
+    version signed after such a reset (or after a key rotation, when the old statement no longer
+    verifies) above every version hosts accepted before (docs/security.md, "Policy, tag versions")."""
+    floor = int(now.timestamp() * 1000)
     if old is None or old.statement is None:
-        return 0
+        return floor
     try:
-        predicate = json.loads(base64.b64decode(old.statement.payload))["predicate"]
-        return int(predicate["version"])
-    except (ValueError, KeyError, TypeError):
-        return 0
+        statement, _ = open_envelope(old.statement, [key.public], f"tag {name} (its current statement)")
+        claim = tag_claim(statement, f"tag {name} (its current statement)")
+    except TrustError as exc:
+        log.warning("%s: not counted for the next version", exc.message)
+        return floor
+    return max(claim.version + 1, floor) if claim.tag == name else floor
 
 
 def _settle_tag(store: Store, record: TagRecord, before: tuple[TagRecord, str] | None) -> TagRecord:

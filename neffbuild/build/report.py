@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 
 from neffbuild.documents.records import parse, to_json
 from neffbuild.errors import InputError, NeffbuildError
+from neffbuild.formats import writes
 from neffbuild.fs.atomic import write_atomic
 
 if TYPE_CHECKING:
     from neffbuild.build.compile import BuildReport, UnitOutcome
 
 log = logging.getLogger(__name__)
-REPORT_FORMAT = "neffbuild.build.compile-report/1"
+REPORT_FORMAT = writes("build report")  # parse reads every report format (neffbuild/formats.py)
 SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 MAX_REPORT_BYTES = 64 << 20
 

@@ -388,7 +388,11 @@ _env_file_option = click.option(
 )
 @click.option(
     "--allow-stale", is_flag=True,
-    help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning.",
+    help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning. With trusted keys, only until the tag's signed statement expires (else exit 16).",
+)  # fmt: skip
+@click.option(
+    "--allow-expired", is_flag=True,
+    help="With --allow-stale and trusted keys: keep the installed release even past its signed tag statement's expiry.",
 )  # fmt: skip
 @click.option(
     "--verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
@@ -411,6 +415,7 @@ def pull(
     lock_timeout: float,
     timeout: float,
     allow_stale: bool,
+    allow_expired: bool,
     verify: str,
     trusted_keys: tuple[Path, ...],
     pin: str | None,
@@ -432,7 +437,9 @@ def pull(
         host_env=None if no_host_check else os.environ, lock_timeout=lock_timeout, timeout=timeout, verify=verify,
         policy=retry_policy(os.environ), trust=_trust(trusted_keys, pin),
     )  # fmt: skip
-    report = pull_or_stale(lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale)
+    report = pull_or_stale(
+        lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale, allow_expired=allow_expired
+    )
     _report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
 
 
@@ -938,10 +945,10 @@ def gc_command(
     opened = store.open(os.environ)
     plan = plan_gc(opened, policy, jobs=jobs or 32)
     if dry_run or not plan.delete:
-        print_gc_plan(console, plan)
+        _report_after_change(lambda: print_gc_plan(console, plan), f"planned gc of {plan.store}")
         return
-    if not as_json:
-        print_gc_plan(console, plan)
+    if not as_json:  # what it is about to delete: not printable (stdout closed) is no reason to stop
+        _report_after_change(lambda: print_gc_plan(console, plan), f"planned deleting {plan.delete_objects} objects")
     if _confirmed(yes, f"delete {plan.delete_objects} objects from {plan.store}?"):
         result = sweep(opened, plan, policy, jobs=jobs or 32)
         _report_after_change(
@@ -964,6 +971,9 @@ def _confirmed(yes: bool, question: str) -> bool:
 def _stdout_to_devnull() -> None:
     """What is left in stdout's buffer goes nowhere: flushing it into a closed pipe at exit
     would make Python itself exit 120."""
+    if sys.stdout is None:  # started with fd 1 closed: Python has no stdout at all
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+        return
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -1014,20 +1024,30 @@ def _log_to_stderr(level: int, log_format: str = "plain") -> None:
     logger.setLevel(level)
 
 
+class _StdoutClosed(Exception):
+    """The process started with no stdout (fd 1 closed)."""
+
+
 def _report_after_change(show: Callable[[], None], done: str) -> None:
     """Print a command's report after it changed a store or a cache dir: a failure to print
     (a closed pipe, an encoding) is said on stderr and the command still exits 0, since the
     exit code says what happened to the data, and that happened."""
     try:
+        if sys.stdout is None:
+            raise _StdoutClosed
         show()
         sys.stdout.flush()  # here, not at exit: a closed pipe is this command's to report
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a printing failure (rich exits 1 on a closed pipe)
-        if _DEBUG["on"]:
-            traceback.print_exc()
+        if _DEBUG["on"] and not isinstance(exc, _StdoutClosed):
+            _print_traceback()
         _stdout_to_devnull()
         try:
             why = (
-                "BrokenPipeError: stdout was closed" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+                "BrokenPipeError: stdout was closed"
+                if isinstance(exc, SystemExit)
+                else "stdout is closed"
+                if isinstance(exc, _StdoutClosed)
+                else f"{type(exc).__name__}: {exc}"
             )
             sys.stderr.write(printable(f"warning: {done}, but its report could not be printed: {why}") + "\n")
         except Exception:  # noqa: BLE001, S110 - stderr is gone too: the exit code is all that is left
@@ -1054,6 +1074,8 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
             as_json and not printed_document()
         ):  # machines read stdout: the failure as a document too (the lines above stay for logs)
             error = {"error": exc.message, "kind": type(exc).__name__, "exit_code": exc.exit_code, "hint": exc.hint}
+            if exc.details:
+                error["details"] = [line.strip() for line in exc.details]
             sys.stdout.write(json.dumps(error, indent=2) + "\n")
         return exc.exit_code
     except click.exceptions.Abort:
@@ -1072,11 +1094,16 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
         return 1
 
 
+def _print_traceback() -> None:
+    """The traceback being handled, each line sanitised: its messages carry store strings too."""
+    sys.stderr.write(_lines(traceback.format_exc().rstrip()) + "\n")
+
+
 def _print_error(
     message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None
 ) -> None:
     if _DEBUG["on"]:
-        traceback.print_exc()
+        _print_traceback()
         if debug_detail:
             click.echo(f"the worker's traceback:\n{_lines(debug_detail.rstrip())}", err=True)
     # Messages carry names from stores, state files and paths: each line passes the sanitiser.

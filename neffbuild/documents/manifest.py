@@ -479,16 +479,17 @@ def load_manifest(path: Path, *, text: str | None = None) -> LoadedManifest:
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(_describe(path, data, exc), hint=_hint(exc)) from None
+        message, details = _describe(path, data, exc)
+        raise ManifestError(message, hint=_hint(exc), details=details) from None
     base = path.resolve().parent
     if manifest.store is not None and "://" not in manifest.store:
         manifest = manifest.model_copy(update={"store": str(base / Path(manifest.store).expanduser())})
     loaded = LoadedManifest(manifest=manifest, path=path.resolve(), source_digest=_digest(data))
     problems = _cross_checks(loaded)
     if problems:
+        message, details = join_problems(path, [p for p, _ in problems])
         raise ManifestError(
-            join_problems(path, [p for p, _ in problems]),
-            hint=problems[0][1] if len(problems) == 1 else "fix the entries named above",
+            message, hint=problems[0][1] if len(problems) == 1 else "fix the entries named above", details=details
         )
     return loaded
 
@@ -664,7 +665,7 @@ def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     )
 
 
-def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
+def _describe(path: Path, data: dict[str, Any], exc: ValidationError) -> tuple[str, tuple[str, ...]]:
     # A default computed from another field (device from backend) says nothing of its own.
     errors: list[dict[str, Any]] = [
         {**e, "loc": _clean_loc(e["loc"])} for e in exc.errors() if e["type"] != "default_factory_not_called"
@@ -728,12 +729,14 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 4] + "…" + text[-3:]
 
 
-def join_problems(path: Path, problems: list[str]) -> str:
-    """One message for a file's problems: the one on its line, or each (once) under a count."""
+def join_problems(path: Path, problems: list[str]) -> tuple[str, tuple[str, ...]]:
+    """A file's problems as a message and the lines under it: the one problem on the message's
+    line, or a count there and each problem (once) on a line of its own. The message stays one
+    line: the terminal sanitiser would show a newline inside it as an escape."""
     unique = list(dict.fromkeys(problems))
     if len(unique) == 1:
-        return f"{path}: {unique[0]}"
-    return f"{path}: {len(unique)} problems\n" + "\n".join(f"  {p}" for p in unique)
+        return f"{path}: {unique[0]}", ()
+    return f"{path}: {len(unique)} problems", tuple(f"  {p}" for p in unique)
 
 
 def _location(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:

@@ -30,6 +30,7 @@ from functools import cache
 from typing import Any, TypeVar
 
 from neffbuild.errors import IntegrityError
+from neffbuild.formats import FORMATS, kind_writing, writes
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.names import reserved_problem, tag_problem
 
@@ -37,18 +38,11 @@ from neffbuild.names import reserved_problem, tag_problem
 # can vouch for). Version 1 documents stay readable (and keep their ids: an entry without a
 # BLAKE3 encodes as before); only a release whose every file has one can be signed. (Before any
 # release of neffbuild, version 2 carried SHA-256 instead: such entries are refused as unknown keys.)
-BUNDLE_FORMAT = "neffbuild.documents.records/2"
-BUNDLE_FORMAT_1 = "neffbuild.documents.records/1"
-RELEASE_FORMAT = "neffbuild.release/2"
-RELEASE_FORMAT_1 = "neffbuild.release/1"
-TAG_FORMAT = "neffbuild.tag/1"
-TAG_FORMAT_SIGNED = "neffbuild.tag/2"  # with a signed tag statement (documents/signing.py)
-READABLE = {
-    BUNDLE_FORMAT: (BUNDLE_FORMAT, BUNDLE_FORMAT_1),
-    RELEASE_FORMAT: (RELEASE_FORMAT, RELEASE_FORMAT_1),
-    TAG_FORMAT: (TAG_FORMAT, TAG_FORMAT_SIGNED),
-}
-UNIT_FORMAT = "neffbuild.unit/2"
+# The strings are data (neffbuild/formats.py): never renamed, every one ever written still read.
+BUNDLE_FORMAT = writes("bundle")
+RELEASE_FORMAT, RELEASE_FORMAT_1 = FORMATS["release"].writes
+TAG_FORMAT, TAG_FORMAT_SIGNED = FORMATS["tag"].writes  # /2: with a signed tag statement (documents/signing.py)
+UNIT_FORMAT = writes("unit key")
 
 MAX_DEPTH = 16  # our documents nest 4 deep; a unit's free-form parts a few more
 NAME_MAX = 255  # bytes in one path component (ext4, xfs, ...)
@@ -336,10 +330,12 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
             f"{where}: nested too deeply", hint="the object is corrupt or forged; rebuild or re-push it"
         ) from None
     expected = typing.cast(str, _fields(typing.cast(type, kind))["format"].default)
-    if isinstance(raw, dict) and raw.get("format") not in READABLE.get(expected, (expected,)):
+    known = kind_writing(expected)
+    if isinstance(raw, dict) and raw.get("format") not in (known.reads if known else (expected,)):
         found = raw.get("format")
         raise IntegrityError(
-            f"{where}: format {found if not isinstance(found, str) else found[:80]!r}, expected {expected!r}",
+            f"{where}: format {found if not isinstance(found, str) else found[:80]!r} is not one this neffbuild"
+            f" reads as a {known.kind if known else kind.__name__}",
             hint="written by another neffbuild version; upgrade neffbuild or rebuild",
         )
     try:
@@ -490,8 +486,8 @@ def _decode_doc(kind: type, value: Any, loc: Loc) -> Any:
     args = {}
     for name, f in fields.items():
         if name not in value:
-            if f.default is dataclasses.MISSING:
-                raise _Invalid((*loc, name), "field required")
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _Invalid((*loc, name), "field required")  # a field with a default was added later
             continue
         args[name] = _decode(hints[name], value[name], (*loc, name))
         check = f.metadata.get("check")

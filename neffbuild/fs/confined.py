@@ -125,14 +125,14 @@ def _check_written(target: BlobTarget, origin: str, size: int, hasher: Hasher) -
         raise IntegrityError(
             f"{target.dest}: content from {origin} does not match the release "
             f"(got {size} bytes, xxh3 {hasher.xxh3()}; expected {target.size} bytes, {target.digest})",
-            hint="the store object is corrupt: rebuild or re-push the release; nothing was written",
+            hint="the store object is corrupt: rebuild or re-push the release; that file was not written",
         )
     if target.blake3 and hasher.crypto() != target.blake3:
         # The XXH3 matched and the BLAKE3 did not: bytes crafted to collide with the address.
         raise IntegrityError(
             f"{target.dest}: content from {origin} has the release's xxh3 {target.digest} but blake3 "
             f"{hasher.crypto()}, not {target.blake3}",
-            hint="the store object was forged to match its address: do not serve this store; nothing was written",
+            hint="the store object was forged to match its address: do not serve this store; that file was not written",
         )
 
 
@@ -154,7 +154,7 @@ def _bounded(chunks: Iterable[bytes | memoryview], target: BlobTarget, origin: s
         if size > target.size:  # checked before it is written: nothing past the size is kept
             raise IntegrityError(
                 f"{target.dest}: content from {origin} is longer than the {target.size} bytes the release expects",
-                hint="the store object is corrupt: rebuild or re-push the release; nothing was written",
+                hint="the store object is corrupt: rebuild or re-push the release; that file was not written",
             )
         yield chunk
 

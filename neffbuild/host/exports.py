@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ALLOW_ENV_VARIABLE = "NEFFBUILD_ALLOW_ENV"  # names the host accepts, separated by commas or blanks
+# Linux refuses to start a process (execve: E2BIG, "Argument list too long") whose environment
+# holds one NAME=value string over MAX_ARG_STRLEN (32 pages: 128 KiB with its NUL), or whose
+# arguments and environment together pass ARG_MAX (2 MiB with the default stack limit). Exports
+# are refused past these, before pull writes anything: once exported, no process could start.
+EXPORT_MAX = 128 << 10
+EXPORTS_TOTAL_MAX = 1 << 20  # leaves the other half of ARG_MAX to the host's own environment
 # What the dynamic loader, the C library, interpreters and shells read to decide what code runs.
 _RUNS_CODE = re.compile(
     r"(LD_|DYLD_|PYTHON|PERL|RUBY|NODE_|JAVA_TOOL_|_JAVA_|GCONV_).*"
@@ -132,12 +138,29 @@ def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection
             raise IntegrityError(
                 f"{where}: env.{name} holds a NUL character", hint="the release is corrupt or forged; rebuild it"
             )
-    return {serving.cache_env: str(cache_dir), **env}
+    exports = {serving.cache_env: str(cache_dir), **env}
+    if (problem := _size_problem(exports)) is not None:
+        raise IntegrityError(f"{where}: {problem}", hint="the release is corrupt or forged; rebuild it")
+    return exports
+
+
+def _size_problem(exports: Mapping[str, str]) -> str | None:
+    """Why a process could not start with these exported (see EXPORT_MAX), or None."""
+    total = 0
+    for name, value in exports.items():
+        size = len(name.encode()) + 1 + len(value.encode("utf-8", "surrogateescape")) + 1  # NAME=value and NUL
+        if size > EXPORT_MAX:
+            return f"env.{name} is {size} bytes, over the {EXPORT_MAX} one environment string may hold: no process could start with it exported"
+        total += size
+    if total > EXPORTS_TOTAL_MAX:
+        return f"the exports are {total} bytes, over {EXPORTS_TOTAL_MAX}: processes could not start with them exported"
+    return None
 
 
 def check_exports(exports: Mapping[str, str], allowed: Collection[str]) -> dict[str, str]:
     """exports, checked again where they are applied (apply_exports): variable names, no NUL,
-    and nothing that decides what code runs unless the host allowed it by name."""
+    nothing that decides what code runs unless the host allowed it by name, sizes a process
+    can start with."""
     for name, value in exports.items():
         if not is_env_name(name):
             raise IntegrityError(f"env name {printable(name)!r} is not a variable name")
@@ -148,6 +171,8 @@ def check_exports(exports: Mapping[str, str], allowed: Collection[str]) -> dict[
                 f"{name} decides what code runs, and this host did not allow it",
                 hint=f"pass allow_env=[{name!r}] to ensure_cache",
             )
+    if (problem := _size_problem(exports)) is not None:
+        raise IntegrityError(problem, hint="the release is corrupt or forged; rebuild it")
     return dict(exports)
 
 

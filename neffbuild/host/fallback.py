@@ -14,10 +14,11 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 from neffbuild.documents.records import FileEntry
-from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError
+from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError, TrustError
 from neffbuild.fs.confined import Beneath
 from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.exports import env_file_text, exports_for, write_env_file
@@ -34,13 +35,19 @@ def pull_or_stale(
     options: PullOptions,
     *,
     allow_stale: bool = False,
+    allow_expired: bool = False,
 ) -> PullReport:
     """pull (the store opened inside, so that failing to open it counts as unreachable); with
     allow_stale, a StoreError returns a stale report of the release cache_dir holds, when it is
     REF's (its tag or id) and fully installed; otherwise the StoreError is raised as it was.
     options.timeout (seconds) bounds opening the store and the pull together (pull's deadline):
     past it is a StoreError too (DeadlineExceeded). options.policy: how requests are retried and
-    paced, opening the store included (retry.Policy; default retry.DEFAULT)."""
+    paced, opening the store included (retry.Policy; default retry.DEFAULT).
+
+    With trusted keys, a release installed from a tag boots stale only until the signed statement
+    it was accepted under expires (the state records when): past it, or with no expiry recorded,
+    it is a TrustError unless allow_expired. Otherwise a network attacker who keeps the store
+    unreachable freezes the host on it for good (docs/security.md, "Freshness")."""
     started = time.perf_counter()
     wanted = ref or (options.trust.pin if options.trust else None)  # pull --release: the pinned id
     with operation(options.policy, f"pulling {wanted}") as op:
@@ -53,6 +60,8 @@ def pull_or_stale(
             failure = exc
     with CacheDir.opened(cache_dir) as cache:
         installed = fully_installed(cache, wanted) if allow_stale else None
+        if installed is not None and options.trust is not None and installed.tag and not allow_expired:
+            _check_fresh(installed.tag, cache.state().expires.get(installed.tag), failure)
     if installed is None:
         raise failure
     # What the state says pull exported is no permission: the exports are made again from the
@@ -71,6 +80,23 @@ def pull_or_stale(
         host_warnings=warnings, stale=True, stale_reason=failure.message, installed_at=installed.installed_at,
         allowed=tuple(options.allow_env),
     ).with_counts(counts)  # fmt: skip
+
+
+def _check_fresh(tag: str, expires: str | None, failure: StoreError) -> None:
+    """A stale boot under trusted keys: refused once the tag's accepted statement has expired,
+    or where no expiry was recorded (a pull by an earlier neffbuild, or without trusted keys)."""
+    hint = "reach the store to pull a re-signed statement, or boot it anyway with --allow-expired"
+    if expires is None:
+        raise TrustError(
+            f"store unreachable ({failure.message}), and the cache dir records no signed statement expiry for tag {tag!r}",
+            hint=hint,
+        )
+    if datetime.fromisoformat(expires) <= datetime.now(UTC):
+        raise TrustError(
+            f"store unreachable ({failure.message}), and the signed statement of tag {tag!r} that the installed"
+            f" release was accepted under expired at {expires}",
+            hint=hint,
+        )
 
 
 def fully_installed(cache: CacheDir, ref: str | None = None) -> Installed | None:

@@ -49,7 +49,7 @@ from typing import Any
 from neffbuild import retry
 from neffbuild.documents.records import FileEntry
 from neffbuild.documents.refs import ResolvedRelease, resolve
-from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
+from neffbuild.errors import DiskError, EnvironmentMismatch, IntegrityError, NotFoundError, StateCorrupt
 from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.confined import (
     Beneath,
@@ -234,27 +234,28 @@ def pull(
         _, old = cache.read_state()
         resolved, verified = _resolved(store, ref, old, o.trust)
         accepted = verified.accepted(old.accepted) if verified else old.accepted
+        expires = verified.expires(old.expires) if verified else old.expires
         retry.check(store.url)
         exports = release_exports(resolved, cache.path, o.allow_env)
         env_text = env_file_text(exports) if o.env_file is not None else ""
         retry.doing(f"reading the bundles of release {resolved.release_id}")
-        installed = _installed(store, resolved, exports, old, o.jobs, verified)
+        installed = _installed(store, resolved, exports, old, o.jobs, verified, fresh=o.verify == "full")
         retry.check(store.url)
         lock_timeout = o.lock_timeout
         if deadline is not None:
             lock_timeout = deadline.left() if lock_timeout is None else min(lock_timeout, deadline.left())
         o = replace(o, lock_timeout=lock_timeout)
         retry.doing("checking the cache dir")
-        warnings = preflight(installed, {**o.host_env, **exports}) if o.host_env is not None else ()
+        installed, warnings = _host_checked(store, resolved, installed, old, o, exports)
         scan, missing = _missing_that_fits(cache, installed, old.files, o)
         cache.make()
-        if missing or not _recorded(old, installed, scan.found) or accepted != old.accepted:
+        if missing or not _recorded(old, installed, scan.found) or (accepted, expires) != (old.accepted, old.expires):
             retry.check(store.url)
             files = len(installed.release.files)
             retry.doing(f"fetching {len(missing)} of {files} files ({sum(f.size for f in missing)} bytes)")
             log.info("%s: release %s, fetching %d of %d files", label, resolved.release_id, len(missing), files)
             with _repairing(old, cache.state_path):
-                missing = _complete(store, resolved, cache, scan, installed, o, accepted)
+                missing = _complete(store, resolved, cache, scan, installed, o, (accepted, expires))
         else:
             log.info("%s: release %s already complete in %s", label, resolved.release_id, cache.path)
         make_serving_dirs(cache.path, serving_dirs(resolved.release.backend))
@@ -403,7 +404,7 @@ def _complete(
     scan: Scan,
     installed: Installed,
     o: PullOptions,
-    accepted: Mapping[str, int],
+    trusted: tuple[Mapping[str, int], Mapping[str, str]],
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
@@ -425,11 +426,14 @@ def _complete(
                 )
                 for f in missing
             ]
-            store.download_blobs(targets, o.jobs, release=resolved.release_id)
+            try:
+                store.download_blobs(targets, o.jobs, release=resolved.release_id)
+            except IntegrityError as exc:
+                raise _what_landed(exc, cache, missing) from None
             with cache.beneath() as tree:
                 found.update({f.path: _stat(tree, f.path, root) for f in missing})
         # The tag versions accepted go in with the files: only a pull that passed every check records them.
-        _save_state(state_dir, cache.path, _state_bytes(installed, found, accepted), old_state)
+        _save_state(state_dir, cache.path, _state_bytes(installed, found, *trusted), old_state)
     return missing
 
 
@@ -567,10 +571,28 @@ def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
     return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
+def _what_landed(exc: IntegrityError, cache: CacheDir, missing: list[FileEntry]) -> IntegrityError:
+    """A corrupt blob stops the pull while others land beside it (in parallel): the hint says
+    what the cache dir now holds, not that nothing was written."""
+    with cache.beneath() as tree:
+        landed = sum(_stat(tree, f.path, cache.path) is not None for f in missing)
+    if not landed:
+        return exc
+    return IntegrityError(
+        exc.message,
+        hint=f"the store object is corrupt: rebuild or re-push the release. {landed} other of the {len(missing)} files"
+        f" this pull fetched landed in {cache.path}, each verified against the release; the state is unchanged"
+        " (the next pull of a good release keeps or replaces them)",
+    )
+
+
 def _state_bytes(
-    installed: Installed, found: Mapping[str, os.stat_result | None], accepted: Mapping[str, int]
+    installed: Installed,
+    found: Mapping[str, os.stat_result | None],
+    accepted: Mapping[str, int],
+    expires: Mapping[str, str],
 ) -> bytes:
-    return encode_state(installed, _state_files(installed, found), accepted)
+    return encode_state(installed, _state_files(installed, found), accepted, expires)
 
 
 def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:
@@ -593,6 +615,31 @@ def _state_size(installed: Installed) -> int:
     return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
 
 
+def _host_checked(
+    store: Store,
+    resolved: ResolvedRelease,
+    installed: Installed,
+    old: CacheState,
+    o: PullOptions,
+    exports: Mapping[str, str],
+) -> tuple[Installed, tuple[str, ...]]:
+    """preflight; where it refuses units the state supplied, they are read again from the store's
+    bundles first. Nothing binds a state's unit fingerprints to their keys (a bundle's key is not
+    always recomputable from its parts), so an edited fingerprint would otherwise refuse every pull
+    for good; the store's bundles are what the release's keys name."""
+    if o.host_env is None:
+        return installed, ()
+    serving = {**o.host_env, **exports}
+    try:
+        return installed, preflight(installed, serving)
+    except EnvironmentMismatch:
+        if old.installed is None or installed.units is not old.installed.units:
+            raise
+    log.warning("%s: the state's unit fingerprints refuse this host; reading them from the bundles", resolved.where)
+    installed = replace(installed, units=release_units(store, resolved, o.jobs))
+    return installed, preflight(installed, serving)
+
+
 def _installed(
     store: Store,
     resolved: ResolvedRelease,
@@ -600,15 +647,18 @@ def _installed(
     old: CacheState,
     jobs: int,
     verified: Verified | None = None,
+    *,
+    fresh: bool = False,
 ) -> Installed:
     """What the state will record for this pull. The units and the install time carry over from
     the state when it already holds this release, so a no-op pull reads no bundle and writes
-    nothing; a verified release's units come from the bundles its check read."""
+    nothing (fresh, as `--verify full` asks: the units are read from the bundles again); a
+    verified release's units come from the bundles its check read."""
     same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None
     if verified is not None:
         units = tuple(installed_unit(u, b) for u, b in zip(resolved.release.units, verified.bundles, strict=True))
     else:
-        units = same.units if same else release_units(store, resolved, jobs)
+        units = same.units if same and not fresh else release_units(store, resolved, jobs)
     return Installed(
         release_id=resolved.release_id,
         tag=resolved.tag or "",

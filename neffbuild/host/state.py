@@ -12,6 +12,10 @@ Format `neffbuild.cache-state/2`:
                                     a pull accepted, written once that pull passed every check;
                                     left out while empty)
 
+Format `neffbuild.cache-state/3` is /2 with `"expires": {tag: ISO 8601 time}`: when the signed
+statement a pull accepted for the tag expires (what a stale boot checks, host/fallback.py). It is
+written only where there is such an expiry, so a cache dir without trusted keys keeps format /2.
+
 `installed` answers "which release is this, and what did it set" with no store round trip (a tag
 may have moved since); its units carry what a key is made of, so `status` can recompute each
 unit's key for this host. `files` is only a cache of hashes and stays lenient: a malformed entry
@@ -51,6 +55,7 @@ from neffbuild.documents.records import (
     to_json,
 )
 from neffbuild.errors import InputError, IntegrityError, NotFoundError, StateCorrupt
+from neffbuild.formats import FORMATS
 from neffbuild.fs.confined import disk_error, open_dir_beneath
 from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.names import STATE_DIR, tag_problem
@@ -60,7 +65,7 @@ if TYPE_CHECKING:
     from neffbuild.documents.refs import ResolvedRelease
     from neffbuild.store.base import Store
 
-STATE_FORMAT = "neffbuild.cache-state/2"
+STATE_FORMAT, STATE_FORMAT_3 = FORMATS["cache state"].writes  # /3 only where it records expiries
 STATE_FILE = "state.json"
 STATE_MAX = 256 << 20  # a larger state file is not ours: ignored (it only saves re-hashing)
 
@@ -101,6 +106,7 @@ class CacheState:
     version: int = 0  # 0: no state, corrupt or a newer format
     problem: str | None = None  # why the state file is corrupt (then all else is unknown)
     accepted: dict[str, int] = field(default_factory=dict)  # tag -> highest signed version accepted
+    expires: dict[str, str] = field(default_factory=dict)  # tag -> when the statement accepted expires (ISO 8601)
 
     def trusted(self, path: Path) -> CacheState:
         """self, unless the file is corrupt: then StateCorrupt naming it. Commands that only read
@@ -129,7 +135,7 @@ def parse_state(data: bytes) -> CacheState:
     try:
         if "format" not in raw:
             return _version_1(raw)
-        if raw["format"] == STATE_FORMAT:
+        if raw["format"] in (STATE_FORMAT, STATE_FORMAT_3):
             return _version_2(raw)
     except IntegrityError as exc:
         return _corrupt(exc.message)
@@ -161,6 +167,7 @@ class _Version2:
     installed: dict[str, object]
     files: dict[str, object]
     accepted: dict[str, int] = field(metadata=checked(lambda got: _accepted_problem(got)))
+    expires: dict[str, str] = field(metadata=checked(lambda got: _expires_problem(got)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +190,24 @@ def _version_1(raw: dict[str, Any]) -> CacheState:
 
 
 def _version_2(raw: dict[str, Any]) -> CacheState:
-    v2 = decode_doc(_Version2, {"accepted": {}, **raw}, STATE_FILE, field_path=())
+    if raw["format"] == STATE_FORMAT and "expires" in raw:
+        raise IntegrityError(f"expires: not a field of format {STATE_FORMAT!r}")
+    v2 = decode_doc(_Version2, {"accepted": {}, "expires": {}, **raw}, STATE_FILE, field_path=())
     installed = _installed(v2.installed)
     files = _files(v2.files, checked={f.path for f in installed.release.files})
-    return CacheState(files, installed, installed.release_id, installed.tag or None, version=2, accepted=v2.accepted)
+    return CacheState(
+        files, installed, installed.release_id, installed.tag or None, version=2, accepted=v2.accepted,
+        expires=v2.expires,
+    )  # fmt: skip
+
+
+def _expires_problem(expires: dict[str, str]) -> str | None:
+    for tag, at in expires.items():
+        if (problem := tag_problem(tag) or _time_problem(at)) is not None:
+            return problem
+        if datetime.fromisoformat(at).tzinfo is None:
+            return f"{tag}: {at!r} has no time zone"
+    return None
 
 
 def _accepted_problem(accepted: dict[str, int]) -> str | None:
@@ -248,14 +269,20 @@ def _time_problem(at: str) -> str | None:
 
 
 def encode_state(
-    installed: Installed, files: Mapping[str, tuple[int, int, str]], accepted: Mapping[str, int] | None = None
+    installed: Installed,
+    files: Mapping[str, tuple[int, int, str]],
+    accepted: Mapping[str, int] | None = None,
+    expires: Mapping[str, str] | None = None,
 ) -> bytes:
     """The state file's bytes: equal inputs give equal bytes (pull writes only when they change)."""
     doc: dict[str, Any] = {
-        "format": STATE_FORMAT, "installed": to_json(installed), "files": {p: list(v) for p, v in files.items()},
+        "format": STATE_FORMAT_3 if expires else STATE_FORMAT, "installed": to_json(installed),
+        "files": {p: list(v) for p, v in files.items()},
     }  # fmt: skip
     if accepted:
         doc["accepted"] = dict(accepted)
+    if expires:
+        doc["expires"] = dict(expires)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -26,9 +26,10 @@ from pathlib import Path
 
 from neffbuild.documents.records import checked, digest_problem, parse, path_problem, to_json
 from neffbuild.errors import InputError, IntegrityError
+from neffbuild.formats import FORMATS, writes
 from neffbuild.fs.atomic import write_atomic
 
-TRACE_FORMAT = "neffbuild.replay-trace/1"
+TRACE_FORMAT = writes("replay trace")
 TRACE_MAX = 256 << 20  # a larger file is no trace of ours
 
 
@@ -92,6 +93,6 @@ def read_trace(path: Path) -> ReplayTrace:
         trace = parse(ReplayTrace, data, f"--unused {path}")
     except IntegrityError as exc:
         raise InputError(exc.message, hint=hint) from None
-    if trace.format != TRACE_FORMAT:  # parse accepts the one format it knows; this says so again
+    if trace.format not in FORMATS["replay trace"].reads:  # parse accepts the one format it knows; this says so again
         raise InputError(f"--unused {path}: format {trace.format!r}, expected {TRACE_FORMAT!r}", hint=hint)
     return trace

@@ -58,8 +58,17 @@ class Trust:
 
 def trust_from(paths: Sequence[Path], env: Mapping[str, str], pin: str | None = None) -> Trust | None:
     """The host's trust: --trusted-key files, else NEFFBUILD_TRUSTED_KEYS; None if neither (a
-    --release pin alone is an InputError: pinning vouches for nothing without a key)."""
+    --release pin alone is an InputError: pinning vouches for nothing without a key). The variable
+    set to no file at all is a TrustError, never no verification."""
     files = list(paths) or [Path(p.strip()) for p in env.get(TRUSTED_KEYS_ENV, "").split(",") if p.strip()]
+    if not files and not paths and TRUSTED_KEYS_ENV in env:
+        # Set but empty (a template whose value did not expand): whoever set it meant to require
+        # signatures, so it fails closed like any trust failure instead of turning checks off.
+        raise TrustError(
+            f"{TRUSTED_KEYS_ENV} is set but names no public key file: verification would be off",
+            hint=f"list the trusted public key files (comma-separated), or unset {TRUSTED_KEYS_ENV} to trust"
+            " whoever can write the store",
+        )
     if not files:
         if pin is not None:
             raise InputError("--release pins a signed release", hint=f"give --trusted-key or set {TRUSTED_KEYS_ENV}")
@@ -103,6 +112,13 @@ class Verified:
             tag_version=tag.version if tag else None,
             tag_expires=tag.expires.isoformat() if tag else None,
         )
+
+    def expires(self, before: Mapping[str, str]) -> dict[str, str]:
+        """When each tag's accepted statement expires, once this pull completes (a stale boot
+        checks it: host/fallback.py)."""
+        if self.tag is None:
+            return dict(before)
+        return {**before, self.tag.tag: self.tag.expires.isoformat()}
 
     def accepted(self, before: Mapping[str, int]) -> dict[str, int]:
         """The highest tag versions accepted once this pull completes."""

@@ -48,11 +48,12 @@ from pathlib import Path
 from typing import BinaryIO, Literal, Protocol, runtime_checkable
 
 from neffbuild.errors import InputError, StoreError
+from neffbuild.formats import FORMATS, writes
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.names import key_problem
 
 DocKind = Literal["bundles", "releases", "tags", "gc", "signatures"]
-STORE_FORMAT = "neffbuild.store/1"
+STORE_FORMAT = writes("store marker")
 MARKER = "neffbuild-store.json"
 MARKER_MAX = 64 << 10  # the marker is a few dozen bytes; a larger one is not ours
 DOC_MAX = 256 << 20  # no document is read past this (a release of a million files is ~150 MB)
@@ -152,7 +153,7 @@ def check_marker(data: bytes, where: str) -> None:
         raise StoreError(
             f"{where}: not a store marker (expected an object with a format, got {shown(raw)})", hint=MARKER_HINT
         )
-    if raw["format"] != STORE_FORMAT:
+    if raw["format"] not in FORMATS["store marker"].reads:
         raise StoreError(
             f"{where}: store format {shown(raw['format'])}, expected {STORE_FORMAT!r}",
             hint="written by another neffbuild version: use that version, or another store",

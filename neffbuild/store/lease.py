@@ -40,9 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from neffbuild.errors import ConflictError, IntegrityError
+from neffbuild.formats import FORMATS, writes
 from neffbuild.store.base import DocKind, Store, doc_key, shown
 
-LEASE_FORMAT = "neffbuild.maint.gc-lease/1"
+LEASE_FORMAT = writes("gc lease")
 LEASE_KIND: DocKind = "gc"
 LEASE_NAME = "lease"
 LEASE_S = 3600.0  # a gc that needs longer stops; running it again continues
@@ -130,7 +131,7 @@ def _encode(lease: Lease) -> bytes:
 def _decode(data: bytes, where: str) -> Lease:
     try:
         raw = json.loads(data)
-        if raw.get("format") != LEASE_FORMAT:
+        if raw.get("format") not in FORMATS["gc lease"].reads:  # each a publisher may meet
             raise ValueError(f"format {shown(raw.get('format'))}")
         lease = Lease(str(raw["token"]), str(raw["by"]), float(raw["started"]), float(raw["expires"]))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:

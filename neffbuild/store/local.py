@@ -8,7 +8,8 @@ version of the tag is a new file `tags/.<name>.v/<n>`, linked into place, so of 
 read version n only one can create n + 1. The highest version is the tag; `tags/<name>.json`
 mirrors it for listings (gc, inspection) and is brought up to the highest version by every
 writer after its swap. A tag written by a neffbuild before this (only `tags/<name>.json`) is
-read as version 0 and replaced by version 1.
+read as version 0 and replaced by version 1. Pruning keeps the newest TAG_VERSIONS_KEPT
+versions; a link that landed on a pruned name is detected after the link and lost (swap_tag).
 """
 
 from __future__ import annotations
@@ -219,6 +220,13 @@ class LocalStore:
         _guard(lambda: versions.mkdir(parents=True, exist_ok=True), versions)
         if not write_atomic(versions / str(number), data, mode=0o444, replace=False):
             return False  # another writer made this version first: the swap is lost
+        # A writer that stalled between its compare and its link (an fsync on NFS) while
+        # TAG_VERSIONS_KEPT others moved the tag links a name pruning freed, far below the tag.
+        # Versions only grow and pruning needs highest >= number + KEPT: a version not prunable
+        # now never was, so it is the first of its number and the swap holds; else it is lost.
+        if (_highest(versions) or 0) >= number + TAG_VERSIONS_KEPT:
+            (versions / str(number)).unlink(missing_ok=True)
+            return False
         self._mirror_tag(name, versions)
         return True
 

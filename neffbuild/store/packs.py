@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from neffbuild.errors import IntegrityError
+from neffbuild.formats import FORMATS, writes
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.hashing import canonical_json, hash_bytes, is_digest
 from neffbuild.store.base import BlobSource, PackEntry, PackIndex, shown
 
-PACK_FORMAT = "neffbuild.pack/1"
-LOCATOR_FORMAT = "neffbuild.locator/1"
+PACK_FORMAT = writes("pack index")
+LOCATOR_FORMAT = writes("locator")
 INDEX_MAX = 128 << 20  # an index is ~80 bytes per blob; no pack holds a million blobs
 LOCATOR_MAX = 256 << 20  # ~40 bytes per blob of a release
 DAMAGED_HINT = (
@@ -108,7 +109,7 @@ def decode_index(pack_id: str, data: bytes, where: str | None = None) -> PackInd
     if hash_bytes(data) != pack_id:
         raise _damaged(where, "content does not match its name")
     raw = _json_object(data, where, ("format", "size", "entries"))
-    if raw["format"] != PACK_FORMAT:
+    if raw["format"] not in FORMATS["pack index"].reads:
         raise IntegrityError(
             f"{where}: format {shown(raw['format'])}, expected {PACK_FORMAT!r}",
             hint="written by a newer neffbuild: upgrade",
@@ -160,7 +161,7 @@ def decode_locator(release_id: str, data: bytes, where: str) -> Locator:
     if len(data) > LOCATOR_MAX:
         raise _damaged(where, f"over {LOCATOR_MAX} bytes")
     raw = _json_object(data, where, ("format", "release", "packs", "loose"))
-    if raw["format"] != LOCATOR_FORMAT:
+    if raw["format"] not in FORMATS["locator"].reads:
         raise IntegrityError(
             f"{where}: format {shown(raw['format'])}, expected {LOCATOR_FORMAT!r}",
             hint="written by a newer neffbuild: upgrade",

@@ -163,9 +163,8 @@ def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, st
         problems += [(f"model[{entry.id}].{p}", p.hint) for p in found]
     if problems:
         hint = problems[0][1] if len(problems) == 1 else "fix the entries named above"
-        raise ManifestError(
-            join_problems(loaded.path, [p for p, _ in problems]), hint=hint or "fix the entry named above"
-        )
+        message, details = join_problems(loaded.path, [p for p, _ in problems])
+        raise ManifestError(message, hint=hint or "fix the entry named above", details=details)
     return notes
 
 

@@ -20,10 +20,11 @@ from pathlib import Path
 from neffbuild.documents.manifest import LoadedManifest
 from neffbuild.documents.records import digest_problem, parse, to_json
 from neffbuild.errors import EnvironmentMismatch, InputError, NeffbuildError
+from neffbuild.formats import writes
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.units.plan import BuildUnit, Plan
 
-PLAN_FORMAT = "neffbuild.units.plan/1"
+PLAN_FORMAT = writes("plan")  # parse reads every plan format (neffbuild/formats.py)
 MAX_PLAN_BYTES = 64 << 20
 
 

@@ -127,3 +127,87 @@ def test_a_tag_moved_to_a_release_a_gc_deleted_meanwhile_moves_back(tmp_path: Pa
         move_tag(DeletedAfterTheCheck(tmp_path / "store"), "prod", v2, by="ci")
     after = read_tag(store, "prod")
     assert after is not None and after[0] == before  # moved back: the release and the history it had
+
+
+WRITERS = 3  # besides the stalled one
+WRITER_MOVES = 8  # each: 24 moves in all while one writer stalls, above TAG_VERSIONS_KEPT
+
+
+def test_a_writer_stalled_across_more_moves_than_pruning_keeps_loses_no_told_success(
+    target: tuple[str, dict[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One writer stops between its compare and its write (a barrier where the local store links
+    its version, or just before S3's conditional PUT) while the others move the tag more times
+    than the local store keeps versions; then it resumes. Every move reported done is in the
+    history: the stalled one's swap is refused and retried, never reported done and lost."""
+    import threading
+
+    import neffbuild.store.local as local
+
+    url, env = target
+    store = open_store(url, create=True, env=env)
+    assert WRITERS * WRITER_MOVES > local.TAG_VERSIONS_KEPT
+    releases = {}
+    for name in ["stalled", *(f"w{n}" for n in range(WRITERS))]:
+        releases[name] = [
+            publish_release_of(
+                store,
+                tmp_path / name / str(v),
+                write_files(tmp_path / name / str(v), {"a.bin": 100}, seed=v),
+                name=f"{name}-{v}",
+            )  # fmt: skip
+            for v in range(2)
+        ]
+    move_tag(store, "ci", releases["w0"][1], by="first")
+    reached, resume = threading.Event(), threading.Event()
+
+    def stall_once() -> None:
+        if threading.current_thread().name == "stalled" and not reached.is_set():
+            reached.set()
+            assert resume.wait(120)
+
+    real_write = local.write_atomic
+
+    def write_atomic(path, content, **kw):  # type: ignore[no-untyped-def]
+        if path.parent.name.endswith(".v"):  # a tag version: between the compare and the link
+            stall_once()
+        return real_write(path, content, **kw)
+
+    monkeypatch.setattr(local, "write_atomic", write_atomic)
+    stalled_store = open_store(url, env=env)
+    if url.startswith("s3://"):
+        real_swap = stalled_store.swap_tag
+
+        def swap_tag(name: str, data: bytes, expected: str | None) -> bool:
+            stall_once()
+            return real_swap(name, data, expected)
+
+        monkeypatch.setattr(stalled_store, "swap_tag", swap_tag)
+    told: list[str] = []
+    errors: list[BaseException] = []
+
+    def writer(name: str, moves: int, on: Store) -> None:
+        try:
+            for i in range(moves):
+                move_tag(on, "ci", releases[name][i % 2], by=f"{name}-{i}")
+                told.append(f"{name}-{i}")
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    stalled = threading.Thread(target=writer, args=("stalled", 1, stalled_store), name="stalled")
+    stalled.start()
+    assert reached.wait(60)
+    others = [
+        threading.Thread(target=writer, args=(f"w{n}", WRITER_MOVES, open_store(url, env=env))) for n in range(WRITERS)
+    ]
+    for t in others:
+        t.start()
+    for t in others:
+        t.join(120)
+    resume.set()
+    stalled.join(120)
+    assert not errors, errors
+    assert sorted(told) == sorted(["stalled-0", *(f"w{n}-{i}" for n in range(WRITERS) for i in range(WRITER_MOVES))])
+    tag = _tag(store, "ci")
+    assert sorted(e.by for e in tag.history) == sorted(["first", *told])  # each once: none lost, none twice
+    assert tag.history[-1].by == "stalled-0" and tag.release == releases["stalled"][0]

@@ -277,3 +277,16 @@ def test_tag_moves_and_exits_0_when_its_report_cannot_be_written(tmp_path: Path)
     assert moved.returncode == 0, moved.stderr
     assert f"warning: tag t -> {published.v1}, but its report could not be printed: BrokenPipeError" in moved.stderr
     assert read_tag(published.store, "t")[0].release == published.v1  # type: ignore[index]
+
+
+def test_a_debug_traceback_is_sanitised_like_every_other_line(tmp_path: Path) -> None:
+    """--debug prints the traceback of the error, whose messages carry store strings: a store
+    path with a terminal escape and a bidi override reaches it."""
+    hostile = tmp_path / "store\x1b]0;owned\x07\u202e"
+    shown = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "--debug", "ls", "--store", str(hostile)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 3, shown.stderr
+    assert "Traceback (most recent call last)" in shown.stderr and "StoreError" in shown.stderr
+    assert CONTROLS.search(shown.stderr) is None, shown.stderr

@@ -214,8 +214,22 @@ def test_all_problems_are_reported_at_once(tmp_path: Path, model_dir: Path) -> N
     text = GOOD.replace('dtype = "float32"', 'dtype = "f32"').replace('mode = "full"', 'mdoe = "full"')
     with pytest.raises(ManifestError) as err:
         load_manifest(write(tmp_path, text))
-    assert "2 problems" in err.value.message
-    assert "model[klein].dtype" in err.value.message and "model[klein].mdoe" in err.value.message
+    assert err.value.message.endswith(": 2 problems")
+    assert "model[klein].dtype" in str(err.value) and "model[klein].mdoe" in str(err.value)
+
+
+def test_several_problems_print_one_per_line_not_as_escapes(tmp_path: Path, model_dir: Path, cli) -> None:
+    text = GOOD.replace('dtype = "float32"', 'dtype = "f32"').replace('mode = "full"', 'mdoe = "full"')
+    path = write(tmp_path, text)
+    result = cli("plan", str(path))
+    assert result.returncode == 2
+    assert "\\x0a" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"error: {path}: 2 problems"
+    assert [line.split(":")[0].strip() for line in lines[1:3]] == ["model[klein].dtype", "model[klein].mdoe"]
+    assert lines[3].startswith("hint: ")
+    as_json = cli("plan", str(path), "--json")
+    assert len(json.loads(as_json.stdout)["details"]) == 2
 
 
 def test_toml_syntax_error_names_file_and_line(tmp_path: Path, cli) -> None:

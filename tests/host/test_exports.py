@@ -382,3 +382,36 @@ def test_every_value_the_env_file_takes_reads_back_identically_by_systemd_bash_a
     assert {k: read_back_by_systemd(env_file).get(k) for k in exports} == exports
     assert {k: read_back_by_bash(env_file).get(k) for k in exports} == exports
     assert {k: evaluated.get(k) for k in exports} == exports
+
+
+def test_an_export_too_large_for_any_process_is_refused_before_pull_writes(tmp_path: Path) -> None:
+    """Linux starts no process whose environment holds a NAME=value string over 128 KiB: such a
+    release was pulled and exported, and then nothing could start. The limit is the kernel's."""
+    import errno
+
+    from tests.storekit import publish_release_of, write_files
+
+    EXPORT_MAX = 128 << 10  # Linux's MAX_ARG_STRLEN (32 pages), shown just below
+
+    name = "MY_SETTING"
+    fits = "x" * (EXPORT_MAX - len(name) - 2)  # NAME=value and its NUL: exactly the limit
+    assert subprocess.run(["/bin/true"], env={name: fits}, check=False).returncode == 0
+    with pytest.raises(OSError) as refused:
+        subprocess.run(["/bin/true"], env={name: fits + "x"}, check=False)
+    assert refused.value.errno == errno.E2BIG
+    store = LocalStore(tmp_path / "store", create=True)
+    src = tmp_path / "src"
+    publish_release_of(store, src, write_files(src, {"a.bin": 10}), name="m", tag="big", env={name: fits + "x"})
+    publish_release_of(store, src, write_files(src, {"a.bin": 10}), name="n", tag="fits", env={name: fits})
+    cache = tmp_path / "cache"
+    base = ["pull", "--store", store.url, "--cache-dir", str(cache), "--allow-env", name, "--no-host-check"]
+    pulled = subprocess.run(
+        [sys.executable, "-m", "neffbuild", *base, "big"], capture_output=True, text=True, check=False
+    )
+    assert pulled.returncode == 4, pulled.stderr
+    assert f"env.{name} is {EXPORT_MAX + 1} bytes, over the {EXPORT_MAX}" in pulled.stderr
+    assert not cache.exists()
+    pulled = subprocess.run(
+        [sys.executable, "-m", "neffbuild", *base, "fits"], capture_output=True, text=True, check=False
+    )
+    assert pulled.returncode == 0, pulled.stderr

@@ -972,3 +972,21 @@ def test_large_files_pulled_from_s3_land_the_same_bytes_with_or_without_o_direct
         assert resident > 0.9  # the server's first load reads memory
     elif direct_io_possible(tmp_path):
         assert resident < 0.5  # all but an unaligned tail went around the page cache
+
+
+def test_a_corrupt_blob_says_what_the_other_files_left_behind(store: LocalStore, tmp_path: Path, cli) -> None:
+    """The files of a release land in parallel: when one blob is corrupt, the others that
+    verified are already in the cache dir. The hint says how many, never "nothing was written"."""
+    from tests.storekit import corrupt_blob
+
+    files = {f"f/{i:02d}.so": os.urandom(2000 + i) for i in range(48)}
+    publish_files(store, files, tmp_path)
+    corrupt_blob(store, hash_bytes(files["f/47.so"]))
+    cache = tmp_path / "cache"
+    result = pull_cli(cli, store, cache, "--jobs", "4")
+    assert result.returncode == 4, result.stderr
+    landed = [p for p in cache.rglob("*.so") if p.is_file()]
+    assert "nothing was written" not in result.stderr
+    assert f"{len(landed)} other of the 48 files this pull fetched landed in {cache}" in result.stderr
+    assert all(p.read_bytes() == files[p.relative_to(cache).as_posix()] for p in landed)
+    assert not (cache / ".neffbuild" / "state.json").exists()

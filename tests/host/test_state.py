@@ -370,3 +370,27 @@ def test_the_decoder_on_mutations_of_a_real_state_says_corrupt_or_decodes(
     else:
         with pytest.raises(StateCorrupt):
             state.trusted(Path("state.json"))
+
+
+@pytest.mark.parametrize("verify", ["fast", "full"])
+def test_an_edited_unit_fingerprint_in_the_state_repairs_itself_instead_of_refusing_forever(
+    tmp_path: Path, verify: str
+) -> None:
+    """installed.units[].fingerprint is not bound to the unit's key: an edit there made every
+    pull exit 7 (--verify full too). The bundles in the store say what the keys name."""
+    store = LocalStore(tmp_path / "store", create=True)
+    publish_release_of(store, tmp_path / "src", write_files(tmp_path / "src", {"a.so": 100}), name="m", tag="prod")
+    cache = tmp_path / "cache"
+    pull(store, "prod", cache, host_env=os.environ)
+    state_file = cache / ".neffbuild" / "state.json"
+    good = json.loads(state_file.read_bytes())
+    edited = copy.deepcopy(good)
+    edited["installed"]["units"][0]["fingerprint"]["torch"] = "0.0.0-edited"
+    state_file.write_bytes(json.dumps(edited).encode())
+    assert parse_state(state_file.read_bytes()).problem is None  # well-formed: only its meaning is wrong
+    pulled = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "pull", "prod", "--store", store.url, "--cache-dir", str(cache), "--verify", verify],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(state_file.read_bytes())["installed"]["units"] == good["installed"]["units"]

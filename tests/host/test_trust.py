@@ -71,7 +71,10 @@ class Fleet:
         self.trust = Trust((read_public_key(self.pub),))
         self.cache = tmp / "cache"
         report = pull(self.store, "prod", self.cache, trust=self.trust)
-        assert (report.signed_by, report.tag_signed_by, report.tag_version) == ("ci.example-1", "ci.example-1", 1)
+        assert (report.signed_by, report.tag_signed_by) == ("ci.example-1", "ci.example-1")
+        # A tag's signed version is the clock (milliseconds since the epoch), or one above the last.
+        assert report.tag_version is not None and report.tag_version >= int(NOW.timestamp() * 1000)
+        self.v1 = report.tag_version
         self.before = snapshot(self.cache)
 
     def release(self, release_id: str) -> Release:
@@ -122,7 +125,7 @@ def test_the_release_signature_is_an_in_toto_statement_in_dsse(fleet: Fleet) -> 
 
 
 def test_state_records_the_accepted_version_and_a_no_op_pull_stays_a_no_op(fleet: Fleet) -> None:
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": 1}
+    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}
     pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
     assert snapshot(fleet.cache) == fleet.before
 
@@ -162,7 +165,7 @@ def test_a_blob_whose_xxh3_matches_but_blake3_does_not_is_refused_while_written(
     move_tag(fleet.store, "prod", two, signing=fresh(fleet.key))
     fleet.refused(IntegrityError, f"has the release's xxh3 {hash_bytes(forged)} but blake3 {blake3_bytes(forged)}")
     # Nothing was recorded: the tag's version 2 was not accepted.
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": 1}
+    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}
 
 
 def test_a_tampered_signature_is_refused(fleet: Fleet) -> None:
@@ -223,13 +226,17 @@ def test_a_lower_version_after_a_higher_one_is_refused(fleet: Fleet) -> None:
     two = fleet.variant(fleet.release(fleet.one).files[:2])
     move_tag(fleet.store, "prod", two, signing=fresh(fleet.key))
     report = pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
-    assert (report.release_id, report.tag_version) == (two, 2)
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": 2}
+    v2 = report.tag_version
+    assert report.release_id == two and v2 is not None and v2 > fleet.v1
+    assert read_cache_state(fleet.cache)[1].accepted == {"prod": v2}
     fleet.before = snapshot(fleet.cache)
     # The tag writer restores the old, validly signed and unexpired, statement: a rollback.
     now = fleet.store.read_tag("prod")
     assert now is not None and fleet.store.swap_tag("prod", old[0], now[1])
-    fleet.refused(TrustError, "statement version 1 is lower than 2, the highest this cache dir accepted: a rollback")
+    fleet.refused(
+        TrustError,
+        f"statement version {fleet.v1} is lower than {v2}, the highest this cache dir accepted: a rollback",
+    )
 
 
 def test_rotation_with_two_trusted_keys(fleet: Fleet) -> None:
@@ -240,7 +247,8 @@ def test_rotation_with_two_trusted_keys(fleet: Fleet) -> None:
     two = fleet.variant(fleet.release(fleet.one).files[:2])
     move_tag(fleet.store, "prod", two, signing=fresh(new))
     report = pull(fleet.store, "prod", fleet.cache, trust=both)
-    assert (report.release_id, report.signed_by, report.tag_version) == (two, "ci.example-2", 2)
+    # The new key cannot verify the old key's statement: its version comes from the clock, not below it.
+    assert (report.release_id, report.signed_by) == (two, "ci.example-2") and report.tag_version >= fleet.v1
     # The old key's release still serves while both are trusted; once retired, only the new one.
     assert pull(fleet.store, None, fleet.cache, trust=Trust(both.keys, pin=fleet.one)).signed_by == "ci.example-1"
     fleet.before = snapshot(fleet.cache)
@@ -255,7 +263,7 @@ def test_a_pinned_release_skips_the_tag(fleet: Fleet) -> None:
     sign_release(fleet.store, two, fleet.key)
     report = pull(fleet.store, None, fleet.cache, trust=_pinned(fleet, two))
     assert (report.release_id, report.tag, report.tag_version, report.signed_by) == (two, None, None, "ci.example-1")
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": 1}  # no tag read, none recorded
+    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}  # no tag read, none recorded
 
 
 def test_without_trusted_keys_nothing_changes(fleet: Fleet) -> None:
@@ -289,7 +297,8 @@ def test_cli_keygen_sign_pull_status_and_refusals(tmp_path: Path) -> None:
     assert json.loads(pulled.stdout)["signed_by"] == "ci.example-1"
     shown = _cli("status", "--store", store.url, "--cache-dir", cache, "--json", env={"NEFFBUILD_TRUSTED_KEYS": pub})
     signed_view = json.loads(shown.stdout)["signed"]
-    assert (signed_view["signed_by"], signed_view["tag"], signed_view["tag_version"]) == ("ci.example-1", "prod", 1)
+    assert (signed_view["signed_by"], signed_view["tag"]) == ("ci.example-1", "prod")
+    assert signed_view["tag_version"] >= int(datetime.now(UTC).timestamp() * 1000) - 60_000
     assert signed_view["tag_expires"] > datetime.now(UTC).isoformat()
     # An untrusted key: exit 16, one line naming both keys, nothing written.
     _cli("keygen", "ci.other-1", str(tmp_path / "other.key"))
@@ -367,4 +376,97 @@ def test_ensure_cache_takes_trusted_keys_from_its_argument_or_the_environment(fl
         host_check=False,
     )
     assert (pinned.release_id, pinned.tag) == (fleet.one, None)
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": 1}
+    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}
+
+
+@pytest.mark.parametrize("value", ["", " , "])
+def test_an_empty_trusted_keys_variable_refuses_instead_of_turning_verification_off(fleet: Fleet, value: str) -> None:
+    move_tag(fleet.store, "plain", fleet.one)  # unsigned: served only if verification is off
+    cache = fleet.tmp / "fresh"
+    refused = _cli(
+        "pull", "plain", "--store", fleet.store.url, "--cache-dir", str(cache), "--no-host-check",
+        env={"NEFFBUILD_TRUSTED_KEYS": value},
+    )  # fmt: skip
+    assert refused.returncode == 16, refused.stderr
+    assert "NEFFBUILD_TRUSTED_KEYS is set but names no public key file" in refused.stderr
+    assert "hint: list the trusted public key files" in refused.stderr
+    assert not cache.exists()
+    from neffbuild.api import ensure_cache
+
+    with pytest.raises(TrustError, match="names no public key file"):
+        ensure_cache("plain", store=fleet.store, cache_dir=cache, env={"NEFFBUILD_TRUSTED_KEYS": value})
+    # Unset, nothing changes: the host trusts whoever can write the store (docs/security.md).
+    pulled = _cli("pull", "plain", "--store", fleet.store.url, "--cache-dir", str(cache), "--no-host-check")
+    assert pulled.returncode == 0, pulled.stderr
+
+
+def test_a_stale_boot_refuses_an_expired_tag_statement_unless_allowed(fleet: Fleet) -> None:
+    """A network attacker who keeps the store unreachable cannot freeze a host past the expiry
+    the signer set: the state records it, and a stale boot under trusted keys checks it."""
+    import time
+
+    soon = datetime.now(UTC) + timedelta(seconds=2)
+    move_tag(fleet.store, "prod", fleet.one, signing=Signing(fleet.key, soon))
+    report = pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
+    boot = ["pull", "prod", "--store", str(fleet.tmp / "unreachable"), "--cache-dir", str(fleet.cache)]
+    boot += ["--allow-stale", "--no-host-check", "--json"]
+    fresh_boot = _cli(*boot, "--trusted-key", str(fleet.pub))
+    assert fresh_boot.returncode == 0 and json.loads(fresh_boot.stdout)["stale"], fresh_boot.stderr
+    time.sleep(max(0.0, (datetime.fromisoformat(report.tag_expires) - datetime.now(UTC)).total_seconds()) + 0.2)
+    before = snapshot(fleet.cache)
+    refused = _cli(*boot, "--trusted-key", str(fleet.pub))
+    assert refused.returncode == 16, refused.stderr
+    assert f"signed statement of tag 'prod' that the installed release was accepted under expired at {soon.isoformat(timespec='seconds')}" in refused.stderr  # fmt: skip
+    assert "--allow-expired" in refused.stderr
+    assert snapshot(fleet.cache) == before
+    allowed = _cli(*boot, "--trusted-key", str(fleet.pub), "--allow-expired")
+    assert allowed.returncode == 0 and json.loads(allowed.stdout)["stale"], allowed.stderr
+    # Without trusted keys there is no statement to expire: a stale boot is as before.
+    assert _cli(*boot).returncode == 0
+    state = read_cache_state(fleet.cache)[1]  # what the stale boot read
+    assert state.expires == {"prod": report.tag_expires} and report.tag_expires == soon.isoformat(timespec="seconds")
+
+
+def test_a_reset_tag_history_does_not_lower_the_next_signed_version(fleet: Fleet) -> None:
+    """Whoever can write tags resets the tag (a short history, no statement): CI's next signed
+    version must stay above what hosts accepted, or hosts refuse the legitimate release."""
+    for _ in range(4):
+        move_tag(fleet.store, "prod", fleet.one, signing=fresh(fleet.key))
+    accepted = pull(fleet.store, "prod", fleet.cache, trust=fleet.trust).tag_version
+    assert accepted is not None and accepted >= fleet.v1 + 4
+    now = fleet.store.read_tag("prod")
+    assert now is not None
+    reset = TagRecord(name="prod", release=fleet.one, history=parse(TagRecord, now[0], "t").history[:1])
+    assert fleet.store.swap_tag("prod", dump(reset), now[1])
+    two = fleet.variant(fleet.release(fleet.one).files[:2])
+    signed = move_tag(fleet.store, "prod", two, signing=fresh(fleet.key))
+    report = pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
+    assert report.release_id == two and report.tag_version is not None and report.tag_version > accepted
+    assert signed.release == two
+
+
+def test_a_planted_infinite_version_is_not_counted_and_the_tag_is_signed_above_it(fleet: Fleet) -> None:
+    """A tag writer plants a statement (its own key) whose version is Infinity: `neffbuild tag
+    --sign-key` once exited 1 on it. It is not CI's statement, so it does not count."""
+    from neffbuild.documents.signing import sign_statement, tag_statement
+
+    attacker = generate_key("ci.example-1")  # the same name, another key
+    release = fleet.store.get_doc("releases", fleet.one) or b""
+    statement = tag_statement("prod", fleet.one, blake3_bytes(release), 1, NOW + timedelta(days=1))
+    statement["predicate"]["version"] = float("inf")
+    now = fleet.store.read_tag("prod")
+    assert now is not None
+    planted = parse(TagRecord, now[0], "t")
+    planted = TagRecord(
+        name="prod", release=fleet.one, history=planted.history, format=planted.format,
+        statement=sign_statement(statement, attacker),
+    )  # fmt: skip
+    assert b"Infinity" in __import__("base64").b64decode(planted.statement.payload)
+    assert fleet.store.swap_tag("prod", dump(planted), now[1])
+    key_file = fleet.tmp / "keys" / "ci.key"
+    key_file.write_text(fleet.key.text() + "\n")
+    key_file.chmod(0o600)
+    tagged = _cli("tag", "prod", fleet.one, "--store", fleet.store.url, "--sign-key", str(key_file))
+    assert tagged.returncode == 0, tagged.stderr
+    report = pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
+    assert report.tag_version is not None and report.tag_version > fleet.v1

@@ -311,3 +311,19 @@ def test_a_bad_grace_is_bad_input(tmp_path: Path) -> None:
     open_store(str(tmp_path / "s"), create=True)
     done = run_cli("gc", "--store", str(tmp_path / "s"), "--grace", "soon", "--dry-run")
     assert done.returncode == 2 and "--grace" in done.stderr
+
+
+def test_gc_yes_with_stdout_closed_deletes_and_exits_0(tmp_path: Path) -> None:
+    """A cron job with fd 1 closed: gc's plan and report cannot be printed, the deletion is what
+    it was asked for (exit 0, a warning on stderr), not an internal error (exit 1)."""
+    from tests.storekit import publish_release_of, write_files
+
+    store = open_store(str(tmp_path / "store"), create=True)
+    orphan = publish_release_of(store, tmp_path / "src", write_files(tmp_path / "src", {"a.bin": 10}), name="m")
+    done = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "gc", "--store", str(tmp_path / "store"), "--yes", "--grace", "0"],
+        stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False, preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert store.get_doc("releases", orphan) is None
+    assert "could not be printed: stdout is closed" in done.stderr and "internal error" not in done.stderr

@@ -326,7 +326,7 @@ def test_a_corrupt_stored_blob_fails_closed_naming_the_file(
     dest = tmp_path / "cache"
     with pytest.raises(IntegrityError, match=bad.path.name) as err:
         store.download_blobs([BlobTarget(bad.digest, bad.size, dest / bad.path.name)], jobs=4)
-    assert "nothing was written" in (err.value.hint or "")
+    assert "that file was not written" in (err.value.hint or "")
     assert not dest.exists() or not list(dest.rglob("*.bin*"))  # no file, no temp file
 
 
