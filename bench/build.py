@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / ".work" / "build"
 NB = [sys.executable, "-m", "neffbuild"]
@@ -113,16 +115,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=int, default=4, choices=range(1, len(WIDTHS) + 1))
     p.add_argument("--rounds", type=int, default=1)
-    args = p.parse_args()
+    p.add_argument("--modes", default="jobs1,jobs2,shards", help="comma-separated, jobs1 among them (the base)")
+    args = smoke.parse(p, shapes=1, modes="jobs1")
     WORK.mkdir(parents=True, exist_ok=True)
     model = WORK / "model"
     if not (model / "model_index.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(model)], check=True)
     m = manifest(model, args.shapes)
-    modes = ["jobs1", "jobs2", "shards"]
+    modes = args.modes.split(",")
+    if "jobs1" not in modes or not set(modes) <= {"jobs1", "jobs2", "shards"}:
+        p.error("--modes: jobs1, jobs2, shards; jobs1 among them")
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for r in range(args.rounds):
-        for mode in modes[r % 3 :] + modes[: r % 3]:
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
             results[mode].append(run_mode(mode, m, r))
             print(f"round {r + 1}: {mode}: {results[mode][-1]['wall']:.1f} s", file=sys.stderr)
     print(

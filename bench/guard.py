@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PROCESS = r"""
@@ -112,7 +114,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--calls", type=int, default=2, help="requests per arm per round")
     parser.add_argument("--work", type=Path, default=Path("/tmp/neffbuild-bench-guard"))
-    args = parser.parse_args()
+    args = smoke.parse(parser, rounds=1, calls=1)
     args.work.mkdir(parents=True, exist_ok=True)
     result = run(args.work, args.rounds, args.calls)
     n = len(result["times"]["none"])

@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -162,7 +164,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per command; the median is reported")
     parser.add_argument("--jobs", type=int, default=8, help="tags published at once while making the store")
     parser.add_argument("--work", type=Path, help="scratch dir [default: a temp dir, removed]")
-    args = parser.parse_args()
+    args = smoke.parse(parser, runs=1, releases=6, tags=2, blobs=40)
     with tempfile.TemporaryDirectory(prefix="neffbench-", dir=args.work) as tmp:
         work = Path(tmp)
         stores: dict[str, Callable[[], list[str]]] = {

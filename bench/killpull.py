@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -53,7 +55,7 @@ def main() -> None:
     p.add_argument("--large", type=int, default=2)
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--store", choices=("s3", "local"), default="s3" if weed_binary() else "local")
-    args = p.parse_args()
+    args = smoke.parse(p, points=2, pulls=2, small=20, large=1)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import _smoke as smoke
 import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def main() -> None:
     p.add_argument("--files", type=int, default=10_000)
     p.add_argument("--jobs", type=int, default=16)
     p.add_argument("--size", type=int, default=0, help="every file this many MiB (NEFF-like) instead of 4-64 KiB")
-    args = p.parse_args()
+    args = smoke.parse(p, runs=1, files=40)
     store_dir, cache = prepare(args.files, args.size)
     files = sorted(str(p) for p in cache.rglob("*") if p.is_file() and ".neffbuild" not in p.parts)
     size = sum(os.path.getsize(f) for f in files)

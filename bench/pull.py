@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import _smoke as smoke
 import boto3
 from botocore.config import Config
 
@@ -54,6 +55,8 @@ WORK = ROOT / "bench" / ".work"
 BUCKET = "bench"
 CEILING = "curl (ceiling)"
 ENGINE_NAME = "neffbuild, no start-up"  # not a peer: the same pull timed inside the process
+CASES = {"a": (2000, 64 << 10), "b": (8, 128 << 20)}  # (files, bytes each)
+SMOKE_CASES = {"a": (20, 4 << 10), "b": (2, 1 << 20)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +123,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-sync", dest="sync", action="store_false", help="do not include `sync -f DEST` in each time")
     p.add_argument("--peers-venv", type=Path, default=WORK / "peers", help="venv with bench/requirements.txt")
     p.add_argument("--json", type=Path, help="also write the results here")
-    return p.parse_args()
+    return smoke.parse(p, runs=1, warmup=0, jobs=4)
 
 
 # ---- content ------------------------------------------------------------------------------------
@@ -131,8 +134,8 @@ def prepare(name: str, args: argparse.Namespace, s3: S3Settings) -> Case | None:
 
     store = open_store(f"s3://{BUCKET}/{name}/store", create=True, env=s3.env())
     if name in ("a", "b"):
-        count, size = (2000, 64 << 10) if name == "a" else (8, 128 << 20)
-        files = synth_files(WORK / "data" / name, count, size)
+        count, size = (SMOKE_CASES if args.smoke else CASES)[name]
+        files = synth_files(WORK / ("data-smoke" if args.smoke else "data") / name, count, size)
         publish_synthetic(store, files, name)
         label = (
             f"({name}) {count:,} x {size >> 10 if size < 1 << 20 else size >> 20} {'KiB' if size < 1 << 20 else 'MiB'}"
@@ -162,11 +165,9 @@ def synth_files(root: Path, count: int, size: int) -> Path:
 
 
 def publish_synthetic(store, files: Path, name: str) -> None:
-    from neffbuild.hashing import hash_file
-    from neffbuild.store.base import BlobSource
-    from tests.storekit import publish_release_of
+    from tests.storekit import publish_release_of, source_of
 
-    sources = [BlobSource(d.hex, d.size, p) for p in sorted(files.iterdir()) for d in [hash_file(p)]]
+    sources = [source_of(p) for p in sorted(files.iterdir())]
     publish_release_of(store, files, sources, name=f"bench-{name}", tag="bench")
 
 

@@ -37,6 +37,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -44,6 +46,7 @@ WORK = ROOT / "bench" / ".work" / "ready"
 LARGE_MIB = (256, 192, 128, 64)  # NEFFs of the larger units
 MEDIUM = (8, 16)  # that many files of 16 MiB: still >= DIRECT_MIN
 SMALL = 2000  # Inductor-like files of 4-64 KiB
+SMOKE = ((9,), (1, 8), 20)  # --smoke: one file of each kind past DIRECT_MIN, a few small ones
 MODES = {"O_DIRECT": True, "buffered": False}
 
 
@@ -52,10 +55,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=6, help="rounds per store (each times both modes), after one warm-up")
     p.add_argument("--stores", default="local,s3", type=lambda s: s.split(","))
     p.add_argument("--jobs", type=int, default=16)
-    args = p.parse_args()
-    src, sources = content(WORK / "src")
+    args = smoke.parse(p, runs=1, jobs=4)
+    if args.smoke:  # dirs of its own: a full run's content and store stay as they are
+        global WORK
+        WORK = WORK / "smoke"
+    src, sources = content(WORK / "src", *SMOKE) if args.smoke else content(WORK / "src")
     size = sum(s.size for s in sources)
-    dropping = drop_caches()
+    dropping = False if args.smoke else drop_caches()  # a smoke run in the suite leaves the page cache alone
     print(
         f"release: {len(sources):,} files, {size / 1e6:,.0f} MB; page cache dropped before each pull: {dropping}",
         file=sys.stderr,
@@ -69,15 +75,14 @@ def main() -> None:
             report(name, where, timings, len(sources), size, args, dropping)
 
 
-def content(root: Path):
+def content(root: Path, large_mib=LARGE_MIB, medium=MEDIUM, small=SMALL):
     """The release's files under root (made once, same bytes every time) as blob sources."""
-    from neffbuild.hashing import hash_file
-    from neffbuild.store.base import BlobSource
+    from tests.storekit import source_of
 
     rng = random.Random(12)
-    sizes = {f"neff/large-{i}.neff": mib << 20 for i, mib in enumerate(LARGE_MIB)}
-    sizes.update({f"neff/medium-{i}.neff": MEDIUM[1] << 20 for i in range(MEDIUM[0])})
-    sizes.update({f"inductor/{i % 50:02x}/k{i:05d}.py": rng.randrange(4 << 10, 64 << 10) for i in range(SMALL)})
+    sizes = {f"neff/large-{i}.neff": mib << 20 for i, mib in enumerate(large_mib)}
+    sizes.update({f"neff/medium-{i}.neff": medium[1] << 20 for i in range(medium[0])})
+    sizes.update({f"inductor/{i % 50:02x}/k{i:05d}.py": rng.randrange(4 << 10, 64 << 10) for i in range(small)})
     done = root / ".complete"
     if not done.exists():
         shutil.rmtree(root, ignore_errors=True)
@@ -85,7 +90,7 @@ def content(root: Path):
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_bytes(os.urandom(n))
         done.touch()
-    return root, [BlobSource(d.hex, d.size, root / rel) for rel in sizes for d in [hash_file(root / rel)]]
+    return root, [source_of(root / rel) for rel in sizes]
 
 
 @contextmanager

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [(128, 128), (128, 256), (128, 384)]
 GUIDE_FLAGS = (
@@ -133,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = smoke.parse(parser, recipes="default")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = work / "tiny-flux2-klein"

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -40,7 +42,8 @@ def publish(store: Store, src: Path, units: int, files: int, tag: str = "bench")
     for n in range(units):
         sources = write_files(src / f"u{n}", {f"{n:02x}/k{i:03d}.so": 2000 + 37 * i for i in range(files)}, seed=n)
         listed = tuple(
-            FileEntry(path=s.path.relative_to(src / f"u{n}").as_posix(), size=s.size, digest=s.digest) for s in sources
+            FileEntry(path=s.path.relative_to(src / f"u{n}").as_posix(), size=s.size, digest=s.digest, blake3=s.blake3)
+            for s in sources
         )
         unit = {
             "model": {"n": str(n)},
@@ -83,7 +86,7 @@ def main() -> None:
     parser.add_argument("--units", type=int, default=40)
     parser.add_argument("--files", type=int, default=50, help="files per unit")
     parser.add_argument("--runs", type=int, default=20)
-    args = parser.parse_args()
+    args = smoke.parse(parser, runs=1, units=2, files=3)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory(prefix="neffbuild-status-bench-") as tmp:
         work = Path(tmp)

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _smoke as smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -53,7 +55,7 @@ def main() -> None:
         "--no-unthrottled", action="store_true", help="skip the unthrottled run (requests per pull: --per-pull)"
     )
     p.add_argument("--per-pull", type=float, default=None)
-    args = p.parse_args()
+    args = smoke.parse(p, hosts="2", small=10, large=1, storm=4.0, timeout=60.0)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     with S3Server(WORK / "weed") as server:

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke as smoke
 import blake3
 import xxhash
 
@@ -51,6 +52,9 @@ from tests.storekit import this_host  # noqa: E402
 
 CHUNK = 1 << 20
 CASES = {"a": (2000, 64 << 10), "b": (8, 128 << 20)}
+SMOKE_CASES = {"a": (20, 4 << 10), "b": (2, 1 << 20)}
+VERIFY = (("small", 10_000, 34 << 10), ("large", 4, 256 << 20))
+SMOKE_VERIFY = (("small", 20, 4 << 10), ("large", 1, 2 << 20))
 
 
 def loop_rates(total: int = 1 << 30) -> dict[str, tuple[float, float]]:
@@ -117,8 +121,8 @@ def make_files(root: Path, count: int, size: int) -> None:
         path.write_bytes(rng(size))
 
 
-def pull_ratio(case: str, runs: int, work: Path) -> dict:
-    count, size = CASES[case]
+def pull_ratio(case: str, runs: int, work: Path, cases: dict[str, tuple[int, int]]) -> dict:
+    count, size = cases[case]
     src = work / f"src-{case}"
     make_files(src, count, size)
     with S3Server(work / f"s3-{case}") as s3:
@@ -192,17 +196,17 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--cases", default="a,b")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: loop, pull, verify")
-    args = p.parse_args()
+    args = smoke.parse(p, runs=1)
     skip = set(filter(None, args.skip.split(",")))
     (ROOT / "bench" / ".work").mkdir(parents=True, exist_ok=True)  # ignored by git; the disk pulls land on
     with tempfile.TemporaryDirectory(prefix="trust-", dir=ROOT / "bench" / ".work") as tmp:
         work = Path(tmp)
         if "loop" not in skip:
-            for name, (wall, cpu) in loop_rates().items():
+            for name, (wall, cpu) in loop_rates(16 << 20 if args.smoke else 1 << 30).items():
                 print(f"loop {name}: {wall:.2f} GB/s wall, {cpu:.2f} GB/s of CPU", flush=True)
         if "pull" not in skip:
             for case in args.cases.split(","):
-                r = pull_ratio(case, args.runs, work)
+                r = pull_ratio(case, args.runs, work, SMOKE_CASES if args.smoke else CASES)
                 print(
                     f"pull ({case}) {r['files']} x {r['size'] >> 10} KiB: blake3 {r['b3_s']:.3f} s, "
                     f"xxh3 only {r['xxh3_s']:.3f} s, ratio {r['ratio']:.3f}; pull's CPU {r['b3_cpu']:.2f} s vs "
@@ -210,7 +214,7 @@ def main() -> None:
                     flush=True,
                 )
         if "verify" not in skip:
-            for name, count, size in (("small", 10_000, 34 << 10), ("large", 4, 256 << 20)):
+            for name, count, size in SMOKE_VERIFY if args.smoke else VERIFY:
                 r = verify_full_ratio(name, count, size, args.runs, work)
                 print(
                     f"verify full ({name}) {r['files']} files: pull {r['pull_s']:.3f} s, raw xxh3+blake3 loop "

