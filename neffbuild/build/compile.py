@@ -26,6 +26,7 @@ from neffbuild.build.fanin import assemble_release
 from neffbuild.build.fleet import checked_document, select
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.build.report import emit, from_build
+from neffbuild.build.sizing import unit_shares
 from neffbuild.documents.manifest import Shape, load_manifest
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
 from neffbuild.documents.refs import load_doc
@@ -122,6 +123,7 @@ class _Run:
     keep_work: bool = False
     gate: MemoryGate = field(default_factory=lambda: MemoryGate(None))
     unit_memory: int | None = None
+    shares: Mapping[str, int] = field(default_factory=dict)  # --unit-memory auto: bytes by unit id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +138,7 @@ class BuildOptions:
     retries: int = 0
     logs_dir: Path | None = None  # None: logs_dir_for(work_dir)
     unit_memory: int | None = None  # bytes one unit's compile needs (None: workers bounded by jobs only)
+    memory_auto: bool = False  # --unit-memory auto: each unit's share from recorded peaks (sizing.py)
     memory_budget: int | None = None  # bytes the units may share (None: what is available at the start)
     may_release: bool = True  # False: never release, even having built every unit (a Ray task's driver does)
     signing: Signing | None = None  # --sign-key / --expires: sign the release and its tag statement
@@ -201,17 +204,18 @@ def build(
     work_root = make_scratch_root(o.work_dir, "neffbuild-work-")
     run_logs = (o.logs_dir or logs_dir_for(o.work_dir)).expanduser().resolve() / run_name()
     cleanup = (lambda: None) if o.keep_work else (lambda: remove_tree(work_root))
+    name = o.tag or plan.loaded.manifest.name
+    shares = unit_shares(store, plan.units, chosen, name) if o.memory_auto else {}
     with supervised(cleanup=cleanup) as workers:
         notify = notify or (lambda unit_id, status: None)
         run = _Run(
             backend, store, env, work_root, run_logs, notify, workers, o.retries, units_root(o.work_dir), o.keep_work,
-            _gate(o, len(chosen)), o.unit_memory,
+            _gate(o, len(chosen)), o.unit_memory, {unit_id: s.need for unit_id, s in shares.items()},
         )  # fmt: skip
         outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, workers)
     # Built longest first (fleet.select); reported in the manifest's order, as plan lists them.
     order = {u.unit_id: i for i, u in enumerate(plan.units)}
     outcomes = sorted(outcomes, key=lambda outcome: order.get(outcome.unit_id, len(order)))
-    name = o.tag or plan.loaded.manifest.name
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
     if report.failed or not report.complete or not o.may_release:
         return report
@@ -243,7 +247,7 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
     if run.store.get_doc("bundles", unit.key) is not None:
         run.notify(unit.unit_id, "present")
         return UnitOutcome(unit.unit_id, unit.key, "present")
-    with run.gate.share(run.unit_memory):
+    with run.gate.share(run.shares.get(unit.unit_id, run.unit_memory)):
         started = time.monotonic()
         for attempt in range(1, run.retries + 2):
             outcome = _attempt(unit, run, started)
@@ -257,11 +261,13 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
 
 def _gate(o: BuildOptions, units: int) -> MemoryGate:
     """The memory gate of --unit-memory: the budget given, or what is available now."""
-    if o.unit_memory is None:
+    if o.unit_memory is None and not o.memory_auto:
         return MemoryGate(None)
     budget = o.memory_budget if o.memory_budget is not None else available_memory()
     if budget is None:
         log.warning("--unit-memory: the available memory cannot be read here; workers are bounded by --jobs only")
+    elif o.unit_memory is None:
+        log.info("memory: %s for the units' shares (from their recorded peaks)", _gib(budget))
     else:
         fits = max(1, budget // o.unit_memory)
         log.info(
@@ -387,6 +393,7 @@ def build_unit(
         timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         neffbuild_version=__version__,
+        peak_rss=result.peak_rss,
     )
     uploaded = publish_bundle(store, record, [s for _, s in files], jobs=4)
     return UnitOutcome(
