@@ -85,6 +85,9 @@ class UnitOutcome:
     killed: str | None = None  # a failed unit's worker was killed: how ("killed by SIGKILL", the OOM killer)
     peak_rss: int = 0  # bytes, as the worker measured it (0: not measured, e.g. present or killed)
     counters: Mapping[str, int] = field(default_factory=dict)  # the compiler's counters for this unit
+    # Seconds by phase: load (worker start to pipeline ready), trace, compile, run (the rest of
+    # the first call), publish (hash and upload); queue is the build's (_unit_outcome).
+    phases: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,7 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
     if run.store.get_doc("bundles", unit.key) is not None:
         run.notify(unit.unit_id, "present")
         return UnitOutcome(unit.unit_id, unit.key, "present")
+    queued = time.monotonic()
     with run.gate.share(run.shares.get(unit.unit_id, run.unit_memory)):
         started = time.monotonic()
         for attempt in range(1, run.retries + 2):
@@ -254,7 +258,8 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
             if outcome.status != "failed" or attempt > run.retries:
                 if outcome.status == "failed":
                     run.notify(unit.unit_id, "failed")
-                return replace(outcome, attempts=attempt)
+                phases = {"queue": round(started - queued, 3), **outcome.phases}  # the memory gate's wait
+                return replace(outcome, attempts=attempt, phases=phases)
             run.notify(unit.unit_id, f"retrying ({attempt} of {run.retries} retries) after: {outcome.error}")
     raise AssertionError("unreachable: the last attempt returns")
 
@@ -363,6 +368,7 @@ def build_unit(
     )
     launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
     result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)
+    publishing = time.monotonic()
     if on_phase:
         on_phase(unit.unit_id, "publishing")
     _check_fingerprint(unit, result.fingerprint)
@@ -407,7 +413,15 @@ def build_unit(
         compiles=run.compiles,
         peak_rss=result.peak_rss,
         counters=dict(run.counters),
+        phases=_phases(result.load_s, run, time.monotonic() - publishing),
     )
+
+
+def _phases(load_s: float, run: ShapeRun, publish_s: float) -> dict[str, float]:
+    """Seconds by phase of one built unit (UnitOutcome.phases)."""
+    rest = max(0.0, run.first_call_s - run.trace_s - run.compile_s)
+    seconds = {"load": load_s, "trace": run.trace_s, "compile": run.compile_s, "run": rest, "publish": publish_s}
+    return {name: round(s, 3) for name, s in seconds.items()}
 
 
 def warmup_shapes(unit: BuildUnit) -> list[Shape]:
@@ -430,9 +444,13 @@ def _merged(runs: Sequence[ShapeRun]) -> ShapeRun:
         for name, value in run.counters.items():
             counters[name] = counters.get(name, 0) + value
     inputs = {k: v for run in runs for k, v in run.inputs.items()}
+    traced, compiled = sum(r.trace_s for r in runs), sum(r.compile_s for r in runs)
     return runs[-1].model_copy(
-        update={"counters": counters, "compiles": sum(r.compiles for r in runs), "inputs": inputs}
-    )
+        update={
+            "counters": counters, "compiles": sum(r.compiles for r in runs), "inputs": inputs,
+            "trace_s": traced, "compile_s": compiled,  # every call's compiling (the earlier ones warm the last up)
+        }
+    )  # fmt: skip
 
 
 def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSource]]:

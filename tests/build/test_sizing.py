@@ -65,6 +65,12 @@ def test_a_second_build_sizes_its_new_unit_from_the_peak_the_first_recorded(
     (unit,) = json.loads(report.read_text())["units"]
     bundle = json.loads((store / "bundles" / f"{unit['key']}.json").read_text())
     assert bundle["peak_rss"] == unit["peak_rss"] > 0  # recorded in the store, as the report says
+    phases = unit["phases"]  # where the unit's time went (bench/build.py reads these)
+    assert set(phases) == {"queue", "load", "trace", "compile", "run", "publish"}
+    assert phases["load"] > 0 and phases["trace"] > 0 and phases["compile"] > 0 and phases["publish"] > 0
+    assert phases["trace"] + phases["compile"] + phases["run"] == pytest.approx(
+        bundle["timings"]["first_call_s"], abs=0.01
+    )
     # A new shape of the same entry: sized from that peak, with the margin.
     m.write_text('name = "sizing"\n' + ENTRY.format(id="good", model="tiny", width="[32, 64]"))
     second = cli("-v", "build", str(m), "--store", str(store), "--unit-memory", "auto", env=ENV)
