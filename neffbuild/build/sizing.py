@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from neffbuild.documents.records import BundleRecord, Release
 from neffbuild.documents.refs import checked_doc, doc_where, find_doc, read_tag
 from neffbuild.errors import NeffbuildError
+from neffbuild.printable import printable
 from neffbuild.store.base import Store
 from neffbuild.units.plan import BuildUnit
 
@@ -52,7 +53,8 @@ def unit_shares(
             share = Share(DEFAULT_UNIT_MEMORY, "no peak recorded: the default")
         else:
             peak, where = found
-            share = Share(int(peak * MARGIN), f"{MARGIN} x the {_mib(peak)} peak of {where}'s build")
+            # A released unit id is the store's text: escaped before it reaches a terminal.
+            share = Share(int(peak * MARGIN), f"{MARGIN} x the {_mib(peak)} peak of {printable(where)}'s build")
         shares[unit.unit_id] = share
         log.info("memory: %s: %s (%s)", unit.unit_id, _mib(share.need), share.source)
     return shares

@@ -156,7 +156,8 @@ def _own_memory_cgroup(tmp_path: Path) -> Iterator[Path]:
                 (child / "memory.memsw.limit_in_bytes").write_text(str(LIMIT))  # no way out through swap
         else:
             (child / "memory.max").write_text(str(LIMIT))
-            (child / "memory.swap.max").write_text("0")
+            if (child / "memory.swap.max").exists():
+                (child / "memory.swap.max").write_text("0")
         yield child
     finally:
         wait_for(lambda: not (child / "cgroup.procs").read_text().strip(), 30)
