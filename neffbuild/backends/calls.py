@@ -39,6 +39,21 @@ class MeasuredCall:
     counters: dict[str, int]  # what changed in the backend's counters during the call
     compiles: int
     images: Any
+    trace_s: float = 0.0  # of seconds: Dynamo tracing the call's Python into graphs
+    compile_s: float = 0.0  # of seconds: the compile backend on those graphs (AOTAutograd, Inductor, C++)
+
+
+def _compile_seconds() -> tuple[float, float]:
+    """(Dynamo's compile time, its backend's part) so far in this process, from torch's own
+    per-phase timers; zeros where this torch has none (a private table, kept since torch 2.1)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0, 0.0
+    return (
+        sum(compilation_time_metrics.get("_compile.compile_inner", ())),
+        sum(compilation_time_metrics.get("OutputGraph.call_user_compiler", ())),
+    )
 
 
 def measured_call(backend: Backend, runner: Any, entry: ModelEntry, shape: Shape) -> MeasuredCall:
@@ -46,11 +61,15 @@ def measured_call(backend: Backend, runner: Any, entry: ModelEntry, shape: Shape
     import torch
 
     before = backend.counters()
+    dynamo_before, backend_before = _compile_seconds()
     started = time.perf_counter()
     with torch.inference_mode():
         images = runner(**call_kwargs(entry, shape)).images
     seconds = time.perf_counter() - started
+    dynamo_after, backend_after = _compile_seconds()
     after = backend.counters()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
     delta = {k: v for k, v in delta.items() if v}
-    return MeasuredCall(seconds=seconds, counters=delta, compiles=backend.compiles_in(delta), images=images)
+    compile_s = backend_after - backend_before
+    trace_s = max(0.0, dynamo_after - dynamo_before - compile_s)
+    return MeasuredCall(seconds, delta, backend.compiles_in(delta), images, trace_s, compile_s)

@@ -88,6 +88,8 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
         first_call_s=call.seconds,
         counters=call.counters,
         compiles=call.compiles,
+        trace_s=call.trace_s,
+        compile_s=call.compile_s,
         output=output,
         written=written,
         inputs={k: v for k, v in inputs.items() if v},

@@ -26,6 +26,7 @@ from neffbuild.build.fanin import assemble_release
 from neffbuild.build.fleet import checked_document, select
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.build.report import emit, from_build
+from neffbuild.build.sizing import unit_shares
 from neffbuild.documents.manifest import Shape, load_manifest
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
 from neffbuild.documents.refs import load_doc
@@ -85,6 +86,9 @@ class UnitOutcome:
     killed: str | None = None  # a failed unit's worker was killed: how ("killed by SIGKILL", the OOM killer)
     peak_rss: int = 0  # bytes, as the worker measured it (0: not measured, e.g. present or killed)
     counters: Mapping[str, int] = field(default_factory=dict)  # the compiler's counters for this unit
+    # Seconds by phase: load (worker start to pipeline ready), trace, compile, run (the rest of
+    # the first call), publish (hash and upload); queue is the build's (_unit_outcome).
+    phases: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,7 @@ class _Run:
     keep_work: bool = False
     gate: MemoryGate = field(default_factory=lambda: MemoryGate(None))
     unit_memory: int | None = None
+    shares: Mapping[str, int] = field(default_factory=dict)  # --unit-memory auto: bytes by unit id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +142,7 @@ class BuildOptions:
     retries: int = 0
     logs_dir: Path | None = None  # None: logs_dir_for(work_dir)
     unit_memory: int | None = None  # bytes one unit's compile needs (None: workers bounded by jobs only)
+    memory_auto: bool = False  # --unit-memory auto: each unit's share from recorded peaks (sizing.py)
     memory_budget: int | None = None  # bytes the units may share (None: what is available at the start)
     may_release: bool = True  # False: never release, even having built every unit (a Ray task's driver does)
     signing: Signing | None = None  # --sign-key / --expires: sign the release and its tag statement
@@ -202,17 +208,18 @@ def build(
     work_root = make_scratch_root(o.work_dir, "neffbuild-work-")
     run_logs = (o.logs_dir or logs_dir_for(o.work_dir)).expanduser().resolve() / run_name()
     cleanup = (lambda: None) if o.keep_work else (lambda: remove_tree(work_root))
+    name = o.tag or plan.loaded.manifest.name
+    shares = unit_shares(store, plan.units, chosen, name) if o.memory_auto else {}
     with supervised(cleanup=cleanup) as workers:
         notify = notify or (lambda unit_id, status: None)
         run = _Run(
             backend, store, env, work_root, run_logs, notify, workers, o.retries, units_root(o.work_dir), o.keep_work,
-            _gate(o, len(chosen)), o.unit_memory,
+            _gate(o, len(chosen)), o.unit_memory, {unit_id: s.need for unit_id, s in shares.items()},
         )  # fmt: skip
         outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, workers)
     # Built longest first (fleet.select); reported in the manifest's order, as plan lists them.
     order = {u.unit_id: i for i, u in enumerate(plan.units)}
     outcomes = sorted(outcomes, key=lambda outcome: order.get(outcome.unit_id, len(order)))
-    name = o.tag or plan.loaded.manifest.name
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
     if report.failed or not report.complete or not o.may_release:
         return report
@@ -244,25 +251,29 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
     if run.store.get_doc("bundles", unit.key) is not None:
         run.notify(unit.unit_id, "present")
         return UnitOutcome(unit.unit_id, unit.key, "present")
-    with run.gate.share(run.unit_memory):
+    queued = time.monotonic()
+    with run.gate.share(run.shares.get(unit.unit_id, run.unit_memory)):
         started = time.monotonic()
         for attempt in range(1, run.retries + 2):
             outcome = _attempt(unit, run, started)
             if outcome.status != "failed" or attempt > run.retries:
                 if outcome.status == "failed":
                     run.notify(unit.unit_id, "failed")
-                return replace(outcome, attempts=attempt)
+                phases = {"queue": round(started - queued, 3), **outcome.phases}  # the memory gate's wait
+                return replace(outcome, attempts=attempt, phases=phases)
             run.notify(unit.unit_id, f"retrying ({attempt} of {run.retries} retries) after: {outcome.error}")
     raise AssertionError("unreachable: the last attempt returns")
 
 
 def _gate(o: BuildOptions, units: int) -> MemoryGate:
     """The memory gate of --unit-memory: the budget given, or what is available now."""
-    if o.unit_memory is None:
+    if o.unit_memory is None and not o.memory_auto:
         return MemoryGate(None)
     budget = o.memory_budget if o.memory_budget is not None else available_memory()
     if budget is None:
         log.warning("--unit-memory: the available memory cannot be read here; workers are bounded by --jobs only")
+    elif o.unit_memory is None:
+        log.info("memory: %s for the units' shares (from their recorded peaks)", _gib(budget))
     else:
         fits = max(1, budget // o.unit_memory)
         log.info(
@@ -358,6 +369,7 @@ def build_unit(
     )
     launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
     result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)
+    publishing = time.monotonic()
     if on_phase:
         on_phase(unit.unit_id, "publishing")
     _check_fingerprint(unit, result.fingerprint)
@@ -399,6 +411,7 @@ def build_unit(
         timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         neffbuild_version=__version__,
+        peak_rss=result.peak_rss,
     )
     uploaded = publish_bundle(store, record, [s for _, s in files], jobs=4)
     return UnitOutcome(
@@ -412,7 +425,15 @@ def build_unit(
         compiles=run.compiles,
         peak_rss=result.peak_rss,
         counters=dict(run.counters),
+        phases=_phases(result.load_s, run, time.monotonic() - publishing),
     )
+
+
+def _phases(load_s: float, run: ShapeRun, publish_s: float) -> dict[str, float]:
+    """Seconds by phase of one built unit (UnitOutcome.phases)."""
+    rest = max(0.0, run.first_call_s - run.trace_s - run.compile_s)
+    seconds = {"load": load_s, "trace": run.trace_s, "compile": run.compile_s, "run": rest, "publish": publish_s}
+    return {name: round(s, 3) for name, s in seconds.items()}
 
 
 def warmup_shapes(unit: BuildUnit) -> list[Shape]:
@@ -435,9 +456,13 @@ def _merged(runs: Sequence[ShapeRun]) -> ShapeRun:
         for name, value in run.counters.items():
             counters[name] = counters.get(name, 0) + value
     inputs = {k: v for run in runs for k, v in run.inputs.items()}
+    traced, compiled = sum(r.trace_s for r in runs), sum(r.compile_s for r in runs)
     return runs[-1].model_copy(
-        update={"counters": counters, "compiles": sum(r.compiles for r in runs), "inputs": inputs}
-    )
+        update={
+            "counters": counters, "compiles": sum(r.compiles for r in runs), "inputs": inputs,
+            "trace_s": traced, "compile_s": compiled,  # every call's compiling (the earlier ones warm the last up)
+        }
+    )  # fmt: skip
 
 
 def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSource]]:

@@ -30,6 +30,7 @@ from neffbuild.build.compile import BuildOptions, build
 from neffbuild.build.fanin import ReleaseResult, release_manifest
 from neffbuild.build.fleet import checked_document, recorded_durations
 from neffbuild.build.report import Report, emit, from_build, merged
+from neffbuild.build.sizing import unit_shares
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.documents.records import parse, to_json
 from neffbuild.errors import InputError
@@ -68,7 +69,9 @@ def build_on_ray(
         if started_here:
             ray.init(address=None if address == LOCAL else address, include_dashboard=False, log_to_driver=False)
         try:
-            reports = _run_tasks(ray, plan, manifest.resolve(), opened.url, plan_file.read_bytes(), options)
+            shares = unit_shares(opened, plan.units, plan.units, tag) if options.memory_auto else {}
+            needs = {unit_id: s.need for unit_id, s in shares.items()}
+            reports = _run_tasks(ray, plan, manifest.resolve(), opened.url, plan_file.read_bytes(), options, needs)
         finally:
             if started_here:
                 ray.shutdown()
@@ -92,12 +95,18 @@ def _ray() -> Any:
 
 
 def _run_tasks(
-    ray: Any, plan: Plan, manifest: Path, store_url: str, plan_json: bytes, options: BuildOptions
+    ray: Any,
+    plan: Plan,
+    manifest: Path,
+    store_url: str,
+    plan_json: bytes,
+    options: BuildOptions,
+    needs: Mapping[str, int],  # --unit-memory auto: Ray memory by unit id
 ) -> list[Report]:
     task = ray.remote(max_retries=0)(build_unit_task)  # a retry is the user's --retries, inside the task
-    options = replace(options, signing=None)  # the driver signs what it releases: no key travels to a node
+    options = replace(options, signing=None, memory_auto=False)  # the driver signs and sizes; no key travels
     pending = {
-        task.options(**unit_resources(unit, plan.backend_name, options.unit_memory)).remote(
+        task.options(**unit_resources(unit, plan.backend_name, needs.get(unit.unit_id, options.unit_memory))).remote(
             str(manifest), store_url, plan_json, unit.unit_id, options
         ): unit.unit_id
         for unit in plan.units

@@ -44,6 +44,7 @@ class ReportUnit:
     attempts: int = 0
     killed: str = ""
     error: str = ""
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: queue, load, trace, compile, run, publish
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ def _unit(o: UnitOutcome, shard: str) -> ReportUnit:
         unit_id=o.unit_id, key=o.key, status=o.status, shard=shard, seconds=round(o.seconds, 3), peak_rss=o.peak_rss,
         files=o.files, bytes=o.size, uploaded=o.uploaded, compiles=o.compiles, counters=dict(o.counters),
         attempts=o.attempts if o.status != "present" else 0, killed=o.killed or "", error=o.error or "",
+        phases=dict(o.phases),
     )  # fmt: skip
 
 

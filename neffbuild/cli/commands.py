@@ -229,8 +229,8 @@ def plan(
     help="Write a JSON report of every unit (also appended as Markdown to $GITHUB_STEP_SUMMARY when set).",
 )
 @click.option(
-    "--unit-memory", metavar="SIZE",
-    help="Memory one unit's compile needs (e.g. 6GiB): a worker starts only while the units running fit in the memory budget [default: bounded by --jobs only].",
+    "--unit-memory", metavar="SIZE|auto",
+    help="Memory one unit's compile needs (e.g. 6GiB; auto: each unit's recorded peak + 25%, else 8GiB): a worker starts only while the units running fit in the memory budget [default: bounded by --jobs only].",
 )  # fmt: skip
 @click.option(
     "--memory-budget", metavar="SIZE",
@@ -259,7 +259,8 @@ def build(
         raise InputError("--memory-budget: it bounds --unit-memory's shares", hint="give --unit-memory SIZE too")
     options = BuildOptions(
         tag=tag, jobs=jobs or 1, work_dir=work_dir, keep_work=keep_work, retries=retries,
-        unit_memory=parse_size(unit_memory, "--unit-memory") if unit_memory is not None else None,
+        unit_memory=parse_size(unit_memory, "--unit-memory") if unit_memory and unit_memory != "auto" else None,
+        memory_auto=unit_memory == "auto",
         memory_budget=parse_size(memory_budget, "--memory-budget") if memory_budget is not None else None,
         signing=signing,
     )  # fmt: skip

@@ -184,6 +184,9 @@ class BundleRecord:
     # What each listed component received during the warmup, one line per distinct call
     # (shapes, dtypes, plain values): two bundles with equal inputs compiled the same graphs.
     inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Bytes: the build's worker's peak RSS (or its C++ compiler's), which sizes the next build's
+    # `--unit-memory auto` share; 0 where not recorded (bundles from before it was).
+    peak_rss: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,6 +77,8 @@ class ShapeRun(_Frozen):
     first_call_s: float
     counters: dict[str, int]
     compiles: int
+    trace_s: float = 0.0  # of first_call_s: Dynamo tracing (calls.MeasuredCall)
+    compile_s: float = 0.0  # of first_call_s: the compile backend
     output: str | None = None
     written: tuple[WrittenFile, ...] = ()
     inputs: dict[str, tuple[str, ...]] = {}  # per component: its distinct input signatures (base.input_signatures)

@@ -3,7 +3,9 @@
 A SIGKILLed worker looks the same whoever sent the signal. Under cgroup v2 (Kubernetes pods,
 systemd services, containers) the kernel counts OOM kills in the cgroup's `memory.events`
 (`oom_kill N`); a count that rose while the worker ran, with the worker dead by SIGKILL, names the
-OOM killer. Without such a file (cgroup v1, another OS) it says "SIGKILL" and no more.
+OOM killer. Under cgroup v1 (older container hosts, e.g. ECS-optimized AMIs running AWS Batch) the
+memory controller's `memory.oom_control` carries the same `oom_kill N` line (Linux 4.13 and
+later). Without either (another OS) it says "SIGKILL" and no more.
 """
 
 from __future__ import annotations
@@ -12,14 +14,21 @@ from pathlib import Path
 
 
 def memory_events_path(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> Path | None:
-    """This process's cgroup v2 `memory.events`, or None where there is none to read."""
+    """The file that counts this process's cgroup's OOM kills: cgroup v2's `memory.events`, else
+    cgroup v1's `memory.oom_control`; None where there is neither to read."""
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return None
-    for line in lines:
+    for line in lines:  # v2 first: on a hybrid host the v2 tree may hold no memory controller
         if line.startswith("0::"):
             path = cgroup_root / line[3:].lstrip("/") / "memory.events"
+            if path.is_file():
+                return path
+    for line in lines:
+        _, controllers, group = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if "memory" in controllers.split(","):
+            path = cgroup_root / "memory" / group.lstrip("/") / "memory.oom_control"
             return path if path.is_file() else None
     return None
 

@@ -37,7 +37,7 @@ def other_host_plan(manifest: Path) -> Plan:
     return make_plan(load_manifest(manifest), {}, facts_provider())
 
 
-def publish_unit(store: Store, work: Path, unit, seconds: float = 40.0) -> BundleRecord:
+def publish_unit(store: Store, work: Path, unit, seconds: float = 40.0, peak_rss: int = 0) -> BundleRecord:
     """A unit's bundle as its shard publishes it: a file of its own and one every unit shares."""
     files = {f"kernels/{unit.key}.so": unit.key.encode() * 40, "headers/common.h": b"common " * 30}
     sources, entries = [], []
@@ -50,7 +50,7 @@ def publish_unit(store: Store, work: Path, unit, seconds: float = 40.0) -> Bundl
     record = BundleRecord(
         key=unit.key, unit_id=unit.unit_id, unit=dict(unit.normalized), backend="inductor", fingerprint=dict(unit.fingerprint),
         files=tuple(entries), counters={"compiles": 2}, timings=Timings(1.0, seconds - 1.0, seconds),
-        created_at="2026-01-01T00:00:00+00:00", neffbuild_version="test",
+        created_at="2026-01-01T00:00:00+00:00", neffbuild_version="test", peak_rss=peak_rss,
     )  # fmt: skip
     publish_bundle(store, record, sources, jobs=4)
     return record
