@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from neffbuild.documents import records
 from neffbuild.documents.records import (
     RELEASE_FORMAT_1,
     BundleRecord,
@@ -348,3 +349,61 @@ def test_fuzz_documents_parse_or_are_refused_as_integrity_errors(kind: type, dat
                 doc = replace_somewhere(doc, data)
         raw = json.dumps(doc, allow_nan=True).encode()  # ensure_ascii: lone surrogates as \ud800
     check_parse(kind, raw)
+
+
+# ---- a file list is decoded a column at a time: the same verdicts as entry by entry --------------
+
+_NAMES = st.sampled_from(
+    ["a", "ab", ".", "..", "...", ".a", "a.", "", ".neffbuild", ".neffbuildx", ".x.1.2.incomplete", "a\\b",
+     "a\nb", "a\x7fb", "é", "x" * 255, "x" * 256, "A", "AB"]
+)  # fmt: skip
+_PATHS = st.lists(_NAMES, min_size=1, max_size=4).map("/".join) | st.sampled_from(["/a", "a/", "a//b", "y" * 1025])
+_ENTRY = st.fixed_dictionaries(
+    {
+        "path": _PATHS,
+        "size": st.sampled_from([0, 3, 1 << 63, -1, True, 2.0]),
+        "digest": st.sampled_from([DIGEST, DIGEST.upper(), DIGEST[:-1], 5]),
+        "blake3": st.sampled_from(["", "5" * 64, "5" * 63, None]),
+    }
+)
+_GOOD = st.fixed_dictionaries(
+    {
+        "path": st.lists(st.sampled_from(["a", "b.c", "..d", "x" * 255]), min_size=1, max_size=3).map("/".join),
+        "size": st.integers(0, (1 << 63) - 1),
+        "digest": st.just(DIGEST),
+        "blake3": st.sampled_from(["", "5" * 64]),
+    }
+)
+
+
+@st.composite
+def _file_lists(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Mostly good entries, at times one that may be anything (so both roads are taken)."""
+    files = draw(st.lists(_GOOD, max_size=5))
+    odd = draw(st.none() | _ENTRY)
+    if odd is not None:
+        files.insert(draw(st.integers(0, len(files))), odd)
+    return files
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(_file_lists())
+def test_a_file_list_decodes_a_column_at_a_time_exactly_as_entry_by_entry(files: list[dict[str, Any]]) -> None:
+    # The column check may take the fast road only where every entry passes one by one; where one
+    # does not, the list is refused as before, naming that entry.
+    def decoded(decode: Any) -> object:
+        try:
+            return decode()
+        except records._Invalid as exc:
+            return (exc.loc, exc.msg)
+
+    by_column = decoded(lambda: records._file_entries(files, ("files",)))
+    one_by_one = decoded(lambda: tuple(records._file_entry(v, ("files", i)) for i, v in enumerate(files)))
+    assert by_column == one_by_one
+
+
+@settings(max_examples=300)
+@given(st.lists(st.lists(st.sampled_from(["a", "A", "b", "é", "É", "c.d"]), min_size=1, max_size=3).map("/".join)))
+def test_distinct_paths_decided_by_sets_says_what_the_entry_walk_says(paths: list[str]) -> None:
+    files = tuple(FileEntry(path=p, size=1, digest=DIGEST) for p in paths)
+    assert records._distinct_paths(files) == records._why_not_distinct(files)
