@@ -115,6 +115,11 @@ def env_problem(env: dict[str, str]) -> str | None:
     return f"{nul[0]}: the value holds a NUL character" if nul else None
 
 
+def _reads_problem(reads: dict[str, str]) -> str | None:
+    bad = [n for n, d in reads.items() if not _ENV_NAME.fullmatch(n) or (d and not _HEX32.fullmatch(d))]
+    return f"{bad[0][:80]!r}: not a variable name with a digest" if bad else None
+
+
 def env_name_problem(name: str) -> str | None:
     return None if _ENV_NAME.fullmatch(name) else f"{name!r} is not an environment variable name"
 
@@ -190,6 +195,11 @@ class BundleRecord:
     # What each listed component received during the warmup, one line per distinct call
     # (shapes, dtypes, plain values): two bundles with equal inputs compiled the same graphs.
     inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Each environment variable the compiling process read (backends/envreads.py): name -> XXH3
+    # of "NAME=value", "" where unset; and the compiler's own key inputs (config hashes) as
+    # digests. Optional: bundles written before them keep their bytes.
+    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: _reads_problem(v), "omit": {}})
+    compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +231,10 @@ class Release:
     files: tuple[FileEntry, ...] = field(metadata=checked(_distinct_paths))
     shared: tuple[SharedPath, ...] = ()
     format: str = RELEASE_FORMAT
+    # What every unit's bundle agrees on of BundleRecord.env_reads and .compiler_keys (as the
+    # fingerprint is their common part): what doctor checks with only the release at hand.
+    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: _reads_problem(v), "omit": {}})
+    compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
     @property
     def signable(self) -> bool:
@@ -490,7 +504,7 @@ def _decode_doc(kind: type, value: Any, loc: Loc) -> Any:
     args = {}
     for name, f in fields.items():
         if name not in value:
-            if f.default is dataclasses.MISSING:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise _Invalid((*loc, name), "field required")
             continue
         args[name] = _decode(hints[name], value[name], (*loc, name))
