@@ -115,6 +115,9 @@ def test_the_typo_exits_2_from_the_cli_before_any_worker(tiny_sdxl: Path, tmp_pa
 SAME_GRAPHS = {
     "prompt text": ('prompt = "a photo of a cat"', 'prompt = "an oil painting of a lighthouse in a storm, at night"'),
     "negative prompt": ('negative_prompt = "blurry"', 'negative_prompt = "low quality, watermark, text"'),
+    # force_zeros_for_empty_prompt: without one, zeros_like the prompt's embeddings, of one shape
+    "negative prompt omitted": ('negative_prompt = "blurry"', ""),
+    "negative prompt as a list of one": ('negative_prompt = "blurry"', 'negative_prompt = ["blurry"]'),
     "guidance 7.5": ("guidance_scale = 5.0", "guidance_scale = 7.5"),
     "guidance 5 (int)": ("guidance_scale = 5.0", "guidance_scale = 5"),
     "guidance omitted": ("guidance_scale = 5.0", ""),
@@ -195,6 +198,7 @@ def test_the_plans_claims_hold_for_what_the_components_receive(tiny_sdxl: Path) 
         == base
     )
     assert received(prompt="a photo of a cat", negative_prompt="low quality, watermark", guidance_scale=7.5) == base
+    assert received(prompt="a photo of a cat", guidance_scale=5.0) == base  # no negative prompt: zeros, one shape
     assert received(prompt="a photo of a cat", guidance_scale=1.0) != base
 
 

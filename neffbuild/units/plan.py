@@ -212,8 +212,8 @@ def check_buildable(plan: Plan) -> None:
 def split_call(entry: ModelEntry, facts: CallFacts | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     """(the call arguments the key holds, those left out of it, why some are held only in part),
     from what the pipeline's own code does with them (backends/pipecode.py): warmup-only ones
-    out; prompt texts the pipeline pads to a fixed length out, their number kept as <text>
-    places; an argument the graphs see only as a comparison (guidance_scale > 1: classifier-free
+    out; prompt texts the pipeline pads to a fixed length out, the prompts' number kept as <text>
+    places (the other prompt-like arguments, negative or second, not even their presence); an argument the graphs see only as a comparison (guidance_scale > 1: classifier-free
     guidance on or off) keyed as that comparison's outcome, and left out where the outcome is the
     default's. Without the pipeline's code (no diffusers here) every argument is keyed as written."""
     from neffbuild.backends.pipelines import WARMUP_ONLY
@@ -227,8 +227,13 @@ def split_call(entry: ModelEntry, facts: CallFacts | None) -> tuple[dict[str, An
         if name in WARMUP_ONLY:
             left_out[name] = value
         elif facts and name in facts.padded_prompts:
+            # What reaches the components is embeddings padded to a fixed length: their shapes
+            # depend on how many prompts a call makes (the batch), never on the text or on
+            # whether a negative or second prompt is given (absent, the pipeline encodes "" or
+            # zeros_like the prompt's, padded alike; a list must match the prompts, manifest.py).
             left_out[name] = value
-            keyed[name] = [TEXT] * len(value) if isinstance(value, list) else TEXT
+            if name == "prompt":
+                keyed[name] = [TEXT] * len(value) if isinstance(value, list) and len(value) > 1 else TEXT
         elif predicate and outcome is not None:
             left_out[name] = value
             default = predicate.holds(facts.defaults.get(name)) if facts else None
