@@ -95,6 +95,12 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
         facts = pipeline_facts(entry)
         keyed_call, left_out, reduced = split_call(entry, facts)
         doubles = guidance_doubles(entry, loaded.resolve_model(entry), is_local_model(entry.model))
+        if "guidance_scale" in keyed_call and facts and doubles is not None:
+            # The comparison's outcome matters only through CFG doubling the batch; this model's
+            # configs may rule CFG out either way (a distilled FLUX.2-klein: `and not is_distilled`).
+            default = facts.defaults.get("guidance_scale")
+            if guidance_doubles(entry, loaded.resolve_model(entry), True, default) == doubles:
+                keyed_call = {k: v for k, v in keyed_call.items() if k != "guidance_scale"}
         for shape in entry.expanded_shapes():
             normalized = normalize_unit(entry, shape, identity, unit_env, keyed_call)
             key = unit_key(normalized, fingerprint)
