@@ -115,6 +115,9 @@ def test_the_typo_exits_2_from_the_cli_before_any_worker(tiny_sdxl: Path, tmp_pa
 SAME_GRAPHS = {
     "prompt text": ('prompt = "a photo of a cat"', 'prompt = "an oil painting of a lighthouse in a storm, at night"'),
     "negative prompt": ('negative_prompt = "blurry"', 'negative_prompt = "low quality, watermark, text"'),
+    # force_zeros_for_empty_prompt: without one, zeros_like the prompt's embeddings, of one shape
+    "negative prompt omitted": ('negative_prompt = "blurry"', ""),
+    "negative prompt as a list of one": ('negative_prompt = "blurry"', 'negative_prompt = ["blurry"]'),
     "guidance 7.5": ("guidance_scale = 5.0", "guidance_scale = 7.5"),
     "guidance 5 (int)": ("guidance_scale = 5.0", "guidance_scale = 5"),
     "guidance omitted": ("guidance_scale = 5.0", ""),
@@ -195,6 +198,7 @@ def test_the_plans_claims_hold_for_what_the_components_receive(tiny_sdxl: Path) 
         == base
     )
     assert received(prompt="a photo of a cat", negative_prompt="low quality, watermark", guidance_scale=7.5) == base
+    assert received(prompt="a photo of a cat", guidance_scale=5.0) == base  # no negative prompt: zeros, one shape
     assert received(prompt="a photo of a cat", guidance_scale=1.0) != base
 
 
@@ -283,13 +287,14 @@ def test_sdxl_builds_records_what_graphs_saw_and_replays_pulled_with_zero_compil
     assert bundle["counters"]["graphs.unet"] >= 1 and bundle["counters"]["graphs.vae.decode"] >= 1
     assert set(bundle["inputs"]) == {"unet", "vae.decode"}
     assert any(s.startswith("float32[2, 4, 8, 8]") for s in bundle["inputs"]["unet"])  # the batch CFG doubled
-    # Another prompt, negative prompt and guidance 7.5: the same keys, and the replay proves it.
+    # Another prompt, no negative prompt (zeros of one shape) and guidance 7.5: the same keys (the
+    # files check below plans them), and the replay proves it.
     changed = write_sdxl_manifest(
         tmp_path / "changed.toml",
         Path(load_manifest(built_sdxl.manifest).resolve_model(load_manifest(built_sdxl.manifest).manifest.models[0])),
         replace=(
             ('prompt = "a photo of a cat"', 'prompt = "a lighthouse in a storm"'),
-            ('negative_prompt = "blurry"', 'negative_prompt = "watermark"'),
+            ('negative_prompt = "blurry"', ""),
             ("guidance_scale = 5.0", "guidance_scale = 7.5"),
         ),
     )

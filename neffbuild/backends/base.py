@@ -101,6 +101,11 @@ class Backend(ABC):
         publishing a key built on a wrong guess."""
         return self.collect_facts(env, device)
 
+    def compiler_keys(self) -> dict[str, str]:
+        """The compiler's own cache-key inputs as digests (config hashes), in a worker after the
+        last compile; {} where the backend cannot name them."""
+        return {}
+
     @abstractmethod
     def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         """Everything outside the unit that changes the artifact or silently breaks a hit. Pure."""

@@ -28,6 +28,7 @@ from neffbuild.backends.base import (
     dynamo_counters,
     relevant_env,
 )
+from neffbuild.backends.envreads import NOT_KEYED
 from neffbuild.backends.serving import INDUCTOR
 
 if TYPE_CHECKING:
@@ -107,6 +108,11 @@ class InductorBackend(Backend):
         facts["threads.default"] = str(torch.get_num_threads())
         return facts
 
+    def compiler_keys(self) -> dict[str, str]:
+        from neffbuild.backends.envreads import compiler_config_hashes
+
+        return compiler_config_hashes()
+
     def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         fields = {
             "backend": self.name,
@@ -121,7 +127,8 @@ class InductorBackend(Backend):
             fields["cpu.isa"] = effective_isa(facts["cpu.isa"], env.get("ATEN_CPU_CAPABILITY", ""))
         if env.get("ATEN_CPU_CAPABILITY"):
             fields["cpu.capability"] = env["ATEN_CPU_CAPABILITY"].lower()
-        fields.update(relevant_env(env, _ENV_NAMES + tuple(unit.env), _ENV_PREFIXES, _ENV_SKIP))
+        # A variable known to reach no key (envreads.NOT_KEYED: logging, paths) is no field either.
+        fields.update(relevant_env(env, _ENV_NAMES + tuple(unit.env), _ENV_PREFIXES, _ENV_SKIP | set(NOT_KEYED)))
         return dict(sorted(fields.items()))
 
     def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:

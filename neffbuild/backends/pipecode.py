@@ -263,9 +263,13 @@ def _callee(call: ast.Call) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
 
 
-def _passed_to_components(trees: Mapping[str, ast.AST], arg: str, uses: Mapping[str, frozenset[str]]) -> bool:
+def _passed_to_components(
+    trees: Mapping[str, ast.AST], arg: str, uses: Mapping[str, frozenset[str]], depth: int = 0
+) -> bool:
     """Does any call on a component (self.unet(...), self.vae.decode(...)) name the argument
-    (`guidance_scale`, `self.guidance_scale`, `self._guidance_scale`) in its arguments?"""
+    (`guidance_scale`, `self.guidance_scale`, `self._guidance_scale`) in its arguments? A call
+    of the pipeline's own method (`self.check_inputs(guidance_scale=...)`) counts only where
+    that method, followed by the name of its parameter, hands it on or stores it on self."""
     names = {arg, f"_{arg}"}
     for tree in trees.values():
         for node in ast.walk(tree):
@@ -275,12 +279,41 @@ def _passed_to_components(trees: Mapping[str, ast.AST], arg: str, uses: Mapping[
             owner = func.value if isinstance(func, ast.Attribute) and _is_self_attr(func.value) else func
             if not (_is_self_attr(owner) and owner.attr in uses and owner.attr not in names):
                 continue
-            for value in [*node.args, *(k.value for k in node.keywords)]:
-                for inner in ast.walk(value):
-                    if (isinstance(inner, ast.Name) and inner.id in names) or (
-                        _is_self_attr(inner) and inner.attr in names
-                    ):
-                        return True
+            method = trees.get(owner.attr) if owner is func else None
+            for position, value in [*enumerate(node.args), *((k.arg, k.value) for k in node.keywords)]:
+                if not any(
+                    (isinstance(inner, ast.Name) and inner.id in names)
+                    or (_is_self_attr(inner) and inner.attr in names)
+                    for inner in ast.walk(value)
+                ):
+                    continue
+                param = _parameter(method, position) if method is not None and depth < 4 else None
+                if param is None or method is None or _stores(method, param) or _passed_to_components(
+                    {owner.attr: method}, param, uses, depth + 1
+                ):  # fmt: skip
+                    return True
+    return False
+
+
+def _parameter(method: ast.AST | None, position: int | str | None) -> str | None:
+    """The name of method's parameter that receives a positional (int) or keyword (str) argument."""
+    func = next((n for n in ast.walk(method) if isinstance(n, ast.FunctionDef)), None) if method else None
+    if func is None or position is None:
+        return None
+    params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)][1:]  # without self
+    if isinstance(position, int):
+        return params[position] if position < len(params) else None
+    return position if position in params or position in [a.arg for a in func.args.kwonlyargs] else None
+
+
+def _stores(method: ast.AST, param: str) -> bool:
+    """Does method assign something holding param to an attribute of self?"""
+    for node in ast.walk(method):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Attribute) for target in node.targets for t in ast.walk(target)
+        ):
+            if any(isinstance(n, ast.Name) and n.id == param for n in ast.walk(node.value)):
+                return True
     return False
 
 

@@ -255,10 +255,14 @@ def _did_you_mean(name: str, candidates: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def guidance_doubles(entry: ModelEntry, model_ref: str, local: bool) -> bool | None:
+_CALL_GUIDANCE = object()
+
+
+def guidance_doubles(entry: ModelEntry, model_ref: str, local: bool, guidance: Any = _CALL_GUIDANCE) -> bool | None:
     """Does classifier-free guidance double the batch the components see? The pipeline's own
-    `do_classifier_free_guidance` property, run on the call's guidance_scale and the model's
-    configs (model_index.json, <component>/config.json); None where that cannot be known here."""
+    `do_classifier_free_guidance` property, run on the call's guidance_scale (or the one given)
+    and the model's configs (model_index.json, <component>/config.json); None where that cannot
+    be known here."""
     facts = pipeline_facts(entry)
     if facts is None or not local:
         return None
@@ -266,7 +270,8 @@ def guidance_doubles(entry: ModelEntry, model_ref: str, local: bool) -> bool | N
     prop = inspect.getattr_static(cls, "do_classifier_free_guidance", None)
     if not isinstance(prop, property) or prop.fget is None:
         return None
-    guidance = entry.call_arguments().get("guidance_scale", facts.defaults.get("guidance_scale"))
+    if guidance is _CALL_GUIDANCE:
+        guidance = entry.call_arguments().get("guidance_scale", facts.defaults.get("guidance_scale"))
     try:
         return bool(prop.fget(_ConfigView(Path(model_ref), guidance)))
     except Exception:  # noqa: BLE001 - the property reads something a config cannot answer

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from neffbuild.backends import get_backend
+from neffbuild.backends import envreads, get_backend
 from neffbuild.backends.base import Backend, input_signatures
 from neffbuild.backends.calls import measured_call
 from neffbuild.documents.manifest import Shape
@@ -41,6 +41,7 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
     # The runtime first: importing it may set defaults in this environment (torch_neuronx does),
     # and the key must name the environment the compiler runs in.
     with _traced(job) as loading:
+        keys = backend.compiler_keys()  # as the environment set them at import, before any setting of ours
         backend.prepare_process(len(job.shapes))
         facts = backend.worker_facts(env, job.entry.device)
         fingerprint = backend.fingerprint(facts, env, backend.scope(job.entry))
@@ -52,8 +53,14 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
         _run_shape(job, backend, runner, unit_id, shape)
         for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)
     ]
+    reads = envreads.recorder()
     return WorkerResult(
-        fingerprint=fingerprint, load_s=load_s, runs=tuple(runs), opened_loading=loading.paths if loading else ()
+        fingerprint=fingerprint,
+        load_s=load_s,
+        runs=tuple(runs),
+        opened_loading=loading.paths if loading else (),
+        env_reads=reads.recorded() if reads else {},
+        compiler_keys=keys,
     )
 
 
@@ -130,6 +137,7 @@ def main(argv: list[str]) -> int:
     if not writes_result(os.environ):  # rank 0 speaks for a torchrun group
         job = job.model_copy(update={"events_file": None})
     append_event(job.events_file, "loading", job.unit_ids[0])
+    envreads.install()  # before torch is imported: every variable the compiler reads is seen
     try:
         import_seams(os.environ)
         result = run_job(job, get_backend(job.entry.backend), os.environ)

@@ -408,6 +408,8 @@ def build_unit(
         files=tuple(FileEntry(path=p, size=s.size, digest=s.digest, blake3=s.blake3) for p, s in files),
         counters=run.counters,
         inputs=dict(run.inputs),
+        env_reads=dict(result.env_reads),
+        compiler_keys=dict(result.compiler_keys),
         timings=Timings(load_s=result.load_s, first_call_s=run.first_call_s, total_s=result.load_s + run.first_call_s),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         neffbuild_version=__version__,

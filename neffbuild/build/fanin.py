@@ -166,6 +166,8 @@ def assemble_release(
         cache_env=backend.cache_env,
         env=dict(runtime_env),
         fingerprint=_common_fields([r.fingerprint for r in records]),
+        env_reads=_common_fields([r.env_reads for r in records]),
+        compiler_keys=_common_fields([r.compiler_keys for r in records]),
         units=tuple(ReleaseUnit(unit_id=unit_id, key=key) for unit_id, key in units),
         files=files,
         shared=tuple(

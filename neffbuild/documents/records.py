@@ -130,6 +130,11 @@ def env_problem(env: dict[str, str]) -> str | None:
     return f"{nul[0]}: the value holds a NUL character" if nul else None
 
 
+def _reads_problem(reads: dict[str, str]) -> str | None:
+    bad = [n for n, d in reads.items() if not _ENV_NAME.fullmatch(n) or (d and not _HEX32.fullmatch(d))]
+    return f"{bad[0][:80]!r}: not a variable name with a digest" if bad else None
+
+
 def env_name_problem(name: str) -> str | None:
     return None if _ENV_NAME.fullmatch(name) else f"{name!r} is not an environment variable name"
 
@@ -208,6 +213,11 @@ class BundleRecord:
     # Bytes: the build's worker's peak RSS (or its C++ compiler's), which sizes the next build's
     # `--unit-memory auto` share; 0 where not recorded (bundles from before it was).
     peak_rss: int = 0
+    # Each environment variable the compiling process read (backends/envreads.py): name -> XXH3
+    # of "NAME=value", "" where unset; and the compiler's own key inputs (config hashes) as
+    # digests. Optional: bundles written before them keep their bytes.
+    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: _reads_problem(v), "omit": {}})
+    compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +249,10 @@ class Release:
     files: tuple[FileEntry, ...] = field(metadata=checked(_distinct_paths))
     shared: tuple[SharedPath, ...] = ()
     format: str = RELEASE_FORMAT
+    # What every unit's bundle agrees on of BundleRecord.env_reads and .compiler_keys (as the
+    # fingerprint is their common part): what doctor checks with only the release at hand.
+    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: _reads_problem(v), "omit": {}})
+    compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
     @property
     def signable(self) -> bool:

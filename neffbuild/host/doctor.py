@@ -111,6 +111,8 @@ class HostView:
     module_available: Callable[[str], bool] = _module_available
     min_free_bytes: int = 1 * GiB
     facts: Facts = read_facts
+    # The compiler's config hashes in a process started with this environment (imports torch).
+    config_hashes: Callable[[Mapping[str, str]], Mapping[str, str]] = lambda env: serving_config_hashes(env)
 
 
 def run_doctor(
@@ -129,6 +131,7 @@ def run_doctor(
         check_module(info, host),
         check_devices(info, host),
         check_versions(release, env, host),
+        check_compiler_config(release, env, host),
         check_persistent(where, host, cache_env),
         check_writable(where),
         check_free_space(where, release, host),
@@ -212,6 +215,53 @@ def check_versions(release: Release | None, env: Mapping[str, str], host: HostVi
         "fail",
         "differs from release " + release.name + ": " + "; ".join(lines[:6]) + (" …" if len(lines) > 6 else ""),
         "install the versions and settings the release was built with, or rebuild it on this environment",
+    )
+
+
+def serving_config_hashes(env: Mapping[str, str]) -> Mapping[str, str]:
+    """envreads.compiler_config_hashes() in a fresh Python started with env: torch reads its
+    settings from the environment at import, so this process's own import would not do."""
+    import json
+    import subprocess
+    import sys
+
+    code = "import json; from neffbuild.backends.envreads import compiler_config_hashes as h; print(json.dumps(h()))"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=dict(env), capture_output=True, text=True, timeout=300, check=True
+        )
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return {}
+    return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
+
+
+def check_compiler_config(release: Release | None, env: Mapping[str, str], host: HostView) -> Check:
+    """The config hashes the compiler's cache keys hash (AOTAutograd: the functorch config;
+    Inductor: its own; torch_key: torch's sources), recomputed in the serving environment and
+    compared with the build's: what `status` (no torch import) cannot check."""
+    if release is None or not release.compiler_keys:
+        return Check("compiler config", "skip", "the release records no compiler config hashes (built before them)")
+    if not host.module_available("torch"):
+        return Check("compiler config", "skip", "torch is not importable here (the backend check says so)")
+    # As the server runs: this environment, the release's exports, the variables the units set.
+    unit_env = {k.removeprefix("env."): v for k, v in release.fingerprint.items() if k.startswith("env.")}
+    here = host.config_hashes({**env, **release.env, **unit_env})
+    if not here:
+        return Check(
+            "compiler config",
+            "fail",
+            "could not compute torch's config hashes here",
+            "run `python -c 'import torch'` to see why",
+        )
+    differing = sorted(k for k, v in release.compiler_keys.items() if here.get(k, v) != v)
+    if not differing:
+        return Check("compiler config", "pass", f"{len(release.compiler_keys)} config hashes match the build's")
+    return Check(
+        "compiler config",
+        "fail",
+        f"differs from the build: {', '.join(differing)} (a setting read from the environment, or another torch)",
+        "`neffbuild status` names the variables the build read that differ here; unset or set them as at build",
     )
 
 

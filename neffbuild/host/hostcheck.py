@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, Scope
+from neffbuild.backends.envreads import UNSET, host_differences
 from neffbuild.documents.records import BundleRecord, Release, unit_key
 from neffbuild.errors import InputError
 
@@ -113,6 +114,8 @@ class KeyedUnit(Protocol):
     def unit(self) -> Mapping[str, Any]: ...
     @property
     def fingerprint(self) -> Mapping[str, str]: ...
+    @property
+    def env_reads(self) -> Mapping[str, str]: ...
 
 
 def check_host(
@@ -139,10 +142,23 @@ def check_host(
         scope = Scope.of_unit(record.unit)
         here = host_fingerprint(backend, scope, {**env, **scope.env}, facts)
         diffs = _diffs(backend, record.fingerprint, here, complete=True)
+        diffs += read_diffs(record.env_reads, {**env, **scope.env}, {d.name for d in diffs} | set(record.fingerprint))
         units.append(UnitCheck(record.unit_id, record.key, unit_key(record.unit, here), diffs))
     unique = {d: None for u in units for d in u.diffs}
     return HostReport(
         backend.name, tuple(units), tuple(sorted(unique, key=lambda d: (d.name, d.built or "", d.here or "")))
+    )
+
+
+def read_diffs(reads: Mapping[str, str], env: Mapping[str, str], known: set[str]) -> tuple[FieldDiff, ...]:
+    """A breaking `env.NAME` difference for each variable the build's compiler read (its process
+    recorded it: backends/envreads.py) that is set otherwise here, unless the fingerprint already
+    compares it or it is known to reach no key (envreads.NOT_KEYED). The build's value is known
+    only by its digest, so the line shows that."""
+    return tuple(
+        FieldDiff(f"env.{name}", None if built == UNSET else f"<a value, xxh3 {built[:8]}>", here, breaking=True)
+        for name, built, here in host_differences(reads, env)
+        if f"env.{name}" not in known
     )
 
 
@@ -167,6 +183,7 @@ def _check_release(release: Release, env: Mapping[str, str], facts: Facts) -> Ho
     scope = Scope(built.get("device") or backend.default_device, int(tp) if tp.isdigit() else 1, names)
     here = host_fingerprint(backend, scope, serving_env(release, env), facts)
     diffs = _diffs(backend, built, here, complete=False)
+    diffs += read_diffs(release.env_reads, serving_env(release, env), {d.name for d in diffs} | set(built))
     return HostReport(backend.name, tuple(UnitCheck(u.unit_id, u.key, "", diffs) for u in release.units), diffs)
 
 

@@ -82,6 +82,8 @@ class InstalledUnit:
     unit: dict[str, Any]
     fingerprint: dict[str, str]
     paths: tuple[str, ...]  # checked by _installed: the release's own paths were checked with it
+    # What the compiling process read from the environment (records.BundleRecord.env_reads).
+    env_reads: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,7 +406,13 @@ def find_target(
 
 def installed_unit(unit: ReleaseUnit, record: BundleRecord) -> InstalledUnit:
     return InstalledUnit(
-        unit.unit_id, unit.key, record.backend, record.unit, record.fingerprint, tuple(f.path for f in record.files)
+        unit.unit_id,
+        unit.key,
+        record.backend,
+        record.unit,
+        record.fingerprint,
+        tuple(f.path for f in record.files),
+        env_reads=record.env_reads,
     )
 
 

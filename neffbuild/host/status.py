@@ -322,7 +322,14 @@ def status_error(report: StatusReport) -> StatusMiss | None:
         hints.append(
             f"the manifest differs from what the release built ({', '.join(edited[:4])}): build it, or undo that change"
         )
-    if any(not c.name.startswith("unit.") for u in mismatched for c in u.changes):
+    variables = sorted(
+        {c.name.removeprefix("env.") for u in mismatched for c in u.changes if c.name.startswith("env.")}
+    )
+    if variables:  # the compiler read them at build (or the fingerprint names them)
+        hints.append(
+            f"set {', '.join(variables[:4])} here as the build had it (see each unit's line), or build on this host"
+        )
+    elif any(not c.name.startswith("unit.") for u in mismatched for c in u.changes):
         hints.append("a mismatch needs this host's environment to match the build's, or a build on this host")
     if report.count("absent"):
         hints.append("build the manifest to add the units its release lacks")

@@ -95,6 +95,10 @@ class WorkerResult(_Frozen):
     traceback: str | None = None  # the worker's own, shown by the CLI with --debug
     peak_rss: int = 0  # bytes: the worker's peak resident memory (its own or a child's, whichever is larger)
     opened_loading: tuple[str, ...] = ()  # with job.trace: files under watch_dir opened before the first call
+    # Each environment variable the process read from torch's import on (backends/envreads.py):
+    # name -> digest of its value, "" where unset; and the compiler's own key inputs, as digests.
+    env_reads: dict[str, str] = {}
+    compiler_keys: dict[str, str] = {}
 
 
 def write_json_atomic(path: Path, model: BaseModel) -> None:

@@ -95,6 +95,12 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
         facts = pipeline_facts(entry)
         keyed_call, left_out, reduced = split_call(entry, facts)
         doubles = guidance_doubles(entry, loaded.resolve_model(entry), is_local_model(entry.model))
+        if "guidance_scale" in keyed_call and facts and doubles is not None:
+            # The comparison's outcome matters only through CFG doubling the batch; this model's
+            # configs may rule CFG out either way (a distilled FLUX.2-klein: `and not is_distilled`).
+            default = facts.defaults.get("guidance_scale")
+            if guidance_doubles(entry, loaded.resolve_model(entry), True, default) == doubles:
+                keyed_call = {k: v for k, v in keyed_call.items() if k != "guidance_scale"}
         for shape in entry.expanded_shapes():
             normalized = normalize_unit(entry, shape, identity, unit_env, keyed_call)
             key = unit_key(normalized, fingerprint)
@@ -211,8 +217,8 @@ def check_buildable(plan: Plan) -> None:
 def split_call(entry: ModelEntry, facts: CallFacts | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     """(the call arguments the key holds, those left out of it, why some are held only in part),
     from what the pipeline's own code does with them (backends/pipecode.py): warmup-only ones
-    out; prompt texts the pipeline pads to a fixed length out, their number kept as <text>
-    places; an argument the graphs see only as a comparison (guidance_scale > 1: classifier-free
+    out; prompt texts the pipeline pads to a fixed length out, the prompts' number kept as <text>
+    places (the other prompt-like arguments, negative or second, not even their presence); an argument the graphs see only as a comparison (guidance_scale > 1: classifier-free
     guidance on or off) keyed as that comparison's outcome, and left out where the outcome is the
     default's. Without the pipeline's code (no diffusers here) every argument is keyed as written."""
     from neffbuild.backends.pipelines import WARMUP_ONLY
@@ -226,8 +232,13 @@ def split_call(entry: ModelEntry, facts: CallFacts | None) -> tuple[dict[str, An
         if name in WARMUP_ONLY:
             left_out[name] = value
         elif facts and name in facts.padded_prompts:
+            # What reaches the components is embeddings padded to a fixed length: their shapes
+            # depend on how many prompts a call makes (the batch), never on the text or on
+            # whether a negative or second prompt is given (absent, the pipeline encodes "" or
+            # zeros_like the prompt's, padded alike; a list must match the prompts, manifest.py).
             left_out[name] = value
-            keyed[name] = [TEXT] * len(value) if isinstance(value, list) else TEXT
+            if name == "prompt":
+                keyed[name] = [TEXT] * len(value) if isinstance(value, list) and len(value) > 1 else TEXT
         elif predicate and outcome is not None:
             left_out[name] = value
             default = predicate.holds(facts.defaults.get(name)) if facts else None

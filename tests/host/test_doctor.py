@@ -224,7 +224,11 @@ def test_all_pass_on_a_good_host(tmp_path):
     host = persistent_host(dev_dir=tmp_path / "dev", facts=fake_facts(HERE_FACTS))
     report = run_doctor(env={CACHE_ENV: str(tmp_path / "cache")}, release=release(host_fingerprint()), host=host)
     assert report.ok, report_lines(report)
-    assert report.cache_dir == tmp_path / "cache" and [c.status for c in report.checks] == ["pass"] * 8
+    assert (
+        report.cache_dir == tmp_path / "cache"
+        and [c.status for c in report.checks if c.name != "compiler config"] == ["pass"] * 8
+    )
+    assert [c.status for c in report.checks if c.name == "compiler config"] == ["skip"]  # neuron records none
 
 
 def test_release_from_a_file_or_a_store(tmp_path):
@@ -311,3 +315,21 @@ def test_a_host_env_that_turns_the_neuron_cache_off_fails(tmp_path, name, value)
     on = by_name(run_doctor(env={name: "0"}, cache_dir=tmp_path, backend="neuron", host=host), "cache on")
     assert on.status == "pass"
     assert by_name(run_doctor(env={}, cache_dir=tmp_path, backend="inductor", host=host), "cache on").status == "skip"
+
+
+def test_compiler_config_hashes_are_recomputed_in_the_serving_environment() -> None:
+    """torch reads CI at import into its functorch config, which AOTAutograd's key hashes: doctor
+    recomputes the hashes in a fresh torch started with the serving environment (real torch)."""
+    from dataclasses import replace
+
+    from neffbuild.host.doctor import check_compiler_config, serving_config_hashes
+
+    base = {k: v for k, v in os.environ.items() if k not in ("CI", "AOT_PARTITIONER_DEBUG")}
+    built = serving_config_hashes(base)
+    assert set(built) == {"torch._inductor.config", "torch._functorch.config", "torch_key"}
+    inductor = replace(release({}), backend="inductor", compiler_keys=dict(built))
+    assert check_compiler_config(inductor, base, HostView()).status == "pass"
+    failed = check_compiler_config(inductor, {**base, "CI": "1"}, HostView())
+    assert failed.status == "fail" and failed.detail.startswith("differs from the build: torch._functorch.config")
+    assert "status" in failed.fix
+    assert check_compiler_config(release({}), base, HostView()).status == "skip"  # built before them

@@ -7,12 +7,16 @@ records a normalised unit and a fingerprint as a build on this host would (no co
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from neffbuild.backends.envreads import value_digest
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
 from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
 from neffbuild.store import open_store
@@ -36,7 +40,7 @@ def unit_record(unit_id: str, env: dict[str, str], seed: int) -> dict[str, Any]:
 
 
 def publish_units(store: Store, root: Path, *, tag: str, seeds: tuple[int, int] = (0, 1), env: dict[str, str] | None = None,
-                  edit: Callable[[dict[str, str]], dict[str, str]] = dict) -> str:  # fmt: skip
+                  edit: Callable[[dict[str, str]], dict[str, str]] = dict, reads: dict[str, str] | None = None) -> str:  # fmt: skip
     """A release of UNITS (one bundle each, files from seeds[i]) published as `neffbuild build`
     would on this host; edit changes each recorded fingerprint (another build host). Its id."""
     env = env if env is not None else {"OMP_NUM_THREADS": "2"}
@@ -52,6 +56,7 @@ def publish_units(store: Store, root: Path, *, tag: str, seeds: tuple[int, int] 
         record = BundleRecord(
             key=unit_key(unit, fp), unit_id=unit_id, unit=unit, backend="inductor", fingerprint=fp, files=files,
             counters={}, timings=Timings(), created_at="2026-01-01T00:00:00+00:00", neffbuild_version="test",
+            env_reads=reads or {},
         )  # fmt: skip
         publish_bundle(store, record, sources, jobs=2)
         units.append(ReleaseUnit(unit_id=unit_id, key=record.key))
@@ -74,8 +79,16 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[st
     return str(tmp_path / "store"), {}
 
 
-def status_json(cli, cache: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:
-    result = cli("status", *args, "--cache-dir", str(cache), "--json", env=env)
+def status_json(
+    cli, cache: Path, *args: str, env: dict[str, str] | None = None, env_exact: dict[str, str] | None = None
+) -> tuple[int, dict, str]:
+    if env_exact is not None:  # exactly this environment (cli adds to the test's own)
+        result = subprocess.run(
+            [sys.executable, "-m", "neffbuild", "status", *args, "--cache-dir", str(cache), "--json"],
+            capture_output=True, text=True, env=env_exact, check=False,
+        )  # fmt: skip
+    else:
+        result = cli("status", *args, "--cache-dir", str(cache), "--json", env=env)
     assert result.stdout, result.stderr
     return result.returncode, json.loads(result.stdout), result.stderr
 
@@ -204,3 +217,35 @@ def test_aten_cpu_capability_default_is_a_mismatch_and_informational_fields_only
     fields = {c["name"] for c in report["units"][0]["changes"]}
     assert {"cpu.capability", "cpu.isa", "env.ATEN_CPU_CAPABILITY"} <= fields and "diffusers" not in fields
     assert "env.ATEN_CPU_CAPABILITY" in err
+
+
+def test_a_variable_the_build_read_and_this_host_sets_otherwise_is_a_mismatch_naming_it(tmp_path: Path, cli) -> None:
+    """What the build's process read (envreads) is compared name by name, neffbuild's lists or not:
+    CI unset at build and set here, a variable set at build and unset here; PATH (known to reach
+    no key) differing is no mismatch."""
+    url = str(tmp_path / "store")
+    store = open_store(url, create=True, env={})
+    reads = {
+        "CI": "",
+        "AOT_PARTITIONER_DEBUG": value_digest("AOT_PARTITIONER_DEBUG", "1"),
+        "PATH": value_digest("PATH", "/nowhere"),
+    }
+    publish_units(store, tmp_path / "src", tag="prod", reads=reads)
+    cache = tmp_path / "cache"
+    assert cli("pull", "prod", "--store", url, "--cache-dir", str(cache), "--no-host-check").returncode == 0
+    host = {k: v for k, v in os.environ.items() if k not in ("CI", "AOT_PARTITIONER_DEBUG")}
+    code, report, err = status_json(cli, cache, env_exact={**host, "AOT_PARTITIONER_DEBUG": "1"})
+    assert code == 0 and states(report) == {u: "hit" for u in UNITS}, err
+    code, report, err = status_json(cli, cache, env_exact={**host, "CI": "true", "AOT_PARTITIONER_DEBUG": "1"})
+    assert code == 12 and states(report) == {u: "mismatch" for u in UNITS}, err
+    assert {c["name"] for u in report["units"] for c in u["changes"]} == {"env.CI"} and "(env.CI)" in err
+    assert "hint: set CI here as the build had it" in err
+    plain = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "status", "--cache-dir", str(cache)],
+        capture_output=True, text=True, env={**host, "CI": "true", "AOT_PARTITIONER_DEBUG": "1"}, check=False,
+    )  # fmt: skip
+    assert "env.CI: this host sets 'true', the build did not" in plain.stdout, plain.stdout
+    code, report, err = status_json(cli, cache, env_exact=host)
+    assert code == 12 and "(env.AOT_PARTITIONER_DEBUG)" in err
+    assert [c["built"].startswith("<a value, xxh3") for u in report["units"] for c in u["changes"]] == [True, True]
+    assert "/nowhere" not in json.dumps(report)  # the build's values are never stored or shown

@@ -14,7 +14,7 @@ from neffbuild.backends.base import Backend, cpu_isa_flags
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.units.plan import check_buildable, make_plan, plan_document
-from tests.conftest import write_model_index
+from tests.conftest import KLEIN_INDEX, write_model_index
 
 FACTS = {
     "torch": "2.13.0+cpu",
@@ -146,7 +146,6 @@ def test_warmup_only_arguments_keep_every_key(manifest: Path) -> None:
     "change",
     [
         "max_sequence_length = 128",  # the text sequence: every graph's shape
-        "guidance_scale = 1.0",  # toggles classifier-free guidance in pipelines that have it: doubles the batch
         "text_encoder_out_layers = [1, 2]",  # the embedding width
         'prompt = ["a cat", "a dog"]',  # two prompts: a batch of two
     ],
@@ -480,3 +479,23 @@ def test_keys_are_stable_across_processes(manifest: Path, cli) -> None:
     assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
     first, second = ({u["unit_id"]: u["key"] for u in json.loads(r.stdout)["units"]} for r in runs)
     assert first == second and len(set(first.values())) == 2
+
+
+def test_guidance_keys_only_where_this_models_configs_let_it_double_the_batch(manifest: Path) -> None:
+    """FLUX.2-klein's do_classifier_free_guidance is `guidance_scale > 1 and not is_distilled`
+    (its check_inputs also takes guidance_scale, only to warn): a distilled model never doubles
+    the batch, so no guidance_scale moves its keys; an undistilled one keys 1.0 (CFG off)."""
+    base = keys(manifest)
+    text = manifest.read_text()
+    for value in ("1.0", "4.0", "7.5"):
+        manifest.write_text(
+            text.replace("num_inference_steps = 2", f"num_inference_steps = 2\nguidance_scale = {value}")
+        )
+        assert keys(manifest) == base, value
+    write_model_index(manifest.parent / "model", {**KLEIN_INDEX, "is_distilled": False})
+    manifest.write_text(text)
+    undistilled = keys(manifest)
+    manifest.write_text(text.replace("num_inference_steps = 2", "num_inference_steps = 2\nguidance_scale = 7.5"))
+    assert keys(manifest) == undistilled  # CFG on either way (the default is 4.0)
+    manifest.write_text(text.replace("num_inference_steps = 2", "num_inference_steps = 2\nguidance_scale = 1.0"))
+    assert set(keys(manifest).values()).isdisjoint(undistilled.values())
