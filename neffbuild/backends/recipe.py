@@ -78,7 +78,7 @@ def quantize(module: Any, recipe: ResolvedRecipe) -> None:
 def layer_filter(skip: tuple[str, ...], min_features: int | None) -> Callable[[Any, str], bool]:
     """The diffusers guide's dynamic_quant_filter_fn as recipe data: a Linear is quantized unless
     its qualified name matches a skip pattern or it has fewer features than min_features. The
-    printed recipe (recipecode.py) writes this very function out."""
+    printed recipe (recipecode.py) writes its conditions out."""
     import fnmatch
 
     import torch

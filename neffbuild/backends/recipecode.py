@@ -95,16 +95,16 @@ def _module_lines(name: str, recipe: ResolvedRecipe) -> list[str]:
 
 
 def _filter_lines(recipe: ResolvedRecipe) -> list[str]:
-    # recipe.layer_filter, written out: the same layers quantized.
+    # recipe.layer_filter's conditions, written out: the same layers quantized.
+    conditions = ["isinstance(module, torch.nn.Linear)"]
+    if recipe.quantize_skip:
+        conditions.append(f"not any(fnmatch.fnmatchcase(name, p) for p in {list(recipe.quantize_skip)!r})")
+    if recipe.quantize_min_features is not None:
+        conditions.append(f"min(module.in_features, module.out_features) >= {recipe.quantize_min_features}")
     return [
-        "import fnmatch",
+        *(["import fnmatch"] if recipe.quantize_skip else []),
         "def keep_linear(module, name):",
-        "    if not isinstance(module, torch.nn.Linear):",
-        "        return False",
-        f"    if any(fnmatch.fnmatchcase(name, p) for p in {list(recipe.quantize_skip)!r}):",
-        "        return False",
-        f"    return {recipe.quantize_min_features!r} is None or "
-        f"min(module.in_features, module.out_features) >= {recipe.quantize_min_features!r}",
+        "    return " + " and ".join(conditions),
     ]
 
 
