@@ -239,3 +239,14 @@ def test_the_layer_filter_quantizes_what_it_keeps_only() -> None:
     assert quantized(everything) == {"proj_out", "big", "small"}
     assert quantized(ResolvedRecipe(quantize="int8-dynamic", quantize_skip=("proj_*",))) == {"big", "small"}
     assert quantized(ResolvedRecipe(quantize="int8-dynamic", quantize_min_features=16)) == {"proj_out", "big"}
+
+
+def test_the_printed_recipe_tells_a_hand_writing_user_what_must_match_and_the_order(manifest: Path) -> None:
+    from neffbuild.backends.recipecode import recipe_source
+
+    entry = load_manifest(with_recipe(manifest, SETTINGS["dynamic auto"])).manifest.models[0]
+    code = recipe_source(entry, "cpu", 8)
+    (line,) = [c for c in code.splitlines() if "what must match the build" in c]
+    assert "torch.compile's mode, options, dynamic (omitted = 'auto') and fullgraph=True" in line
+    assert "# dynamic 'auto': make the first calls at 128x128x1, 128x256x1, in this order." in code
+    assert "dynamic=" not in code  # torch's default: the argument left out, as a hand-written server has it
