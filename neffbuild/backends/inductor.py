@@ -64,14 +64,14 @@ class InductorBackend(Backend):
     default_device = "cpu"
     fact_names = (
         "torch", "torch.git", "python", "python.prefix", "platform", "cpu.isa", "cpu.capability",
-        "threads.default", "cxx.default", "diffusers", "transformers", "triton", "cuda", "cuda.device",
+        "threads.default", "cxx.default", "diffusers", "transformers", "triton", "cuda", "cuda.device", "torchao",
     )  # fmt: skip
     # Kernels and Inductor's keys: torch (version, sources), Triton and the GPU for CUDA kernels,
     # the vector ISA and thread count kernels are generated for, the C++ compiler, the Python
     # (headers and absolute include paths in every kernel's command line), compiler variables.
     breaking_fields = (
         "backend", "device", "torch", "torch.git", "triton", "cuda", "cuda.device", "cpu.isa",
-        "cpu.capability", "cxx", "threads", "python", "python.prefix", "platform", "env.*",
+        "cpu.capability", "cxx", "threads", "python", "python.prefix", "platform", "env.*", "torchao",
     )  # fmt: skip
     # Model code: Inductor keys the traced graph itself, so a new version misses at most where
     # the code it traces changed, and never serves a stale kernel.
@@ -93,7 +93,7 @@ class InductorBackend(Backend):
             "threads.default": default_threads(env),
             "cxx.default": _compiler_version(env.get("CXX") or "g++"),
         }
-        for package in ("diffusers", "transformers", "triton"):
+        for package in ("diffusers", "transformers", "triton", "torchao"):
             facts[package] = _version(package)
         if device == "cuda":
             facts.update(_cuda_facts())
@@ -116,7 +116,10 @@ class InductorBackend(Backend):
     def fingerprint(self, facts: Mapping[str, str], env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
         fields = {
             "backend": self.name,
-            **{k: v for k, v in facts.items() if not k.endswith(".default") and v},
+            # torchao's kernels and tensor subclasses are the quantized graph: keyed where a unit
+            # quantizes, and only there (installing torchao changes no other key).
+            **{k: v for k, v in facts.items() if not k.endswith(".default") and v and k != "torchao"},
+            **({"torchao": facts.get("torchao") or "absent"} if unit.quantizes else {}),
             # Variables that override a probed default: the value the compile will actually see.
             "threads": env.get("OMP_NUM_THREADS") or facts.get("threads.default", ""),
             "cxx": facts.get("cxx.default", ""),
@@ -162,6 +165,7 @@ class InductorBackend(Backend):
         from neffbuild.backends.inductor_repro import zero_compile_times
 
         zero_compile_times()  # entries of the same bytes on every build (inductor_repro.py)
+        count_autotuning()
 
     def worker_env(self, cache_dir: Path, scratch: Path) -> dict[str, str]:
         return {
@@ -206,13 +210,34 @@ class InductorBackend(Backend):
         wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
         if wrapper is None:
             return self.compiler()
-        return wrapper(recipe.mode, dict(recipe.inductor) or None, recipe.dynamic)
+        return wrapper(recipe.mode, dict(recipe.inductor) or None, recipe.compile_dynamic)
 
     def compiler_counters(self) -> dict[str, int]:
-        return dynamo_counters("inductor", "aot_autograd", "stats")
+        return dynamo_counters("inductor", "aot_autograd", "stats", AUTOTUNE_GROUP)
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         return sum(delta.get(name, 0) for name in _MISS_COUNTERS)
+
+
+def count_autotuning() -> None:
+    """Count the autotune selections Inductor really runs in this process (`neffbuild.autotune`).
+    Its own counters cannot say: an FX-graph cache hit adds the counter deltas the compile had
+    recorded, so a replay "shows" the build's select_algorithm_autotune without benchmarking."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import select_algorithm
+
+    if getattr(select_algorithm, "_neffbuild_counting", False):
+        return
+
+    def saw(timings: Any, name: str, *args: Any) -> None:
+        counters[AUTOTUNE_GROUP]["selections"] += 1
+        counters[AUTOTUNE_GROUP]["choices"] += len(timings)
+
+    select_algorithm.add_feedback_saver(saw)
+    select_algorithm._neffbuild_counting = True  # once per process
+
+
+AUTOTUNE_GROUP = "neffbuild.autotune"
 
 
 def effective_isa(isa: str, capability: str) -> str:

@@ -56,16 +56,41 @@ def prepare_module(module: Any, recipe: ResolvedRecipe) -> None:
         module.set_attention_backend(recipe.attention_backend)
     if recipe.memory_format == "channels_last":
         module.to(memory_format=torch.channels_last)
-    if recipe.quantize == "int8-dynamic":
-        quantize_int8_dynamic(module)
+    if recipe.quantize is not None:
+        quantize(module, recipe)
 
 
-def quantize_int8_dynamic(module: Any) -> None:
-    try:
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-    except ImportError as exc:  # plan refuses this; a serving host may still lack torchao
-        raise RuntimeError(f"quantize = 'int8-dynamic' needs torchao ({exc}): pip install torchao") from None
-    quantize_(module, Int8DynamicActivationInt8WeightConfig())
+# torchao's config class per recipe name (torchao.quantization).
+QUANTIZE_CONFIGS = {
+    "int8-dynamic": "Int8DynamicActivationInt8WeightConfig",
+    "float8-dynamic": "Float8DynamicActivationFloat8WeightConfig",
+}
+
+
+def quantize(module: Any, recipe: ResolvedRecipe) -> None:
+    """torchao's quantize_ with the recipe's config, on the Linear layers its filter keeps."""
+    import torchao.quantization as ao  # plan refuses a quantize recipe where torchao is missing
+
+    config = getattr(ao, QUANTIZE_CONFIGS[str(recipe.quantize)])()
+    ao.quantize_(module, config, filter_fn=layer_filter(recipe.quantize_skip, recipe.quantize_min_features))
+
+
+def layer_filter(skip: tuple[str, ...], min_features: int | None) -> Callable[[Any, str], bool]:
+    """The diffusers guide's dynamic_quant_filter_fn as recipe data: a Linear is quantized unless
+    its qualified name matches a skip pattern or it has fewer features than min_features. The
+    printed recipe (recipecode.py) writes its conditions out."""
+    import fnmatch
+
+    import torch
+
+    def keep(module: Any, name: str) -> bool:
+        if not isinstance(module, torch.nn.Linear):
+            return False
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in skip):
+            return False
+        return min_features is None or min(module.in_features, module.out_features) >= min_features
+
+    return keep
 
 
 def scoped(call: Callable[..., Any], recipe: ResolvedRecipe) -> Callable[..., Any]:
@@ -81,7 +106,7 @@ def scoped(call: Callable[..., Any], recipe: ResolvedRecipe) -> Callable[..., An
 
 
 def needs_scope(recipe: ResolvedRecipe) -> bool:
-    return recipe.matmul_precision is not None or recipe.dynamic
+    return recipe.matmul_precision is not None or recipe.dynamic is True or not recipe.duck_shape
 
 
 @contextmanager
@@ -96,7 +121,9 @@ def process_settings(recipe: ResolvedRecipe) -> Iterator[None]:
     try:
         # Duck shaping gives equal sizes one symbol (and so specialises their equality): read
         # when a frame traces, so it must hold during the call that compiles.
-        with dynamic_settings(recipe, fx_config, torch._dynamo.config) if recipe.dynamic else nullcontext():
+        with (
+            dynamic_settings(recipe, fx_config, torch._dynamo.config) if recipe.dynamic is not False else nullcontext()
+        ):
             yield
     finally:
         torch.set_float32_matmul_precision(saved)
@@ -109,15 +136,17 @@ def dynamic_settings(recipe: ResolvedRecipe, fx_config: Any, dynamo_config: Any)
     # tensor, so it restarts the frame with those floats constant. That first attempt's
     # AOTAutograd lookup misses in every fresh process (it saves nothing), so a pulled cache
     # never served the first call without one. Constant floats from the start: one attempt, one
-    # lookup, a hit (docs/recipes.md, "Dynamic shapes").
-    with fx_config.patch(use_duck_shape=recipe.duck_shape), dynamo_config.patch(specialize_float=True):
+    # lookup, a hit (docs/recipes.md, "Dynamic shapes"). "auto" is torch's defaults untouched:
+    # what a server written without neffbuild compiles (its first graph is static).
+    floats = dynamo_config.patch(specialize_float=True) if recipe.dynamic is True else nullcontext()
+    with fx_config.patch(use_duck_shape=recipe.duck_shape), floats:
         yield
 
 
 def compile_options(recipe: ResolvedRecipe) -> dict[str, Any]:
     """torch.compile's arguments besides the backend: fullgraph always (a graph break would be
-    a piece of the model served eager, uncached); dynamic as the recipe says."""
-    return {"fullgraph": True, "dynamic": recipe.dynamic}
+    a piece of the model served eager, uncached); dynamic as the recipe says ("auto": None)."""
+    return {"fullgraph": True, "dynamic": recipe.compile_dynamic}
 
 
 def describe(recipe: ResolvedRecipe) -> str:

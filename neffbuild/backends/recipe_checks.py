@@ -98,6 +98,12 @@ def module_recipe_problems(entry: ModelEntry, spec: str, name: str, cls: type) -
             Problem("compile.quantize", f"{recipe.quantize!r} quantizes through torchao, which is not installed here",
                     "pip install 'neffbuild[quantize]' (torchao) on the build host and the servers, or remove quantize")
         )  # fmt: skip
+    if recipe.quantize == "float8-dynamic" and entry.device != "cuda":
+        problems.append(
+            Problem("compile.quantize", f"'float8-dynamic' on device {entry.device!r}: torchao's float8 matmuls "
+                    "need a CUDA GPU (compute capability 8.9+)",
+                    "use quantize = 'int8-dynamic' on CPU, or device = 'cuda'")
+        )  # fmt: skip
     return problems
 
 

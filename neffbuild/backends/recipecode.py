@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from neffbuild.backends.recipe import QUANTIZE_CONFIGS
+
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import ModelEntry, ResolvedRecipe
 
@@ -20,6 +22,12 @@ def recipe_source(entry: ModelEntry, device: str, recompile_limit: int) -> str:
         f"# neffbuild recipe: model[{entry.id}] ({entry.pipeline}, {entry.dtype}, mode {entry.mode!r}).",
         "# Before torch is imported, export what `neffbuild pull` prints (TORCHINDUCTOR_CACHE_DIR, ...);",
         f"# load the pipeline as `pipe` with torch_dtype=torch.{entry.dtype}, then run this.",
+        f"# Writing it by hand? {MUST_MATCH}.",
+        *(
+            [f"# dynamic 'auto': make the first calls at {call_order(entry)}, in this order."]
+            if entry.compile.dynamic == "auto"
+            else []
+        ),
         "import torch",
         "import torch._dynamo",
         "import torch._inductor",
@@ -43,13 +51,26 @@ def recipe_source(entry: ModelEntry, device: str, recompile_limit: int) -> str:
     return "\n".join([*lines, ""])
 
 
+def call_order(entry: ModelEntry) -> str:
+    """The shapes a dynamic 'auto' server must call first, in order: the first traces the static
+    graph, the second the automatic-dynamic one (what the build compiled)."""
+    return ", ".join(entry.unit_label(s) for s in entry.expanded_shapes())
+
+
+# The one line a hand-writing user needs (also in docs/recipes.md and `neffbuild recipe`'s help).
+MUST_MATCH = (
+    "what must match the build: the callables compiled and torch.compile's mode, options, dynamic "
+    "(omitted = 'auto') and fullgraph=True, the module changes above them, and the process settings"
+)
+
+
 def _process_settings(recipe: ResolvedRecipe) -> list[str]:
     lines = []
     if recipe.matmul_precision is not None:
         lines.append(f"torch.set_float32_matmul_precision({recipe.matmul_precision!r})")
-    if recipe.dynamic and not recipe.duck_shape:
+    if recipe.dynamic is not False and not recipe.duck_shape:
         lines += ["import torch.fx.experimental._config", "torch.fx.experimental._config.use_duck_shape = False"]
-    if recipe.dynamic:
+    if recipe.dynamic is True:
         # Floats constant from the first trace: otherwise the first call misses a pulled cache.
         lines.append("torch._dynamo.config.specialize_float = True")
     return lines
@@ -63,22 +84,39 @@ def _module_lines(name: str, recipe: ResolvedRecipe) -> list[str]:
         lines.append(f"pipe.{name}.set_attention_backend({recipe.attention_backend!r})")
     if recipe.memory_format == "channels_last":
         lines.append(f"pipe.{name}.to(memory_format=torch.channels_last)")
-    if recipe.quantize == "int8-dynamic":
+    if recipe.quantize is not None:
+        config = QUANTIZE_CONFIGS[recipe.quantize]
         lines += [
-            "from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_",
-            f"quantize_(pipe.{name}, Int8DynamicActivationInt8WeightConfig())",
+            f"from torchao.quantization import {config}, quantize_",
+            *_filter_lines(recipe),
+            f"quantize_(pipe.{name}, {config}(), filter_fn=keep_linear)",
         ]
     return lines
 
 
-def _compile_line(mode: str, name: str, method: str | None, recipe: ResolvedRecipe) -> str:
-    arguments = [f"fullgraph=True, dynamic={recipe.dynamic}"]
+def _filter_lines(recipe: ResolvedRecipe) -> list[str]:
+    # recipe.layer_filter's conditions, written out: the same layers quantized.
+    conditions = ["isinstance(module, torch.nn.Linear)"]
+    if recipe.quantize_skip:
+        conditions.append(f"not any(fnmatch.fnmatchcase(name, p) for p in {list(recipe.quantize_skip)!r})")
+    if recipe.quantize_min_features is not None:
+        conditions.append(f"min(module.in_features, module.out_features) >= {recipe.quantize_min_features}")
+    return [
+        *(["import fnmatch"] if recipe.quantize_skip else []),
+        "def keep_linear(module, name):",
+        "    return " + " and ".join(conditions),
+    ]
+
+
+def _compile_line(entry_mode: str, name: str, method: str | None, recipe: ResolvedRecipe) -> str:
+    # dynamic "auto" is torch.compile's default (None): left out, as a hand-written server has it.
+    arguments = ["fullgraph=True"] + ([] if recipe.dynamic == "auto" else [f"dynamic={recipe.dynamic}"])
     settings = ", ".join(f"{k!r}: {v!r}" for k, v in sorted(recipe.inductor.items()))
     if recipe.mode != "default" and recipe.inductor:
         # torch.compile refuses mode and options together; a mode is its options (what the
         # build's compiler applies first), so they go in one dict, the recipe's settings last.
-        mode = f"torch._inductor.list_mode_options({recipe.mode!r}, {recipe.dynamic})"
-        arguments.append(f"options={{**{mode}, {settings}}}")
+        options = f"torch._inductor.list_mode_options({recipe.mode!r}, {recipe.compile_dynamic})"
+        arguments.append(f"options={{**{options}, {settings}}}")
     elif recipe.mode != "default":
         arguments.append(f"mode={recipe.mode!r}")
     elif recipe.inductor:
@@ -86,6 +124,6 @@ def _compile_line(mode: str, name: str, method: str | None, recipe: ResolvedReci
     args = ", ".join(arguments)
     if method is not None:
         return f"pipe.{name}.{method} = torch.compile(pipe.{name}.{method}, {args})"
-    if mode == "regional":
+    if entry_mode == "regional":
         return f"pipe.{name}.compile_repeated_blocks({args})"
     return f"pipe.{name}.compile({args})"

@@ -147,7 +147,13 @@ _plan_file_option = click.option(
 @click.argument("manifest", type=click.Path(path_type=Path))
 @click.option("--entry", "entry_id", metavar="ID", help="The entry to print [default: the manifest's only entry].")
 def recipe(manifest: Path, entry_id: str | None) -> None:
-    """Print an entry's compile recipe as plain Python, for a server that does not import neffbuild."""
+    """Print an entry's compile recipe as plain Python, for a server that does not import neffbuild.
+
+    \b
+    Writing it by hand instead: what must match the build: the callables compiled and
+    torch.compile's mode, options, dynamic (omitted = 'auto') and fullgraph=True, the module
+    changes before it, and the process settings.
+    """
     from neffbuild.units.plan import recipe_code
 
     click.echo(recipe_code(manifest, entry_id, os.environ), nl=False)
@@ -1023,6 +1029,26 @@ def _log_to_stderr(level: int, log_format: str = "plain") -> None:
         logger.addHandler(handler)
     handler.setFormatter(_JsonFormatter() if log_format == "json" else _PrintableFormatter())
     logger.setLevel(level)
+    # diffusers imports torchao where it is installed (the quantize extra), and that import warns
+    # on every plan, through three libraries' own handlers: torchao's CUDA-only kernels did not
+    # load on a CPU host, torch deprecates its Enum pytree constant, diffusers 0.42 misses a
+    # torchao 0.18 class it only needs to load torchao checkpoints. None is this command's news.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    for name in _IMPORT_NOISE:
+        noisy = logging.getLogger(name)
+        if not any(isinstance(f, _ImportNoise) for f in noisy.filters):
+            noisy.addFilter(_ImportNoise())
+
+
+_IMPORT_NOISE = {
+    "torch.utils._pytree": "register_constant() on Enum subclasses",
+    "diffusers.quantizers.torchao.torchao_quantizer": "Unable to import `torchao` Tensor objects",
+}
+
+
+class _ImportNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _IMPORT_NOISE.get(record.name, "\0") not in record.getMessage()
 
 
 class _StdoutClosed(Exception):

@@ -103,7 +103,10 @@ class ShapeSet(_Strict):
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 MemoryFormat = Literal["contiguous", "channels_last"]
 MatmulPrecision = Literal["highest", "high", "medium"]
-Quantization = Literal["int8-dynamic"]  # torchao: int8 dynamic activation + int8 weight
+# torchao: int8 dynamic activation + int8 weight; float8 the same in float8 (CUDA only).
+Quantization = Literal["int8-dynamic", "float8-dynamic"]
+SkipPatterns = Annotated[tuple[Annotated[str, Field(min_length=1, max_length=200)], ...], Field(max_length=64)]
+Dynamic = Annotated[bool, Strict()] | Literal["auto"]  # "auto": torch.compile's dynamic=None (automatic dynamic shapes)
 InductorValue = Annotated[bool, Strict()] | Annotated[int, Strict()] | CallFloat | Text
 _SETTING = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _BACKEND_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -129,7 +132,19 @@ class ComponentRecipe(_Strict):
         description="module.set_attention_backend(...) (diffusers).",
     )
     quantize: Quantization | None = Field(
-        default=None, description="torchao quantize_ before compiling: 'int8-dynamic' (needs torchao)."
+        default=None,
+        description="torchao quantize_ before compiling: 'int8-dynamic', 'float8-dynamic' (CUDA); needs torchao.",
+    )
+    quantize_skip: SkipPatterns | None = Field(
+        default=None,
+        description="With quantize: Linear layers left unquantized, by name pattern (fnmatch on the "
+        "module's qualified name, e.g. 'proj_out' or 'single_transformer_blocks.*.proj_mlp').",
+    )
+    quantize_min_features: Annotated[int, Strict()] | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="With quantize: Linear layers with fewer input or output features are left unquantized.",
     )
 
     @field_validator("inductor")
@@ -145,8 +160,10 @@ class Recipe(ComponentRecipe):
     """[model.compile]: the recipe of every listed component, with per-component overrides, and
     the settings one compile of the whole pipeline shares (dynamic shapes, matmul precision)."""
 
-    dynamic: bool = Field(
-        default=False, description="torch.compile(dynamic=True): one graph for many sizes (inductor)."
+    dynamic: Dynamic = Field(
+        default=False,
+        description="torch.compile(dynamic=...): true, one graph for many sizes; 'auto', torch's default "
+        "(dynamic=None: the first shape static, then an automatic-dynamic graph); false, one graph per shape.",
     )
     duck_shape: bool = Field(
         default=True,
@@ -163,6 +180,10 @@ class Recipe(ComponentRecipe):
     def _duck_needs_dynamic(self) -> Recipe:
         if not self.duck_shape and not self.dynamic:
             raise ValueError("duck_shape = false has no effect without dynamic = true; remove it or set dynamic")
+        for where, recipe in [("", self), *((f"components.{k}.", v) for k, v in self.components.items())]:
+            filters = recipe.quantize_skip is not None or recipe.quantize_min_features is not None
+            if filters and recipe.quantize is None and self.quantize is None:
+                raise ValueError(f"{where}quantize_skip / quantize_min_features have no effect without quantize")
         return self
 
 
@@ -176,16 +197,35 @@ class ResolvedRecipe:
     fuse_qkv: bool = False
     attention_backend: str | None = None
     quantize: str | None = None
-    dynamic: bool = False
+    dynamic: bool | str = False  # True, False or "auto" (torch.compile's dynamic=None)
     duck_shape: bool = True
     matmul_precision: str | None = None
+    quantize_skip: tuple[str, ...] = ()
+    quantize_min_features: int | None = None
 
-    def module_settings(self) -> tuple[str, bool, str | None, str | None]:
+    @property
+    def compile_dynamic(self) -> bool | None:
+        """torch.compile's dynamic argument: "auto" is its default, None."""
+        return None if self.dynamic == "auto" else bool(self.dynamic)
+
+    def module_settings(self) -> tuple[Any, ...]:
         """What changes the module itself (not the compile): two methods of one module must agree."""
-        return (self.memory_format, self.fuse_qkv, self.attention_backend, self.quantize)
+        return (
+            self.memory_format, self.fuse_qkv, self.attention_backend, self.quantize,
+            self.quantize_skip, self.quantize_min_features,
+        )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "inductor": dict(sorted(self.inductor.items()))}
+        document = {**asdict(self), "inductor": dict(sorted(self.inductor.items()))}
+        # Fields added later are keyed only when set: recipes without them key as before.
+        document["quantize_skip"] = list(self.quantize_skip)
+        for name in _LATER_FIELDS:
+            if not document[name]:
+                del document[name]
+        return document
+
+
+_LATER_FIELDS = ("quantize_skip", "quantize_min_features")
 
 
 def resolve_recipe(recipe: Recipe, spec: str) -> ResolvedRecipe:
@@ -205,6 +245,8 @@ def resolve_recipe(recipe: Recipe, spec: str) -> ResolvedRecipe:
         fuse_qkv=pick("fuse_qkv"),
         attention_backend=pick("attention_backend"),
         quantize=pick("quantize"),
+        quantize_skip=tuple(pick("quantize_skip")),
+        quantize_min_features=pick("quantize_min_features"),
         dynamic=recipe.dynamic,
         duck_shape=recipe.duck_shape,
         matmul_precision=recipe.matmul_precision,

@@ -180,7 +180,9 @@ def _check_release(release: Release, env: Mapping[str, str], facts: Facts) -> Ho
     tp = built.get("neuron.tp", "1")
     # Variables keyed by name alone (a unit's own env) appear as env.* in the build's fingerprint.
     names = {k.removeprefix("env."): "" for k in built if k.startswith("env.")}
-    scope = Scope(built.get("device") or backend.default_device, int(tp) if tp.isdigit() else 1, names)
+    scope = Scope(
+        built.get("device") or backend.default_device, int(tp) if tp.isdigit() else 1, names, "torchao" in built
+    )
     here = host_fingerprint(backend, scope, serving_env(release, env), facts)
     diffs = _diffs(backend, built, here, complete=False)
     diffs += read_diffs(release.env_reads, serving_env(release, env), {d.name for d in diffs} | set(built))

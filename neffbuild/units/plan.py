@@ -159,7 +159,9 @@ def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, st
                 pipeline_problems, unchecked = [], ["its pipeline, call arguments and components (no diffusers here)"]
             found += pipeline_problems
             notes += [f"model[{entry.id}]: not checked before building: {what}" for what in unchecked]
-        if entry.compile.dynamic:
+        if entry.compile.dynamic == "auto":
+            notes.append(auto_dynamic_note(entry))
+        elif entry.compile.dynamic:
             notes.append(dynamic_note(entry))
         if entry.mode == "eager" and not backend.caches_eager:
             notes.append(
@@ -192,6 +194,16 @@ def dynamic_note(entry: ModelEntry) -> str:
     return (
         f"model[{entry.id}]: dynamic: shapes that share a graph: {groups}{duck}; a divisibility guard in the "
         "model's code would split them further (`verify --replay` counts each shape's new graphs)"
+    )
+
+
+def auto_dynamic_note(entry: ModelEntry) -> str:
+    from neffbuild.backends.recipecode import call_order
+
+    return (
+        f"model[{entry.id}]: dynamic 'auto' (torch.compile's default): a server must make its first calls at "
+        f"{call_order(entry)}, in this order: the first shape compiles a static graph, the second the "
+        "automatic-dynamic one the others share; the build compiled these, in this order"
     )
 
 

@@ -30,7 +30,12 @@ SETTINGS = {
     "matmul precision": '[model.compile]\nmatmul_precision = "high"\n',
     "per-component override": '[model.compile.components."vae.decode"]\nmemory_format = "channels_last"\n',
     "per-component inductor": "[model.compile.components.transformer]\ninductor = { coordinate_descent_tuning = true }\n",
+    "dynamic auto": '[model.compile]\ndynamic = "auto"\n',
+    "quantize": '[model.compile]\nquantize = "int8-dynamic"\n',
+    "quantize with a layer filter": '[model.compile]\nquantize = "int8-dynamic"\nquantize_skip = ["proj_out"]\n',
+    "quantize with a size filter": '[model.compile]\nquantize = "int8-dynamic"\nquantize_min_features = 64\n',
 }
+NEEDS_TORCHAO = {"quantize", "quantize with a layer filter", "quantize with a size filter"}
 
 
 @pytest.fixture
@@ -49,6 +54,8 @@ def with_recipe(path: Path, recipe: str) -> Path:
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_every_recipe_setting_changes_every_key(setting: str, manifest: Path) -> None:
+    if setting in NEEDS_TORCHAO:
+        pytest.importorskip("torchao")
     before = keys(manifest)
     after = keys(with_recipe(manifest, SETTINGS[setting]))
     assert before.keys() == after.keys()
@@ -56,6 +63,7 @@ def test_every_recipe_setting_changes_every_key(setting: str, manifest: Path) ->
 
 
 def test_settings_key_apart_from_each_other(manifest: Path) -> None:
+    pytest.importorskip("torchao")
     text = manifest.read_text()
     seen = {}
     for setting, recipe in SETTINGS.items():
@@ -128,6 +136,18 @@ BAD_RECIPES = {
         "[model.compile.components.unet]\nfuse_qkv = true\n",
         ["compile.components.unet: not a listed component", "transformer, vae.decode"],
     ),
+    "float8 on a CPU": (
+        '[model.compile]\nquantize = "float8-dynamic"\n',
+        ["model[klein].compile.quantize", "'float8-dynamic' on device 'cpu'", "CUDA", "'int8-dynamic' on CPU"],
+    ),
+    "a layer filter without quantize": (
+        '[model.compile]\nquantize_skip = ["proj_out"]\n',
+        ["quantize_skip / quantize_min_features have no effect without quantize"],
+    ),
+    "dynamic neither a bool nor auto": (
+        '[model.compile]\ndynamic = "yes"\n',
+        ["model[klein].compile.dynamic"],
+    ),
     "duck_shape without dynamic": (
         "[model.compile]\nduck_shape = false\n",
         ["duck_shape = false has no effect without dynamic = true"],
@@ -138,6 +158,8 @@ BAD_RECIPES = {
 @pytest.mark.parametrize("case", sorted(BAD_RECIPES))
 def test_each_bad_recipe_is_one_line_exit_2_with_a_hint(case: str, manifest: Path) -> None:
     recipe, expected = BAD_RECIPES[case]
+    if case == "float8 on a CPU":
+        pytest.importorskip("torchao")
     if case == "fusion on a component without it":
         edit(manifest, '"vae.decode"]', '"vae.decode", "text_encoder"]')
     with pytest.raises(ManifestError) as err:
@@ -176,3 +198,55 @@ def test_neuron_refuses_what_neuronx_cc_cannot_do_at_plan(case: str, manifest: P
         make_plan(load_manifest(with_recipe(manifest, recipe)), {}, facts_provider())
     assert err.value.exit_code == 2 and "\n" not in err.value.message and err.value.hint
     assert expected in err.value.message, err.value.message
+
+
+def test_torchao_is_keyed_where_a_unit_quantizes_and_only_there(manifest: Path) -> None:
+    pytest.importorskip("torchao")
+    plain = keys(manifest, torchao="0.18.0")
+    assert keys(manifest, torchao="0.19.0") == plain  # installing torchao changes no other key
+    with_recipe(manifest, SETTINGS["quantize"])
+    quantized = keys(manifest, torchao="0.18.0")
+    assert quantized != keys(manifest, torchao="0.19.0")
+    fingerprint = make_plan(load_manifest(manifest), {}, facts_provider(torchao="0.18.0")).units[0].fingerprint
+    assert fingerprint["torchao"] == "0.18.0"
+
+
+def test_plan_says_the_order_a_dynamic_auto_server_must_call(manifest: Path) -> None:
+    edit(manifest, "shapes = { height = 128, width = [128, 256] }", "shapes = { height = 128, width = [256, 128] }")
+    plan = make_plan(load_manifest(with_recipe(manifest, SETTINGS["dynamic auto"])), {}, facts_provider())
+    (note,) = [n for n in plan.notes if "dynamic 'auto'" in n]
+    assert "first calls at 128x256x1, 128x128x1, in this order" in note, note
+
+
+def test_the_layer_filter_quantizes_what_it_keeps_only() -> None:
+    pytest.importorskip("torchao")
+    import torch
+
+    from neffbuild.backends.recipe import quantize
+    from neffbuild.documents.manifest import ResolvedRecipe
+
+    def model() -> torch.nn.Module:
+        return torch.nn.ModuleDict(
+            {"proj_out": torch.nn.Linear(32, 32), "big": torch.nn.Linear(32, 32), "small": torch.nn.Linear(32, 8)}
+        )
+
+    def quantized(recipe: ResolvedRecipe) -> set[str]:
+        module = model()
+        quantize(module, recipe)
+        return {name for name, layer in module.items() if type(layer.weight) is not torch.nn.Parameter}
+
+    everything = ResolvedRecipe(quantize="int8-dynamic")
+    assert quantized(everything) == {"proj_out", "big", "small"}
+    assert quantized(ResolvedRecipe(quantize="int8-dynamic", quantize_skip=("proj_*",))) == {"big", "small"}
+    assert quantized(ResolvedRecipe(quantize="int8-dynamic", quantize_min_features=16)) == {"proj_out", "big"}
+
+
+def test_the_printed_recipe_tells_a_hand_writing_user_what_must_match_and_the_order(manifest: Path) -> None:
+    from neffbuild.backends.recipecode import recipe_source
+
+    entry = load_manifest(with_recipe(manifest, SETTINGS["dynamic auto"])).manifest.models[0]
+    code = recipe_source(entry, "cpu", 8)
+    (line,) = [c for c in code.splitlines() if "what must match the build" in c]
+    assert "torch.compile's mode, options, dynamic (omitted = 'auto') and fullgraph=True" in line
+    assert "# dynamic 'auto': make the first calls at 128x128x1, 128x256x1, in this order." in code
+    assert "dynamic=" not in code  # torch's default: the argument left out, as a hand-written server has it
