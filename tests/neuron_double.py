@@ -193,7 +193,9 @@ def eager_op(module: torch.nn.Module, args: tuple, output: Any) -> None:
     return None
 
 
-torch.nn.modules.module.register_module_forward_hook(eager_op)
+# Every module's forward in this process: a test that imports the double into pytest's own
+# process removes it after (EAGER_HOOK.remove()), or later tests' eager modules would come here.
+EAGER_HOOK = torch.nn.modules.module.register_module_forward_hook(eager_op)
 
 
 @register_backend(name=NAME)

@@ -407,13 +407,14 @@ def _tiny_pipe():
     return Pipe()
 
 
-def test_components_compile_through_the_real_compiler_and_count_their_graphs(tmp_path, monkeypatch):
+def test_components_compile_through_the_real_compiler_and_count_their_graphs(tmp_path, monkeypatch, request):
     import torch
     from torch._dynamo.utils import counters
 
     from neffbuild.backends.base import components_without_graphs
-    from tests import neuron_double  # noqa: F401 - registers the substitute compile backend
+    from tests import neuron_double  # registers the substitute compile backend and its eager hook
 
+    request.addfinalizer(neuron_double.EAGER_HOOK.remove)  # the hook is process-wide: not for later tests
     monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("NEURON_LAUNCH_BLOCKING", "1")  # eager ops to the second layout, graphs alone in the first
     backend = NeuronBackend(env={COMPILE_BACKEND_ENV: "neffbuild_neuron_double", DEVICE_ENV: "cpu"})
