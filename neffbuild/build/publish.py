@@ -97,16 +97,21 @@ def move_tag(
     if signing is not None:
         sign_release(store, release_id, signing.key)
     event = TagEvent(release=release_id, at=datetime.now(UTC).isoformat(timespec="seconds"), by=by or whoami())
+    based = 0  # how often our event was in the history the last swap extended
     for attempt in range(TAG_RETRIES):
         current = read_tag(store, name)
         history: tuple[TagEvent, ...] = ()
         if current is not None:
             old = current[0]
-            if attempt and event in old.history:
-                return old  # a swap reported lost that held after all (swap_tag errs that way only)
+            # A swap reported lost that held after all (swap_tag errs that way only): our event
+            # is in the history once more than in the one we extended. Counted, not looked up: a
+            # publisher moving back and forth within a second repeats an earlier event exactly.
+            if attempt and old.history.count(event) > based:
+                return old
             if old.release == release_id and signing is None:
                 return old  # already there: an unchanged re-publish writes nothing
             history = old.history
+        based = history.count(event)
         record = TagRecord(name=name, release=release_id, history=(*history, event))
         if signing is not None:
             version = next_version(current[0] if current else None, name, signing.key, datetime.now(UTC))
