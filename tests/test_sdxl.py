@@ -174,7 +174,7 @@ def test_the_plans_claims_hold_for_what_the_components_receive(tiny_sdxl: Path) 
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    from neffbuild.backends.base import describe_input
+    from neffbuild.backends.components import describe_input
 
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl, torch_dtype=torch.float32, local_files_only=True)
     seen: list[str] = []

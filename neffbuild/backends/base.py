@@ -8,28 +8,25 @@ worker-side methods may import torch; collect_facts reads files, so that `status
 can judge a host in a fraction of a second (it imports torch only for a fact no file holds).
 This module imports neither torch nor the manifest's validation library for the same reason.
 
-Every listed component is compiled through a GraphCounter, so a build can prove that each one
-actually ran compiled (a VAE compiled as `vae` wraps forward, while pipelines call vae.decode).
+Every listed component is compiled through a GraphCounter (backends/components.py), so a build
+can prove that each one actually ran compiled.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from neffbuild.backends.components import GRAPH_PREFIX, graph_counters
+
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry, ResolvedRecipe
-
-# torch._dynamo.utils.counters group the GraphCounters write; reported as "graphs.<component>".
-GRAPH_GROUP = "neffbuild.graphs"
-GRAPH_PREFIX = "graphs."
 
 
 @dataclass(frozen=True)
@@ -282,161 +279,6 @@ def relevant_env(
 ) -> dict[str, str]:
     """`env.NAME` fingerprint fields for the variables that influence a compiler."""
     return {f"env.{k}": v for k, v in sorted(env.items()) if k not in skip and (k in names or k.startswith(prefixes))}
-
-
-class GraphCounter:
-    """A torch.compile backend that counts each graph Dynamo hands it, then compiles it with the
-    real compiler: proof that a listed component ran compiled. Compiler caches key on the graph,
-    not on the backend object, so what it writes serves a plain torch.compile (measured: a server
-    compiling with backend="inductor" hits every entry a build through it wrote)."""
-
-    def __init__(self, component: str, compiler: Any, compiler_name: str) -> None:
-        self.component = component
-        self.compiler = compiler
-        self.compiler_name = compiler_name  # Dynamo reads it as it would the backend's own name
-
-    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        from torch._dynamo.utils import counters
-
-        counters[GRAPH_GROUP][self.component] += 1
-        return self.compiler(gm, example_inputs, **kwargs)
-
-
-def compile_components(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
-    """Compile each listed component the way serving must: `name` compiles the module's forward
-    (`full`) or its repeated blocks (`regional`); `name.method` compiles that bound method. Each
-    with its recipe's compiler settings (backends/recipe.py)."""
-    import torch
-
-    from neffbuild.backends.recipe import compile_options, scoped
-
-    for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
-        component = getattr(pipe, name, None)
-        if component is None:
-            raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
-        recipe = entry.recipe_for(spec)
-        counter = GraphCounter(spec, backend.compiler_for(recipe), backend.compiler_name)
-        options = {"backend": counter, **compile_options(recipe)}
-        if method is not None:
-            bound = getattr(component, method, None)
-            if not callable(bound):
-                raise ValueError(f"{type(component).__name__} has no method {method!r}")
-            setattr(component, method, scoped(_recorded(spec, torch.compile(bound, **options)), recipe))
-        elif entry.mode == "full":
-            # The recipe's torch.compile arguments (dynamic!), not fixed ones: a dynamic entry
-            # compiled static graphs here, one per shape, and nothing said so.
-            component.compile(backend=counter, **compile_options(recipe))
-            # Module.compile keeps the compiled call here; recording outside it keeps the
-            # graph whole (a hook would run inside it).
-            component._compiled_call_impl = scoped(_recorded(spec, component._compiled_call_impl), recipe)
-        elif not getattr(component, "_repeated_blocks", None):
-            raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
-        else:
-            component.compile_repeated_blocks(backend=counter, **compile_options(recipe))
-            # The blocks compile inside the component's call: record and scope around it.
-            component.forward = scoped(_recorded(spec, component.forward), recipe)
-
-
-_INPUTS: dict[str, dict[str, None]] = {}  # component -> its distinct input signatures, in call order
-_MAX_SIGNATURES = 16  # per component: a pipeline passing a per-step scalar would list every step
-_CURRENT = threading.local()  # .call: the listed component this thread is calling, and its inputs
-
-
-@dataclass(frozen=True, slots=True)
-class ComponentCall:
-    """A listed component's call in progress. Its inputs are described only when asked (a
-    compile event): describing every call's arguments would cost every denoising step."""
-
-    component: str  # the listed spec, e.g. "vae.decode"
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        """describe_input of each argument, keywords as name=..."""
-        return signature_parts(self.args, self.kwargs)
-
-
-# Set by a serving guard (neffbuild.serve.guard): turns an error a compiled call raised (a
-# refused recompile) into the guard's own, or returns None to let it pass.
-RefusalHook = Callable[[ComponentCall, Exception], Exception | None]
-_refusal_hooks: list[RefusalHook] = []
-
-
-def add_refusal_hook(hook: RefusalHook) -> None:
-    _refusal_hooks.append(hook)
-
-
-def remove_refusal_hook(hook: RefusalHook) -> None:
-    if hook in _refusal_hooks:
-        _refusal_hooks.remove(hook)
-
-
-def current_call() -> ComponentCall | None:
-    """The listed component this thread is inside (its latest call), for compile events."""
-    return getattr(_CURRENT, "call", None)
-
-
-def _recorded(spec: str, compiled: Any) -> Any:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        _record(spec, args, kwargs)
-        this = ComponentCall(spec, args, kwargs)
-        outer = current_call()
-        _CURRENT.call = this
-        try:
-            return compiled(*args, **kwargs)
-        except RuntimeError as exc:
-            for hook in tuple(_refusal_hooks):
-                refusal = hook(this, exc)
-                if refusal is not None:
-                    raise refusal from exc
-            raise
-        finally:
-            _CURRENT.call = outer
-
-    return call
-
-
-def _record(spec: str, args: Any, kwargs: Any) -> None:
-    seen = _INPUTS.setdefault(spec, {})
-    if len(seen) < _MAX_SIGNATURES:
-        seen.setdefault(", ".join(signature_parts(args, kwargs)), None)
-
-
-def signature_parts(args: Any, kwargs: Any) -> tuple[str, ...]:
-    return tuple([describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())])
-
-
-def describe_input(value: Any) -> str:
-    """What a compiled graph is specialised on: a tensor's shape and dtype (not its values), a
-    plain value as itself, containers item by item, anything else by its type."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype}{list(value.shape)}".replace("torch.", "")
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "(" + ", ".join(describe_input(v) for v in value) + ")"
-    if isinstance(value, dict):
-        return (
-            "{"
-            + ", ".join(f"{k}: {describe_input(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
-            + "}"
-        )
-    return type(value).__name__
-
-
-def input_signatures() -> dict[str, tuple[str, ...]]:
-    """Every listed component's distinct input signatures in this process so far."""
-    return {spec: tuple(seen) for spec, seen in sorted(_INPUTS.items())}
-
-
-def graph_counters() -> dict[str, int]:
-    """Graphs handed to each component's GraphCounter in this process, as `graphs.<component>`."""
-    from torch._dynamo.utils import counters
-
-    return {f"{GRAPH_PREFIX}{name}": int(n) for name, n in counters[GRAPH_GROUP].items()}
 
 
 def components_without_graphs(entry: ModelEntry, counters: Mapping[str, int]) -> list[str]:

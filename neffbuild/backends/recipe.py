@@ -19,19 +19,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from neffbuild.backends.components import GraphCounter, recorded
 
 if TYPE_CHECKING:
-    from neffbuild.backends.base import Backend
     from neffbuild.documents.manifest import ModelEntry, ResolvedRecipe
 
 log = logging.getLogger(__name__)
 
 
-def apply_recipe(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
-    """Prepare each listed component's module as its recipe says, then compile the components."""
-    from neffbuild.backends.base import compile_components
+class Compilers(Protocol):
+    """What compiling a component asks of a backend (backends/base.py's Backend)."""
 
+    @property
+    def compiler_name(self) -> str: ...
+
+    def compiler_for(self, recipe: ResolvedRecipe) -> Any: ...
+
+
+def apply_recipe(pipe: Any, entry: ModelEntry, backend: Compilers) -> None:
+    """Prepare each listed component's module as its recipe says, then compile the components."""
     done: set[str] = set()
     for spec, (name, _method) in zip(entry.components, entry.components_named(), strict=True):
         if name in done:
@@ -44,6 +52,39 @@ def apply_recipe(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
         log.debug("%s: recipe %s", spec, describe(recipe))
         prepare_module(module, recipe)
     compile_components(pipe, entry, backend)
+
+
+def compile_components(pipe: Any, entry: ModelEntry, backend: Compilers) -> None:
+    """Compile each listed component the way serving must: `name` compiles the module's forward
+    (`full`) or its repeated blocks (`regional`); `name.method` compiles that bound method. Each
+    with its recipe's compiler settings (below)."""
+    import torch
+
+    for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
+        component = getattr(pipe, name, None)
+        if component is None:
+            raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
+        recipe = entry.recipe_for(spec)
+        counter = GraphCounter(spec, backend.compiler_for(recipe), backend.compiler_name)
+        options = {"backend": counter, **compile_options(recipe)}
+        if method is not None:
+            bound = getattr(component, method, None)
+            if not callable(bound):
+                raise ValueError(f"{type(component).__name__} has no method {method!r}")
+            setattr(component, method, scoped(recorded(spec, torch.compile(bound, **options)), recipe))
+        elif entry.mode == "full":
+            # The recipe's torch.compile arguments (dynamic!), not fixed ones: a dynamic entry
+            # compiled static graphs here, one per shape, and nothing said so.
+            component.compile(backend=counter, **compile_options(recipe))
+            # Module.compile keeps the compiled call here; recording outside it keeps the
+            # graph whole (a hook would run inside it).
+            component._compiled_call_impl = scoped(recorded(spec, component._compiled_call_impl), recipe)
+        elif not getattr(component, "_repeated_blocks", None):
+            raise ValueError(f"{type(component).__name__} declares no _repeated_blocks; use mode 'full'")
+        else:
+            component.compile_repeated_blocks(backend=counter, **compile_options(recipe))
+            # The blocks compile inside the component's call: record and scope around it.
+            component.forward = scoped(recorded(spec, component.forward), recipe)
 
 
 def prepare_module(module: Any, recipe: ResolvedRecipe) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.backends import envreads, get_backend
-from neffbuild.backends.base import Backend, input_signatures
+from neffbuild.backends.base import Backend
 from neffbuild.backends.calls import measured_call
+from neffbuild.backends.components import input_signatures
 from neffbuild.documents.manifest import Shape
 from neffbuild.runner.jobs import (
     ShapeRun,

@@ -22,16 +22,15 @@ from pathlib import Path
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import GRAPH_PREFIX, Backend, components_without_graphs, no_graph_hint
-from neffbuild.build.fanin import assemble_release
+from neffbuild.build.fanin import planned, release_bundles
 from neffbuild.build.fleet import checked_document, select
-from neffbuild.build.publish import move_tag, publish_bundle, publish_release
-from neffbuild.build.report import emit, from_build
+from neffbuild.build.publish import publish_bundle
+from neffbuild.build.report import BuildReport, UnitOutcome, emit, from_build
 from neffbuild.build.sizing import unit_shares
 from neffbuild.documents.manifest import Shape, load_manifest
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, Timings
-from neffbuild.documents.refs import load_doc
+from neffbuild.documents.records import BundleRecord, FileEntry, Timings
 from neffbuild.documents.signing import Signing
-from neffbuild.errors import BuildError, Interrupted, NeffbuildError, PartlyCompiledError, WorkerKilled
+from neffbuild.errors import BuildError, Interrupted, NeffbuildError, NotFoundError, PartlyCompiledError, WorkerKilled
 from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
 from neffbuild.printable import printable
@@ -65,50 +64,6 @@ log = logging.getLogger(__name__)
 # (unit_id, status) for progress displays: a phase the worker reports ("loading", "compiling"),
 # "publishing", then a final status ("built", "present", "failed").
 Notify = Callable[[str, str], None]
-
-
-@dataclass(frozen=True)
-class UnitOutcome:
-    unit_id: str
-    key: str
-    status: str  # "built", "present" or "failed"
-    files: int = 0
-    size: int = 0
-    uploaded: int = 0
-    first_call_s: float = 0.0
-    compiles: int = 0
-    error: str | None = None
-    seconds: float = 0.0  # the unit's wall time in this build (load, compile, publish)
-    log: str | None = None  # a failed unit's kept worker log
-    log_tail: tuple[str, ...] = ()
-    worker_traceback: str | None = None
-    attempts: int = 1  # 1 + the retries it took (--retries)
-    killed: str | None = None  # a failed unit's worker was killed: how ("killed by SIGKILL", the OOM killer)
-    peak_rss: int = 0  # bytes, as the worker measured it (0: not measured, e.g. present or killed)
-    counters: Mapping[str, int] = field(default_factory=dict)  # the compiler's counters for this unit
-    # Seconds by phase: load (worker start to pipeline ready), trace, compile, run (the rest of
-    # the first call), publish (hash and upload); queue is the build's (_unit_outcome).
-    phases: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class BuildReport:
-    name: str
-    store: str
-    outcomes: tuple[UnitOutcome, ...]
-    release_id: str | None
-    tag: str | None
-    shard: str | None = None  # "I/N" when this build was one shard of a fleet
-    units_total: int = 0  # units in the manifest (a shard builds some of them)
-
-    @property
-    def complete(self) -> bool:
-        """Whether this build covered the whole manifest (and so may release it)."""
-        return len(self.outcomes) == self.units_total
-
-    @property
-    def failed(self) -> list[UnitOutcome]:
-        return [o for o in self.outcomes if o.status == "failed"]
 
 
 @dataclass(frozen=True)
@@ -223,14 +178,13 @@ def build(
     report = BuildReport(plan.loaded.manifest.name, store.url, tuple(outcomes), None, None, shard, len(plan.units))
     if report.failed or not report.complete or not o.may_release:
         return report
-    records = [
-        load_doc(store, BundleRecord, u.key, hint=f"{u.unit_id}: it vanished during the build; rerun it")
-        for u in plan.units
-    ]
-    release = make_release(plan, records, backend)
-    release_id = publish_release(store, release)
-    move_tag(store, name, release_id, signing=o.signing)
-    return replace(report, release_id=release_id, tag=name)
+    released = release_bundles(store, planned(plan), tag=name, signing=o.signing)
+    if released.missing:  # each unit was present or built above
+        unit_id, key = next(u for u in released.units if u[0] == released.missing[0])
+        raise NotFoundError(
+            f"bundle {key} not found in {store.url}", hint=f"{unit_id}: it vanished during the build; rerun it"
+        )
+    return replace(report, release_id=released.release_id, tag=released.tag)
 
 
 def _in_parallel(
@@ -484,14 +438,6 @@ def _check_fingerprint(unit: BuildUnit, seen: Mapping[str, str]) -> None:
             f"{unit.unit_id}: worker environment differs from the plan ({detail})",
             hint="do not change the environment during a build",
         )
-
-
-def make_release(plan: Plan, records: Sequence[BundleRecord], backend: Backend) -> Release:
-    """Merge the bundles' files into one cache-dir listing; clashing paths go to the backend."""
-    units = [(u.unit_id, u.key) for u in plan.units]
-    return assemble_release(
-        plan.loaded.manifest.name, plan.loaded.source_digest, plan.runtime_env, units, records, backend
-    )
 
 
 def failure(report: BuildReport) -> BuildError:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neffbuild.backends import get_backend
-from neffbuild.backends.base import Backend
 from neffbuild.build.publish import move_tag, publish_release
 from neffbuild.build.report import emit, merged, read_reports
 from neffbuild.documents.manifest import load_manifest
@@ -35,8 +35,24 @@ from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
 from neffbuild.units.plandoc import check_manifest, read_plan
 
+if TYPE_CHECKING:
+    from neffbuild.units.plan import Plan
+
 log = logging.getLogger(__name__)
 SHOWN_MISSING = 10  # unit ids named in the error; --json lists every one
+
+
+@dataclass(frozen=True)
+class Releasable:
+    """What a release is made of, whoever planned it (this host, or a plan document): the
+    manifest's name and digest, the runtime environment, the units (id, key) and the backend
+    (which of its clashing paths are content keys)."""
+
+    name: str
+    manifest_digest: str
+    runtime_env: Mapping[str, str]
+    units: tuple[tuple[str, str], ...]
+    backend: str
 
 
 @dataclass(frozen=True)
@@ -64,27 +80,38 @@ def release_manifest(
     if plan_file is not None:
         document = read_plan(plan_file)
         check_manifest(document, loaded, plan_file)
-        name, backend_name, runtime_env = document.name, document.backend, dict(document.env)
         units = tuple((u.unit_id, u.key) for u in document.units)
+        what = Releasable(document.name, loaded.source_digest, dict(document.env), units, document.backend)
     else:
         from neffbuild.units.plan import make_plan
 
-        plan = make_plan(loaded, env)
-        name, backend_name, runtime_env = plan.loaded.manifest.name, plan.backend_name, dict(plan.runtime_env)
-        units = tuple((u.unit_id, u.key) for u in plan.units)
+        what = planned(make_plan(loaded, env))
     opened = store.open(env, manifest_default=loaded.manifest.store)
-    found = opened.get_docs("bundles", [key for _, key in units], jobs=16)
-    missing = tuple(unit_id for unit_id, key in units if found.get(key) is None)
-    result = ReleaseResult(name, opened.url, units, missing, planned=plan_file is not None)
+    result = release_bundles(opened, what, tag=tag or what.name, signing=signing)
+    if result.release_id is not None:
+        log.info("released %s from %d bundles; tag %s", result.release_id, len(what.units), result.tag)
+    return replace(result, planned=plan_file is not None)
+
+
+def planned(plan: Plan) -> Releasable:
+    """What a release of this host's plan is made of."""
+    units = tuple((u.unit_id, u.key) for u in plan.units)
+    loaded = plan.loaded
+    return Releasable(loaded.manifest.name, loaded.source_digest, dict(plan.runtime_env), units, plan.backend_name)
+
+
+def release_bundles(store: Store, what: Releasable, *, tag: str, signing: Signing | None = None) -> ReleaseResult:
+    """The one way a release is made, by `release` and by a build of every unit: each unit's
+    bundle read (and checked to be that unit's), the files merged, the release published and
+    the tag moved; with any bundle missing, nothing is released and the missing are named."""
+    found = store.get_docs("bundles", [key for _, key in what.units], jobs=16)
+    missing = tuple(unit_id for unit_id, key in what.units if found.get(key) is None)
     if missing:
-        return result
-    records = [_record(opened, unit_id, key, found[key]) for unit_id, key in units]
-    release = assemble_release(name, loaded.source_digest, runtime_env, units, records, get_backend(backend_name))
-    release_id = publish_release(opened, release)
-    moved = tag or name
-    move_tag(opened, moved, release_id, signing=signing)
-    log.info("released %s from %d bundles; tag %s", release_id, len(units), moved)
-    return ReleaseResult(name, opened.url, units, (), release_id, moved, plan_file is not None)
+        return ReleaseResult(what.name, store.url, what.units, missing)
+    records = [_record(store, unit_id, key, found[key]) for unit_id, key in what.units]
+    release_id = publish_release(store, assemble_release(what, records))
+    move_tag(store, tag, release_id, signing=signing)
+    return ReleaseResult(what.name, store.url, what.units, (), release_id, tag)
 
 
 def release_and_report(
@@ -135,15 +162,9 @@ def _record(store: Store, unit_id: str, key: str, data: bytes | None) -> BundleR
     return record
 
 
-def assemble_release(
-    name: str,
-    manifest_digest: str,
-    runtime_env: Mapping[str, str],
-    units: Sequence[tuple[str, str]],
-    records: Sequence[BundleRecord],
-    backend: Backend,
-) -> Release:
+def assemble_release(what: Releasable, records: Sequence[BundleRecord]) -> Release:
     """Merge the bundles' files into one cache-dir listing; clashing paths go to the backend."""
+    backend = get_backend(what.backend)
     chosen: dict[str, tuple[FileEntry, str]] = {}
     dropped: dict[str, set[str]] = {}
     for record in sorted(records, key=lambda r: r.key):  # deterministic winner
@@ -160,15 +181,15 @@ def assemble_release(
     files = tuple(entry for entry, _ in sorted(chosen.values(), key=lambda c: c[0].path))
     return Release(
         format=RELEASE_FORMAT if all(f.blake3 for f in files) else RELEASE_FORMAT_1,  # bundles built before BLAKE3
-        name=name,
-        manifest_digest=manifest_digest,
+        name=what.name,
+        manifest_digest=what.manifest_digest,
         backend=backend.name,
         cache_env=backend.cache_env,
-        env=dict(runtime_env),
+        env=dict(what.runtime_env),
         fingerprint=_common_fields([r.fingerprint for r in records]),
         env_reads=_common_fields([r.env_reads for r in records]),
         compiler_keys=_common_fields([r.compiler_keys for r in records]),
-        units=tuple(ReleaseUnit(unit_id=unit_id, key=key) for unit_id, key in units),
+        units=tuple(ReleaseUnit(unit_id=unit_id, key=key) for unit_id, key in what.units),
         files=files,
         shared=tuple(
             SharedPath(path=p, kept=chosen[p][0].digest, dropped=tuple(sorted(d))) for p, d in sorted(dropped.items())

@@ -1,5 +1,6 @@
-"""Build reports: `build --report FILE.json` per build or shard, merged by `release --report`,
-and a Markdown summary appended to `$GITHUB_STEP_SUMMARY` when that is set.
+"""Build reports: what a build returns (BuildReport, one UnitOutcome per unit), the document
+`build --report FILE.json` writes of it per build or shard, merged by `release --report`, and a
+Markdown summary appended to `$GITHUB_STEP_SUMMARY` when that is set.
 
 A report is a versioned document (its format string, decoded strictly like the store's own) so
 that a release job may read what shard jobs uploaded as artifacts.
@@ -12,20 +13,60 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from neffbuild.documents.records import parse, to_json
 from neffbuild.errors import InputError, NeffbuildError
 from neffbuild.formats import writes
 from neffbuild.fs.atomic import write_atomic
 
-if TYPE_CHECKING:
-    from neffbuild.build.compile import BuildReport, UnitOutcome
-
 log = logging.getLogger(__name__)
 REPORT_FORMAT = writes("build report")  # parse reads every report format (neffbuild/formats.py)
 SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 MAX_REPORT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class UnitOutcome:
+    unit_id: str
+    key: str
+    status: str  # "built", "present" or "failed"
+    files: int = 0
+    size: int = 0
+    uploaded: int = 0
+    first_call_s: float = 0.0
+    compiles: int = 0
+    error: str | None = None
+    seconds: float = 0.0  # the unit's wall time in this build (load, compile, publish)
+    log: str | None = None  # a failed unit's kept worker log
+    log_tail: tuple[str, ...] = ()
+    worker_traceback: str | None = None
+    attempts: int = 1  # 1 + the retries it took (--retries)
+    killed: str | None = None  # a failed unit's worker was killed: how ("killed by SIGKILL", the OOM killer)
+    peak_rss: int = 0  # bytes, as the worker measured it (0: not measured, e.g. present or killed)
+    counters: Mapping[str, int] = field(default_factory=dict)  # the compiler's counters for this unit
+    # Seconds by phase: load (worker start to pipeline ready), trace, compile, run (the rest of
+    # the first call), publish (hash and upload); queue is the build's (_unit_outcome).
+    phases: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    name: str
+    store: str
+    outcomes: tuple[UnitOutcome, ...]
+    release_id: str | None
+    tag: str | None
+    shard: str | None = None  # "I/N" when this build was one shard of a fleet
+    units_total: int = 0  # units in the manifest (a shard builds some of them)
+
+    @property
+    def complete(self) -> bool:
+        """Whether this build covered the whole manifest (and so may release it)."""
+        return len(self.outcomes) == self.units_total
+
+    @property
+    def failed(self) -> list[UnitOutcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
 
 
 @dataclass(frozen=True, slots=True)

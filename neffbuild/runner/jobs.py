@@ -81,7 +81,9 @@ class ShapeRun(_Frozen):
     compile_s: float = 0.0  # of first_call_s: the compile backend
     output: str | None = None
     written: tuple[WrittenFile, ...] = ()
-    inputs: dict[str, tuple[str, ...]] = {}  # per component: its distinct input signatures (base.input_signatures)
+    inputs: dict[
+        str, tuple[str, ...]
+    ] = {}  # per component: its distinct input signatures (components.input_signatures)
     # With job.trace: files under watch_dir (relative) opened during this call. A kernel an
     # earlier unit of the same process loaded is not opened again: the union is what was read.
     opened: tuple[str, ...] = ()

@@ -29,7 +29,8 @@ from types import FrameType
 from typing import Any, Literal
 
 from neffbuild.backends import get_backend
-from neffbuild.backends.base import Backend, ComponentCall, add_refusal_hook, current_call, remove_refusal_hook
+from neffbuild.backends.base import Backend
+from neffbuild.backends.components import ComponentCall, add_refusal_hook, current_call, remove_refusal_hook
 from neffbuild.documents.manifest import LoadedManifest, ModelEntry, load_manifest
 from neffbuild.errors import DiskError, InputError, UnlistedShape
 from neffbuild.serve.prepare import select_entry

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import ModelMixin
 
-from neffbuild.backends.base import compile_components
+from neffbuild.backends.recipe import compile_components
 from neffbuild.documents.manifest import ModelEntry
 
 

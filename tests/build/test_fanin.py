@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.backends.inductor import InductorBackend
-from neffbuild.build.compile import make_release
+from neffbuild.build.fanin import assemble_release, planned
 from neffbuild.build.publish import publish_bundle
 from neffbuild.build.report import Report, ReportUnit, write_report
 from neffbuild.documents.manifest import load_manifest
@@ -72,8 +71,8 @@ def test_release_with_a_plan_made_on_another_host_releases_what_a_one_process_bu
     )
     assert result.returncode == 0, result.stderr
     released = json.loads(result.stdout)
-    # The same release id as the one-process build of these bundles would publish (build.make_release).
-    assert released["release_id"] == make_release(plan, records, InductorBackend()).release_id
+    # The same release id as the one-process build of these bundles would publish (the fan-in core).
+    assert released["release_id"] == assemble_release(planned(plan), records).release_id
     assert released["missing"] == [] and released["tag"] == "tiny" and released["planned"] is True
     tag = json.loads((tmp_path / "store" / "tags" / "tiny.json").read_text())
     assert tag["release"] == released["release_id"]
@@ -207,3 +206,71 @@ def test_merged_reports_prefer_the_build_that_made_the_bundle(tmp_path: Path) ->
     assert out.shards == ("0/2", "1/2")
     text = markdown(Report("m|x", "s", (a, rerun), ("0/2",)))
     assert "m\\|x" in text and "failed: killed by SIGKILL" in text and "512 MiB" in text
+
+
+# -- assemble_release: merging the units' files into one cache-dir listing ---------------------------
+
+D1, D2, D3 = "1" * 32, "2" * 32, "3" * 32
+
+
+@pytest.fixture
+def two_unit_plan(tmp_path: Path):
+    from neffbuild.documents.manifest import load_manifest
+    from neffbuild.units.plan import make_plan
+    from tests.conftest import write_model_index
+    from tests.units.test_plan import MANIFEST, facts_provider
+
+    (tmp_path / "model" / "transformer").mkdir(parents=True)
+    write_model_index(tmp_path / "model")
+    (tmp_path / "m.toml").write_text(MANIFEST)
+    plan = make_plan(load_manifest(tmp_path / "m.toml"), {}, facts_provider())
+    assert len(plan.units) == 2
+    return plan
+
+
+def record_of(unit, files: dict[str, str], **fingerprint: str):
+    from neffbuild.documents.records import BundleRecord, FileEntry, Timings
+
+    return BundleRecord(
+        key=unit.key, unit_id=unit.unit_id, unit=dict(unit.normalized), backend="inductor",
+        fingerprint={**unit.fingerprint, **fingerprint}, files=tuple(FileEntry(p, 1, d, "5" * 64) for p, d in sorted(files.items())),
+        counters={}, timings=Timings(), created_at="2026-01-01T00:00:00Z", neffbuild_version="t",
+    )  # fmt: skip
+
+
+def test_assemble_release_refuses_two_files_at_one_path_that_is_no_content_key(two_unit_plan) -> None:
+    from neffbuild.build.fanin import assemble_release, planned
+    from neffbuild.errors import ConflictError
+
+    a, b = two_unit_plan.units
+    records = [record_of(a, {"model_config.json": D1}), record_of(b, {"model_config.json": D2})]
+    with pytest.raises(
+        ConflictError, match=rf"model_config.json: units {a.unit_id} and {b.unit_id} produced different files"
+    ):
+        assemble_release(planned(two_unit_plan), records)
+
+
+def test_assemble_release_keeps_one_copy_of_a_shared_content_keyed_path(two_unit_plan) -> None:
+    from neffbuild.build.fanin import assemble_release, planned
+    from neffbuild.documents.records import SharedPath
+
+    a, b = two_unit_plan.units
+    kernel, entry = "ab/cabc123.so", "fxgraph/x/key/entry"
+    records = [
+        record_of(a, {kernel: D2, entry: D1, "a/only": D1}),
+        record_of(b, {kernel: D1, entry: D1}, threads="4", **{"cpu.isa": "avx2"}),
+    ]
+    release = assemble_release(planned(two_unit_plan), records)
+    assert [(f.path, f.digest) for f in release.files] == [
+        ("a/only", D1),
+        (kernel, D2 if a.key < b.key else D1),
+        (entry, D1),
+    ]
+    kept = D2 if a.key < b.key else D1
+    assert release.shared == (SharedPath(path=kernel, kept=kept, dropped=(D1 if kept == D2 else D2,)),)
+    # The release's fingerprint holds only what every unit shares.
+    assert "threads" not in release.fingerprint and "cpu.isa" not in release.fingerprint
+    assert release.fingerprint == {k: v for k, v in a.fingerprint.items() if k not in ("threads", "cpu.isa")}
+    assert [u.unit_id for u in release.units] == [a.unit_id, b.unit_id] and release.env == dict(
+        two_unit_plan.runtime_env
+    )

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.backends.inductor import InductorBackend
-from neffbuild.build.compile import make_release
+from neffbuild.build.fanin import assemble_release, planned
 from neffbuild.build.publish import move_tag, publish_release
 from neffbuild.build.sizing import DEFAULT_UNIT_MEMORY, MARGIN, unit_shares
 from neffbuild.documents.manifest import load_manifest
@@ -39,7 +38,7 @@ def test_shares_come_from_the_units_own_peak_its_entrys_then_the_release_else_th
     records = [
         publish_unit(store, tmp_path / "old", u, peak_rss=p) for u, p in zip(old, (300 * MIB, 500 * MIB), strict=True)
     ]
-    release = make_release(replace(plan, units=tuple(old)), records, InductorBackend())
+    release = assemble_release(planned(replace(plan, units=tuple(old))), records)
     move_tag(store, "tiny", publish_release(store, release), by="test")
     shares = unit_shares(store, plan.units, plan.units, "tiny")
     assert shares[small.unit_id].need == int(300 * MIB * MARGIN)  # the same unit id, released

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neffbuild.backends.base import _recorded
+from neffbuild.backends.components import recorded
 from neffbuild.errors import DiskError, InputError, UnlistedShape
 from neffbuild.serve import guard
 from neffbuild.serve.guard import call_size
@@ -20,7 +20,7 @@ from neffbuild.serve.guard import call_size
 def linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
-    compiled = _recorded("transformer", torch.compile(torch.nn.Linear(4, 4), fullgraph=True, dynamic=False))
+    compiled = recorded("transformer", torch.compile(torch.nn.Linear(4, 4), fullgraph=True, dynamic=False))
     compiled(torch.randn(2, 4))  # the warm-up: compiled before any guard
     yield compiled
     torch._dynamo.reset()

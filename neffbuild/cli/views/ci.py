@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 from neffbuild.cli.views.console import BaseConsole, human_size, say_err
 
 if TYPE_CHECKING:
-    from neffbuild.build.compile import BuildReport
     from neffbuild.build.fanin import ReleaseResult
     from neffbuild.build.fleet import FleetPlan
     from neffbuild.build.push import PushResult
+    from neffbuild.build.report import BuildReport
     from neffbuild.documents.records import TagRecord
     from neffbuild.units.plan import Plan
 
