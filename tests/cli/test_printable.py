@@ -236,7 +236,7 @@ def test_json_keeps_the_exact_strings(tmp_path: Path) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(text=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=24))
 def test_views_on_arbitrary_text_hold_no_control_byte(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
-    from neffbuild.cli.views import Console
+    from neffbuild.cli.views import Console, host
     from neffbuild.cli.views import store as output
     from neffbuild.inspect.du import disk_usage
     from neffbuild.inspect.ls import list_store, tag_history
@@ -256,7 +256,7 @@ def test_views_on_arbitrary_text_hold_no_control_byte(tmp_path_factory: pytest.T
         output.shown_ref(console, show(published.store, "t"))
         output.shown_ref(console, show(published.store, published.bundle_key))
         output.usage(console, disk_usage(published.store))
-        console.exports({"TORCHINDUCTOR_NOTE": text})
+        host.exports(console, {"TORCHINDUCTOR_NOTE": text})
     assert CONTROLS.search(out.getvalue() + err.getvalue()) is None
 
 

@@ -18,7 +18,8 @@ from neffbuild.cli.options import (
     store_option,
 )
 from neffbuild.cli.terminal import report_after_change
-from neffbuild.cli.views import Console
+from neffbuild.cli.views import Console, loop
+from neffbuild.cli.views import ci as views
 from neffbuild.errors import InputError
 from neffbuild.printable import printable
 
@@ -69,12 +70,11 @@ def plan(
         from neffbuild.documents.manifest import load_manifest
         from neffbuild.units.plan import make_plan
 
-        Console(as_json).plan(make_plan(load_manifest(manifest), os.environ))
+        views.plan(Console(as_json), make_plan(load_manifest(manifest), os.environ))
         return
     from neffbuild.build.fleet import plan_fleet
-    from neffbuild.cli.views.ci import print_fleet_plan
 
-    print_fleet_plan(Console(as_json), plan_fleet(manifest, store, env=os.environ, shards=shards, out=out, tag=tag))
+    views.fleet_plan(Console(as_json), plan_fleet(manifest, store, env=os.environ, shards=shards, out=out, tag=tag))
 
 
 @click.command()
@@ -174,7 +174,7 @@ def build(
         fleet=fleet,
         progress=lambda total: console.units_progress("building", total),
     )
-    console.build(report)
+    views.build(console, report)
     if report.failed:
         raise failure(report)
 
@@ -187,9 +187,9 @@ def _build_on_ray(
 
     result = build_on_ray(manifest, store, env=os.environ, options=options, address=address, report_file=report_file)
     if result.release.missing:
-        console.release(result.release)
+        views.release(console, result.release)
         raise incomplete(result.release)
-    report_after_change(lambda: console.release(result.release), f"released {result.release.release_id}")
+    report_after_change(lambda: views.release(console, result.release), f"released {result.release.release_id}")
 
 
 @click.command("release")
@@ -239,9 +239,9 @@ def release_command(
         signing=signing,
     )
     if result.missing:
-        Console(as_json).release(result)
+        views.release(Console(as_json), result)
         raise incomplete(result)
-    report_after_change(lambda: Console(as_json).release(result), f"released {result.release_id}")
+    report_after_change(lambda: views.release(Console(as_json), result), f"released {result.release_id}")
 
 
 @click.command()
@@ -269,7 +269,7 @@ def push(
         ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16,
         signing=signing,
     )  # fmt: skip
-    report_after_change(lambda: Console(as_json).push(result), f"pushed release {result.release_id}")
+    report_after_change(lambda: views.push(Console(as_json), result), f"pushed release {result.release_id}")
 
 
 @click.command()
@@ -284,7 +284,7 @@ def tag(name: str, release_id: str, store: StoreChoice, signing: Signing | None,
     from neffbuild.build.publish import move_tag
 
     record = move_tag(store.open(os.environ), name, release_id, signing=signing)
-    report_after_change(lambda: Console(as_json).tag(record), f"tag {record.name} -> {record.release}")
+    report_after_change(lambda: views.tag(Console(as_json), record), f"tag {record.name} -> {record.release}")
 
 
 @click.command()
@@ -323,9 +323,9 @@ def suggest(manifest: Path, events: tuple[Path, ...], write: bool, as_json: bool
 
     result = suggest_shapes(manifest, events, env=os.environ, write=write)
     if result.written:
-        report_after_change(lambda: Console(as_json).suggestion(result), f"wrote {manifest}")
+        report_after_change(lambda: loop.suggestion(Console(as_json), result), f"wrote {manifest}")
     else:
-        Console(as_json).suggestion(result)
+        loop.suggestion(Console(as_json), result)
 
 
 COMMANDS = (recipe, plan, build, release_command, push, tag, keygen, schema, suggest)

@@ -20,6 +20,7 @@ from neffbuild.cli.options import (
 )
 from neffbuild.cli.terminal import report_after_change
 from neffbuild.cli.views import Console
+from neffbuild.cli.views import host as views
 from neffbuild.errors import InputError
 
 if TYPE_CHECKING:
@@ -104,7 +105,9 @@ def pull(
     report = pull_or_stale(
         lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale, allow_expired=allow_expired
     )
-    report_after_change(lambda: Console(as_json).pull(report), f"pulled {report.release_id} into {report.cache_dir}")
+    report_after_change(
+        lambda: views.pull(Console(as_json), report), f"pulled {report.release_id} into {report.cache_dir}"
+    )
 
 
 @click.command()
@@ -161,11 +164,10 @@ def verify(
     if trace_to is not None and not replay:
         raise InputError("--trace is a --replay option", hint="add --replay")
     if manifest is None:
-        from neffbuild.cli.views.host import print_store_check
         from neffbuild.maint.storecheck import check_store, store_error
 
         result = check_store(store.open(os.environ), deep=deep)
-        print_store_check(console, result)
+        views.store_check(console, result)
         error = store_error(result)
     elif cache_dir is None:
         raise InputError(
@@ -183,11 +185,11 @@ def verify(
             in_place=in_place,
             trace_to=trace_to,
         )
-        console.replay(report, trace_to)
+        views.replay(console, report, trace_to)
         error = miss_error(report)
     else:
         check = verify_files(manifest, cache_dir, store, env=os.environ, trust=trust(trusted_keys))
-        console.check(check.units)
+        views.check(console, check.units)
         error = files_error(check)
     if error:
         raise error
@@ -227,7 +229,7 @@ def warmup(
         allow_env=host_allow(allow_env, os.environ),
         readiness_file=readiness_file,
     )
-    Console(as_json).warmup(reports)
+    views.warmup(Console(as_json), reports)
     error = warmup_error(reports)
     if error:
         raise error
@@ -255,8 +257,9 @@ def env_command(
 
     # The store is opened only for a cache dir that recorded no release (older pulls).
     allowed = host_allow(allow_env, os.environ)
-    Console(as_json).exports(
-        serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file)
+    views.exports(
+        Console(as_json),
+        serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file),
     )
 
 
@@ -303,7 +306,7 @@ def doctor(
         report = run_selfcheck(env=os.environ)
     else:
         report = run_doctor(env=os.environ, cache_dir=cache_dir, backend=backend, release_ref=release_ref, store=store)
-    Console(as_json).doctor(report)
+    views.doctor(Console(as_json), report)
     if error := not_ready(report):
         raise error
 
@@ -333,7 +336,6 @@ def status(
     """Will this host hit? Per unit of REF's release (default: the one installed in --cache-dir):
     hit, missing, stale, mismatch (the fields that differ), absent. Exit 12 unless every unit hits.
     Reads the cache dir; the store only for a release other than the installed one."""
-    from neffbuild.cli.views.host import print_status
     from neffbuild.host.exports import host_allow
     from neffbuild.host.status import status_error, status_of
 
@@ -341,7 +343,7 @@ def status(
         ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ),
         trust=trust(trusted_keys),
     )  # fmt: skip
-    print_status(Console(as_json), report)
+    views.status(Console(as_json), report)
     if error := status_error(report):
         raise error
 

@@ -17,6 +17,7 @@ from neffbuild.cli.options import (
 )
 from neffbuild.cli.terminal import confirmed, report_after_change
 from neffbuild.cli.views import Console
+from neffbuild.cli.views import store as views
 from neffbuild.errors import InputError
 
 if TYPE_CHECKING:
@@ -29,14 +30,13 @@ if TYPE_CHECKING:
 @json_option
 def ls_command(tag_name: str | None, store: StoreChoice, as_json: bool) -> None:
     """List the store's tags and releases, newest first."""
-    from neffbuild.cli.views import store as output
     from neffbuild.inspect.ls import list_store, tag_history
 
     opened = store.open(os.environ)
     if tag_name is not None:
-        output.tag_history(Console(as_json), tag_history(opened, tag_name))
+        views.tag_history(Console(as_json), tag_history(opened, tag_name))
     else:
-        output.listing(Console(as_json), list_store(opened))
+        views.listing(Console(as_json), list_store(opened))
 
 
 @click.command("show")
@@ -52,16 +52,15 @@ def ls_command(tag_name: str | None, store: StoreChoice, as_json: bool) -> None:
 @json_option
 def show_command(ref: str, trace: Path | None, store: StoreChoice, as_json: bool) -> None:
     """Show a release's units (REF: TAG, TAG@N, release id or prefix) or a bundle's files (its key)."""
-    from neffbuild.cli.views import store as output
 
     if trace is not None:
         from neffbuild.inspect.unused import unused
 
-        output.unused_files(Console(as_json), unused(store.open(os.environ), ref, trace))
+        views.unused_files(Console(as_json), unused(store.open(os.environ), ref, trace))
         return
     from neffbuild.inspect.show import show
 
-    output.shown_ref(Console(as_json), show(store.open(os.environ), ref))
+    views.shown_ref(Console(as_json), show(store.open(os.environ), ref))
 
 
 @click.command("diff")
@@ -81,7 +80,6 @@ def diff_command(
     """What changed from release A to release B (or bundle to bundle): units, the fields behind each
     changed key (old -> new), files. With --host REF: each unit's fingerprint fields that differ
     between REF's build and this host (with the release's exports applied), breaking or not."""
-    from neffbuild.cli.views import store as output
     from neffbuild.inspect.diff import diff, diff_host
 
     if host_ref is not None:
@@ -90,14 +88,14 @@ def diff_command(
                 f"diff --host {host_ref} takes no A or B (got {old_ref!r})",
                 hint="neffbuild diff --host REF, or neffbuild diff A B",
             )
-        output.host_differences(Console(as_json), diff_host(store.open(os.environ), host_ref, os.environ))
+        views.host_differences(Console(as_json), diff_host(store.open(os.environ), host_ref, os.environ))
         return
     if old_ref is None or new_ref is None:
         raise InputError(
             "diff needs two references A and B, or --host REF",
             hint="e.g. neffbuild diff klein@1 klein, or neffbuild diff --host klein",
         )
-    output.differences(Console(as_json), diff(store.open(os.environ), old_ref, new_ref))
+    views.differences(Console(as_json), diff(store.open(os.environ), old_ref, new_ref))
 
 
 @click.command("du")
@@ -108,12 +106,11 @@ def diff_command(
 def du_command(store: StoreChoice, keep: int, grace: str, as_json: bool) -> None:
     """Bytes the store holds by tag, release, model entry and toolchain, what dedup saves, and
     what `gc` would free under --keep and --grace."""
-    from neffbuild.cli.views import store as output
     from neffbuild.inspect.du import disk_usage
     from neffbuild.maint.gc import Policy, parse_duration, reclaimable
 
     policy = Policy(keep=keep, grace_s=parse_duration(grace))
-    output.usage(Console(as_json), disk_usage(store.open(os.environ), reclaim=reclaimable(policy)))
+    views.usage(Console(as_json), disk_usage(store.open(os.environ), reclaim=reclaimable(policy)))
 
 
 @click.command("gc")
@@ -140,7 +137,6 @@ def gc_command(
     as_json: bool,
 ) -> None:
     """Delete what no tag reaches (mark and sweep), or prune a host's --cache-dir."""
-    from neffbuild.cli.views.store import print_cache_prune, print_gc_plan, print_gc_result
 
     console = Console(as_json)
     if cache_dir is not None:
@@ -154,7 +150,7 @@ def gc_command(
             and confirmed(yes, f"delete {len(planned.remove)} files from {planned.cache_dir}?")
         ):
             planned = prune_cache_dir(cache_dir, store=opened)
-        report_after_change(lambda: print_cache_prune(console, planned), f"pruned {planned.cache_dir}")
+        report_after_change(lambda: views.cache_prune(console, planned), f"pruned {planned.cache_dir}")
         return
     from neffbuild.maint.gc import Policy, parse_duration, plan_gc, sweep
 
@@ -162,14 +158,14 @@ def gc_command(
     opened = store.open(os.environ)
     plan = plan_gc(opened, policy, jobs=jobs or 32)
     if dry_run or not plan.delete:
-        report_after_change(lambda: print_gc_plan(console, plan), f"planned gc of {plan.store}")
+        report_after_change(lambda: views.gc_plan(console, plan), f"planned gc of {plan.store}")
         return
     if not as_json:  # what it is about to delete: not printable (stdout closed) is no reason to stop
-        report_after_change(lambda: print_gc_plan(console, plan), f"planned deleting {plan.delete_objects} objects")
+        report_after_change(lambda: views.gc_plan(console, plan), f"planned deleting {plan.delete_objects} objects")
     if confirmed(yes, f"delete {plan.delete_objects} objects from {plan.store}?"):
         result = sweep(opened, plan, policy, jobs=jobs or 32)
         report_after_change(
-            lambda: print_gc_result(console, result), f"deleted {len(result.deleted)} objects from {plan.store}"
+            lambda: views.gc_result(console, result), f"deleted {len(result.deleted)} objects from {plan.store}"
         )
 
 

@@ -1,5 +1,6 @@
-"""What every view shares: the console that sanitises what it prints, JSON documents, tables that
-keep their key columns whole, sizes, and the per-unit progress callback."""
+"""What every view shares: the console that sanitises what it prints, JSON documents (and `view`,
+the one --json branch), tables that keep their key columns whole, sizes, and the per-unit progress
+callback."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TextIO, TypeAlias, TypeVar, cast
 
 from neffbuild.cli.views.progress import HEARTBEAT_S, live_progress, plain_progress
 from neffbuild.printable import printable
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
 
-# What json.dumps writes: what a view hands to BaseConsole.document, once made jsonable.
+# What json.dumps writes: what a view hands to Console.document, once made jsonable.
 Json: TypeAlias = "None | bool | int | float | str | list[Json] | dict[str, Json]"
 
 
@@ -96,10 +97,11 @@ def say_err(text: str) -> None:
     sys.stderr.flush()
 
 
-class BaseConsole:
+class Console:
     """What commands print through. rich is imported only by output that needs it (tables, bars,
     colour): `neffbuild pull` on instance boot prints plain lines and should not pay for it. Each
-    command group's views (views/ci.py, views/host.py, views/store.py) print through this."""
+    command group's views (views/ci.py, views/host.py, views/store.py, views/loop.py) print through
+    this."""
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
@@ -195,3 +197,34 @@ def _cell(text: str) -> Text:
 
     shown = printable(text)
     return Text(shown, style=_STYLES.get(shown, ""))  # never markup: ids may hold brackets
+
+
+V = TypeVar("V")
+P = ParamSpec("P")
+View = Callable[Concatenate[Console, V, P], None]
+
+
+def view(human: View[V, P]) -> View[V, P]:
+    """A view, from a function that prints a command's result for people: with --json it prints
+    the result as the command's one JSON document instead. Every view's --json branch is this
+    one (`view_as`: a document made of the result)."""
+    return _shown(human, None)
+
+
+def view_as(document: Callable[Concatenate[V, P], object]) -> Callable[[View[V, P]], View[V, P]]:
+    """As `view`, the document being what `document` makes of the result (and the view's other
+    arguments)."""
+    return lambda human: _shown(human, document)
+
+
+def _shown(human: View[V, P], document: Callable[Concatenate[V, P], object] | None) -> View[V, P]:
+    @functools.wraps(human)
+    def shown(console: Console, value: V, /, *args: P.args, **kwargs: P.kwargs) -> None:
+        if not console.as_json:
+            human(console, value, *args, **kwargs)
+        elif document is None:
+            console.document(value)
+        else:
+            console.document(document(value, *args, **kwargs))
+
+    return shown

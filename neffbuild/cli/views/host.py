@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffbuild.cli.views.console import BaseConsole, human_size, json_fields, say_err
+from neffbuild.cli.views.console import Console, human_size, json_fields, say_err, view, view_as
 from neffbuild.printable import printable
 
 if TYPE_CHECKING:
@@ -20,192 +20,199 @@ if TYPE_CHECKING:
     from neffbuild.serve.warmup import WarmupReport
 
 
-class HostViews(BaseConsole):
-    """A console's views of a serving host's commands."""
-
-    def pull(self, report: PullReport) -> None:
-        if report.stale:  # loud on stderr, --json or not: a journal must show the host booted stale
-            say_err(
-                f"warning: store unreachable ({report.stale_reason}); serving the release already installed, "
-                f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale"
-            )
-        if report.throttled:  # on stderr, --json or not: a journal should show that boot was slowed by the store
-            from neffbuild.retry import Counts
-
-            counts = Counts(report.retries, report.throttled, report.waited_s, report.paced_to)
-            print(f"note: the store throttled this pull: {counts.summary()}", file=sys.stderr)
-        if self.as_json:
-            mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
-            self.document({
-                **asdict(report),
-                "files_skipped": report.files_total - report.files_fetched,
-                "bytes_skipped": report.bytes_total - report.bytes_fetched,
-                "mb_per_s": round(mb_per_s, 3),
-            })  # fmt: skip
-            return
-        if report.state_replaced:
-            say_err(
-                f"warning: the cache dir's state file was corrupt ({report.state_replaced}): every file was verified, and it was rewritten"
-            )
-        for warning in report.host_warnings:
-            say_err(f"warning: {warning} (informational: kernels are unaffected)")
-        if report.signed_by:
-            say_err(_signed_line(report.signed_by, report.tag, report.tag_version, report.tag_expires))
+def pull(console: Console, report: PullReport) -> None:
+    """What pull did: first what a journal must show, --json or not; then the report."""
+    if report.stale:  # loud on stderr, --json or not: a journal must show the host booted stale
         say_err(
-            f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
-            f"({human_size(report.bytes_fetched)} of {human_size(report.bytes_total)}) in {report.seconds:.2f} s"
-            + (
-                f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired"
-                if report.files_rehashed or report.files_repaired
-                else ""
-            )
+            f"warning: store unreachable ({report.stale_reason}); serving the release already installed, "
+            f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale"
         )
-        self.exports(report.exports)
+    if report.throttled:  # on stderr, --json or not: a journal should show that boot was slowed by the store
+        from neffbuild.retry import Counts
 
-    def exports(self, exports: Mapping[str, str]) -> None:
-        if self.as_json:
-            self.document(exports)
-            return
-        from neffbuild.host.exports import shell_lines
+        counts = Counts(report.retries, report.throttled, report.waited_s, report.paced_to)
+        print(f"note: the store throttled this pull: {counts.summary()}", file=sys.stderr)
+    _pulled(console, report)
 
-        sys.stdout.write(shell_lines(exports))
 
-    def warmup(self, reports: Sequence[WarmupReport]) -> None:
-        if self.as_json:
-            self.document({"ok": all(not r.missed for r in reports), "entries": [r.to_json() for r in reports]})
-            return
-        for r in reports:
-            self.table(
-                f"warm-up of model[{r.entry}] ({r.backend})",
-                [("shape", True), ("result", True), ("first call", False), ("compiles", False), ("graphs", False)],
-                [(s.shape, "MISS" if s.compiles else "hit", f"{s.seconds:.2f} s", str(s.compiles), _graphs(s.counters))
-                 for s in r.shapes],
-            )  # fmt: skip
-        missed = sum(len(r.missed) for r in reports)
-        shapes = sum(len(r.shapes) for r in reports)
-        self.out.print(f"{shapes - missed} of {shapes} shapes served from the cache", markup=False)
+def _pull_document(report: PullReport) -> object:
+    mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
+    return {
+        **asdict(report),
+        "files_skipped": report.files_total - report.files_fetched,
+        "bytes_skipped": report.bytes_total - report.bytes_fetched,
+        "mb_per_s": round(mb_per_s, 3),
+    }
 
-    def replay(self, report: ReplayReport, trace_to: Path | None = None) -> None:
-        if self.as_json:
-            self.document(
-                {
-                    "cache_dir": report.cache_dir,
-                    "misses": len(report.misses),
-                    "units": report.units,
-                    "view": report.view,
-                    "in_place": report.in_place,
-                    **({"trace": str(trace_to), "opened": report.trace.opened} if trace_to and report.trace else {}),
-                }
-            )
-            return
-        traced = report.trace is not None
-        # The opened column counts the dir's files (what a release bundles), not the compiler's locks.
-        cached = report.trace.sizes.keys() if report.trace else set()
-        self.table(
-            f"replay of {report.cache_dir}",
-            [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)]
-            + [("opened", False)] * traced,
-            [
-                (
-                    u.unit_id,
-                    "hit" if u.hit else "MISS",
-                    f"{u.first_call_s:.2f} s",
-                    str(u.compiles),
-                    _files(len(u.written), u.written_bytes),
-                    *([f"{len(cached & set(u.opened))} files"] * traced),
-                )
-                for u in report.units
-            ],
+
+@view_as(_pull_document)
+def _pulled(console: Console, report: PullReport) -> None:
+    if report.state_replaced:
+        say_err(
+            f"warning: the cache dir's state file was corrupt ({report.state_replaced}): every file was verified, and it was rewritten"
         )
-        for u in report.misses:
-            self._would_write(u)
-        if report.trace is not None:
-            self._trace_summary(report, trace_to)
-        if report.in_place:
-            self.out.print(
-                f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed in place against "
-                f"{report.cache_dir}, which this replay could not write (but for the dirs its compiler writes on a hit)",
-                markup=False,
+    for warning in report.host_warnings:
+        say_err(f"warning: {warning} (informational: kernels are unaffected)")
+    if report.signed_by:
+        say_err(_signed_line(report.signed_by, report.tag, report.tag_version, report.tag_expires))
+    say_err(
+        f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
+        f"({human_size(report.bytes_fetched)} of {human_size(report.bytes_total)}) in {report.seconds:.2f} s"
+        + (
+            f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired"
+            if report.files_rehashed or report.files_repaired
+            else ""
+        )
+    )
+    exports(console, report.exports)
+
+
+@view
+def exports(console: Console, exports: Mapping[str, str]) -> None:
+    from neffbuild.host.exports import shell_lines
+
+    sys.stdout.write(shell_lines(exports))
+
+
+@view_as(lambda reports: {"ok": all(not r.missed for r in reports), "entries": [r.to_json() for r in reports]})
+def warmup(console: Console, reports: Sequence[WarmupReport]) -> None:
+    for r in reports:
+        console.table(
+            f"warm-up of model[{r.entry}] ({r.backend})",
+            [("shape", True), ("result", True), ("first call", False), ("compiles", False), ("graphs", False)],
+            [(s.shape, "MISS" if s.compiles else "hit", f"{s.seconds:.2f} s", str(s.compiles), _graphs(s.counters))
+             for s in r.shapes],
+        )  # fmt: skip
+    missed = sum(len(r.missed) for r in reports)
+    shapes = sum(len(r.shapes) for r in reports)
+    console.out.print(f"{shapes - missed} of {shapes} shapes served from the cache", markup=False)
+
+
+def _replay_document(report: ReplayReport, trace_to: Path | None = None) -> object:
+    return {
+        "cache_dir": report.cache_dir,
+        "misses": len(report.misses),
+        "units": report.units,
+        "view": report.view,
+        "in_place": report.in_place,
+        **({"trace": str(trace_to), "opened": report.trace.opened} if trace_to and report.trace else {}),
+    }
+
+
+@view_as(_replay_document)
+def replay(console: Console, report: ReplayReport, trace_to: Path | None = None) -> None:
+    traced = report.trace is not None
+    # The opened column counts the dir's files (what a release bundles), not the compiler's locks.
+    cached = report.trace.sizes.keys() if report.trace else set()
+    console.table(
+        f"replay of {report.cache_dir}",
+        [("unit", True), ("result", True), ("first call", False), ("compiles", False), ("would write", False)]
+        + [("opened", False)] * traced,
+        [
+            (
+                u.unit_id,
+                "hit" if u.hit else "MISS",
+                f"{u.first_call_s:.2f} s",
+                str(u.compiles),
+                _files(len(u.written), u.written_bytes),
+                *([f"{len(cached & set(u.opened))} files"] * traced),
             )
-            return
-        v = report.view
-        methods = ", ".join(f"{n} by {m}" for m, n in sorted(v.methods.items())) or "empty"
-        self.out.print(
-            f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed against a private copy of "
-            f"{report.cache_dir} ({v.files} files, {human_size(v.bytes)}, copied in {v.seconds:.2f} s: {methods}), which was only read",
+            for u in report.units
+        ],
+    )
+    for u in report.misses:
+        _would_write(console, u)
+    if report.trace is not None:
+        _trace_summary(console, report, trace_to)
+    if report.in_place:
+        console.out.print(
+            f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed in place against "
+            f"{report.cache_dir}, which this replay could not write (but for the dirs its compiler writes on a hit)",
             markup=False,
         )
+        return
+    v = report.view
+    methods = ", ".join(f"{n} by {m}" for m, n in sorted(v.methods.items())) or "empty"
+    console.out.print(
+        f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed against a private copy of "
+        f"{report.cache_dir} ({v.files} files, {human_size(v.bytes)}, copied in {v.seconds:.2f} s: {methods}), which was only read",
+        markup=False,
+    )
 
-    def _trace_summary(self, report: ReplayReport, trace_to: Path | None) -> None:
-        trace = report.trace
-        assert trace is not None
-        sizes = trace.sizes
-        opened = set(trace.opened)
-        unread = {p: n for p, n in sizes.items() if p not in opened}
-        total = sum(sizes.values())
-        self.out.print(
-            f"trace{f' written to {trace_to}' if trace_to else ''}: the replay opened {len(opened & sizes.keys())} of the "
-            f"{len(sizes)} cache files ({human_size(total - sum(unread.values()))} of {human_size(total)}); "
-            f"{len(unread)} files ({human_size(sum(unread.values()))}) no unit opened "
-            f"(`neffbuild show REF --unused {trace_to or 'TRACE'}` lists a release's)",
-            markup=False,
-        )
 
-    def _would_write(self, u: UnitReplay, shown: int = 10) -> None:
-        if not u.written:
-            self.out.print(f"{u.unit_id}: compiled {u.compiles} graph(s) but wrote no cache file", markup=False)
-            return
-        changes = {c: sum(w.change == c for w in u.written) for c in ("new", "modified", "deleted")}
-        summary = ", ".join(f"{n} {c}" for c, n in changes.items() if n)
-        count = f"{len(u.written)} file{'s' if len(u.written) != 1 else ''}"
-        self.out.print(
-            f"{u.unit_id} would have written {count}, {human_size(u.written_bytes)} ({summary}):", markup=False
-        )
-        for w in u.written[:shown]:
-            self.out.print(f"  {w.change:8}  {human_size(w.size):>9}  {w.path}", markup=False, soft_wrap=True)
-        if len(u.written) > shown:
-            self.out.print(f"  ... and {len(u.written) - shown} more (--json lists every file)")
+def _trace_summary(console: Console, report: ReplayReport, trace_to: Path | None) -> None:
+    trace = report.trace
+    assert trace is not None
+    sizes = trace.sizes
+    opened = set(trace.opened)
+    unread = {p: n for p, n in sizes.items() if p not in opened}
+    total = sum(sizes.values())
+    console.out.print(
+        f"trace{f' written to {trace_to}' if trace_to else ''}: the replay opened {len(opened & sizes.keys())} of the "
+        f"{len(sizes)} cache files ({human_size(total - sum(unread.values()))} of {human_size(total)}); "
+        f"{len(unread)} files ({human_size(sum(unread.values()))}) no unit opened "
+        f"(`neffbuild show REF --unused {trace_to or 'TRACE'}` lists a release's)",
+        markup=False,
+    )
 
-    def check(self, results: tuple[UnitFiles, ...]) -> None:
-        if self.as_json:
-            self.document(results)
-            return
-        for r in results:
-            state = (
-                "ok"
-                if r.ok
-                else (
-                    "not built (no bundle in the store)"
-                    if not r.built
-                    else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt"
-                )
+
+def _would_write(console: Console, u: UnitReplay, shown: int = 10) -> None:
+    if not u.written:
+        console.out.print(f"{u.unit_id}: compiled {u.compiles} graph(s) but wrote no cache file", markup=False)
+        return
+    changes = {c: sum(w.change == c for w in u.written) for c in ("new", "modified", "deleted")}
+    summary = ", ".join(f"{n} {c}" for c, n in changes.items() if n)
+    count = f"{len(u.written)} file{'s' if len(u.written) != 1 else ''}"
+    console.out.print(
+        f"{u.unit_id} would have written {count}, {human_size(u.written_bytes)} ({summary}):", markup=False
+    )
+    for w in u.written[:shown]:
+        console.out.print(f"  {w.change:8}  {human_size(w.size):>9}  {w.path}", markup=False, soft_wrap=True)
+    if len(u.written) > shown:
+        console.out.print(f"  ... and {len(u.written) - shown} more (--json lists every file)")
+
+
+@view
+def check(console: Console, results: tuple[UnitFiles, ...]) -> None:
+    for r in results:
+        state = (
+            "ok"
+            if r.ok
+            else (
+                "not built (no bundle in the store)"
+                if not r.built
+                else f"{len(r.missing)} missing, {len(r.corrupt)} corrupt"
             )
-            self.out.print(f"{r.unit_id}: {state}", markup=False)
+        )
+        console.out.print(f"{r.unit_id}: {state}", markup=False)
 
-    def doctor(self, report: DoctorReport) -> None:
-        from neffbuild.host.doctor import report_json
 
-        if self.as_json:
-            self.document(report_json(report))
-            return
-        from rich.text import Text
+def _doctor_document(report: DoctorReport) -> object:
+    from neffbuild.host.doctor import report_json
 
-        colors = {"pass": "green", "fail": "red", "skip": "yellow"}
-        self.out.print(f"backend {report.backend}, cache dir {report.cache_dir}")
-        for c in report.checks:
-            self.out.print(
-                Text.assemble((f"{c.status.upper():4}", colors[c.status]), printable(f"  {c.name:10}  {c.detail}"))
-            )
-            if c.status == "fail" and c.fix:
-                self.out.print(f"      {'':10}  fix: {c.fix}")
-        failed = sum(c.status == "fail" for c in report.checks)
-        if failed:
-            self.out.print(f"{failed} check(s) failed")
-        elif all(c.status == "skip" for c in report.checks):
-            # e.g. --neuron-selfcheck off Trainium: exit 0, but nothing here says the host is ready
-            self.out.print("nothing checked: every check was skipped")
-        else:
-            self.out.print("this host is ready")
+    return report_json(report)
+
+
+@view_as(_doctor_document)
+def doctor(console: Console, report: DoctorReport) -> None:
+    from rich.text import Text
+
+    colors = {"pass": "green", "fail": "red", "skip": "yellow"}
+    console.out.print(f"backend {report.backend}, cache dir {report.cache_dir}")
+    for c in report.checks:
+        console.out.print(
+            Text.assemble((f"{c.status.upper():4}", colors[c.status]), printable(f"  {c.name:10}  {c.detail}"))
+        )
+        if c.status == "fail" and c.fix:
+            console.out.print(f"      {'':10}  fix: {c.fix}")
+    failed = sum(c.status == "fail" for c in report.checks)
+    if failed:
+        console.out.print(f"{failed} check(s) failed")
+    elif all(c.status == "skip" for c in report.checks):
+        # e.g. --neuron-selfcheck off Trainium: exit 0, but nothing here says the host is ready
+        console.out.print("nothing checked: every check was skipped")
+    else:
+        console.out.print("this host is ready")
 
 
 def _files(count: int, size: int) -> str:
@@ -220,11 +227,9 @@ def _signed_line(signer: str, tag: str | None, version: int | None, expires: str
     return line
 
 
-def print_status(console: BaseConsole, report: StatusReport) -> None:
+@view_as(lambda report: {**json_fields(report), "ok": report.ok})
+def status(console: Console, report: StatusReport) -> None:
     """A status report: what the cache dir holds, a row per unit, informational differences."""
-    if console.as_json:
-        console.document({**json_fields(report), "ok": report.ok})
-        return
     if report.signed is not None:
         s = report.signed
         say_err(f"release {s.release_id} " + _signed_line(s.signed_by, s.tag, s.tag_version, s.tag_expires))
@@ -268,14 +273,16 @@ def print_status(console: BaseConsole, report: StatusReport) -> None:
     )
 
 
-def print_store_check(console: BaseConsole, check: StoreCheck) -> None:
+def store_check(console: Console, check: StoreCheck) -> None:
     if check.orphans:  # on stderr, with --json too
         say_err(
             f"warning: {len(check.orphans)} orphan objects ({human_size(check.orphan_bytes)}) no record names; gc removes them after its grace period"
         )
-    if console.as_json:
-        console.document({**json_fields(check), "clean": check.clean})
-        return
+    _checked(console, check)
+
+
+@view_as(lambda check: {**json_fields(check), "clean": check.clean})
+def _checked(console: Console, check: StoreCheck) -> None:
     hashed = f", {human_size(check.hashed_bytes)} hashed" if check.deep else ""
     console.out.print(
         f"{check.store}: {check.documents} records, {check.blobs} blobs ({human_size(check.bytes)}){hashed}"

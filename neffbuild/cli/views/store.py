@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from neffbuild.cli.views.console import BaseConsole, human_size, json_fields, say_err
+from neffbuild.cli.views.console import Console, human_size, json_fields, say_err, view, view_as
 
 if TYPE_CHECKING:
     from neffbuild.host.prune import CachePrune
@@ -20,15 +20,16 @@ if TYPE_CHECKING:
     from neffbuild.maint.gc import GcPlan, GcResult
 
 
+SHOWN_FILES = 20  # a diff's files listed; --json lists every one
+
+
 def _when(at: str | None) -> str:
     """An ISO time as `2026-12-03 20:58` (UTC): the seconds and zone say little in a table."""
     return at[:16].replace("T", " ") if at else "-"
 
 
-def listing(console: BaseConsole, listing: Listing) -> None:
-    if console.as_json:
-        console.document(listing)
-        return
+@view
+def listing(console: Console, listing: Listing) -> None:
     console.table(
         f"tags in {listing.store}",
         [("tag", True), ("release", True), ("name", False), ("moved", False), ("by", False), ("moves", False)],
@@ -58,10 +59,8 @@ def listing(console: BaseConsole, listing: Listing) -> None:
     )
 
 
-def tag_history(console: BaseConsole, history: TagHistory) -> None:
-    if console.as_json:
-        console.document(history)
-        return
+@view
+def tag_history(console: Console, history: TagHistory) -> None:
     console.table(
         f"tag {history.tag} in {history.store}, newest first",
         [("ref", True), ("release", True), ("name", False), ("at", False), ("by", False)],
@@ -69,11 +68,9 @@ def tag_history(console: BaseConsole, history: TagHistory) -> None:
     )
 
 
-def shown_ref(console: BaseConsole, view: ReleaseView | BundleView) -> None:
+@view
+def shown_ref(console: Console, view: ReleaseView | BundleView) -> None:
     """`neffbuild show`: a release's units, or a bundle's files."""
-    if console.as_json:
-        console.document(view)
-        return
     from neffbuild.inspect.ls import toolchain
 
     if view.kind == "bundle":
@@ -128,13 +125,15 @@ def shown_ref(console: BaseConsole, view: ReleaseView | BundleView) -> None:
         console.out.print(f"{u.unit_id}: {counted or 'no compile counters'}", markup=False)
 
 
-def unused_files(console: BaseConsole, report: UnusedReport) -> None:
+def unused_files(console: Console, report: UnusedReport) -> None:
     """`neffbuild show REF --unused TRACE`: the files no unit opened, largest first."""
     for problem in report.mismatch:  # on stderr, --json or not: the list may not be this release's
         say_err(f"warning: {report.trace} may not be a trace of {report.ref}: {problem}")
-    if console.as_json:
-        console.document(report)
-        return
+    _unused(console, report)
+
+
+@view
+def _unused(console: Console, report: UnusedReport) -> None:
     tagged = f" (tag {report.tag})" if report.tag else ""
     console.table(
         f"files of {report.name}{tagged} that no unit opened in {report.trace}",
@@ -148,7 +147,7 @@ def unused_files(console: BaseConsole, report: UnusedReport) -> None:
     )
 
 
-def _unit_header(console: BaseConsole, u: UnitView, title: str) -> None:
+def _unit_header(console: Console, u: UnitView, title: str) -> None:
     shape = "x".join(str(u.shape.get(k, "?")) for k in ("height", "width", "batch")) if u.shape else "-"
     console.out.print(title, markup=False)
     console.out.print(
@@ -166,11 +165,9 @@ def _graphs(counters: Mapping[str, int]) -> int:
     return sum(v for k, v in counters.items() if k.startswith("graphs."))
 
 
-def differences(console: BaseConsole, diff: Diff, *, shown: int = 20) -> None:
+@view_as(lambda diff: {**json_fields(diff), "identical": diff.identical})
+def differences(console: Console, diff: Diff) -> None:
     """`neffbuild diff`: units added, removed, changed (each field old -> new), then files."""
-    if console.as_json:
-        console.document({**json_fields(diff), "identical": diff.identical})
-        return
     say = functools.partial(console.out.print, markup=False, soft_wrap=True)
     files = diff.files_added + diff.files_removed + diff.files_changed
     say(
@@ -201,7 +198,7 @@ def differences(console: BaseConsole, diff: Diff, *, shown: int = 20) -> None:
     say(
         f"files: {len(diff.files_added)} added ({human_size(added)}), {len(diff.files_removed)} removed ({human_size(removed)}), {len(diff.files_changed)} changed"
     )
-    for f in files[:shown]:
+    for f in files[:SHOWN_FILES]:
         status = "added" if f.old_size is None else "removed" if f.new_size is None else "changed"
         sizes = (
             human_size(f.new_size or 0)
@@ -211,17 +208,15 @@ def differences(console: BaseConsole, diff: Diff, *, shown: int = 20) -> None:
             else f"{human_size(f.old_size or 0)} -> {human_size(f.new_size or 0)}"
         )
         say(f"  {status:8} {sizes:>20}  {f.path}")
-    if len(files) > shown:
-        say(f"  ... and {len(files) - shown} more (--json lists every file)")
+    if len(files) > SHOWN_FILES:
+        say(f"  ... and {len(files) - SHOWN_FILES} more (--json lists every file)")
 
 
-def host_differences(console: BaseConsole, diff: HostDiff) -> None:
+@view_as(
+    lambda diff: {**json_fields(diff), "identical": diff.identical, "breaking": [d.name for d in diff.host.breaking]}
+)
+def host_differences(console: Console, diff: HostDiff) -> None:
     """`neffbuild diff --host`: per unit, each field the build and this host differ in, build -> here."""
-    if console.as_json:
-        console.document(
-            {**json_fields(diff), "identical": diff.identical, "breaking": [d.name for d in diff.host.breaking]}
-        )
-        return
     say = functools.partial(console.out.print, markup=False, soft_wrap=True)
     name = f"{diff.tag} ({diff.release_id})" if diff.tag else diff.release_id
     units = diff.host.units
@@ -258,11 +253,9 @@ def _change(path: str, old: object, new: object) -> str:
     return f"{text(old)} -> {text(new)}"
 
 
-def usage(console: BaseConsole, usage: Usage) -> None:
+@view
+def usage(console: Console, usage: Usage) -> None:
     """`neffbuild du`: totals, then bytes by tag, release, model entry and toolchain."""
-    if console.as_json:
-        console.document(usage)
-        return
     say = functools.partial(console.out.print, markup=False, soft_wrap=True)
     say(
         f"{usage.store}: {usage.blobs} blobs, {human_size(usage.bytes)} stored for {len(usage.by_release)} releases "
@@ -299,11 +292,9 @@ def usage(console: BaseConsole, usage: Usage) -> None:
     )
 
 
-def print_gc_plan(console: BaseConsole, plan: GcPlan) -> None:
+@view
+def gc_plan(console: Console, plan: GcPlan) -> None:
     """A GcPlan: what a sweep deletes, per kind, and what stays."""
-    if console.as_json:
-        console.document(plan)
-        return
     grace = f"{plan.grace_s / 3600:g} h" if plan.grace_s >= 3600 else f"{plan.grace_s:g} s"
     console.table(
         f"gc {plan.store}: keep {plan.keep} earlier releases per tag, grace {grace}",
@@ -326,17 +317,18 @@ def print_gc_plan(console: BaseConsole, plan: GcPlan) -> None:
         say_err(f"warning: pack {pack_id} has a damaged index: kept (run `neffbuild verify --store`)")
 
 
-def print_gc_result(console: BaseConsole, result: GcResult) -> None:
-    if console.as_json:
-        console.document(
-            {
-                "store": result.plan.store,
-                "deleted": len(result.deleted),
-                "deleted_bytes": result.deleted_bytes,
-                "seconds": result.seconds,
-            }
-        )
-        return
+def _gc_document(result: GcResult) -> object:
+    plan = result.plan
+    return {
+        "store": plan.store,
+        "deleted": len(result.deleted),
+        "deleted_bytes": result.deleted_bytes,
+        "seconds": result.seconds,
+    }
+
+
+@view_as(_gc_document)
+def gc_result(console: Console, result: GcResult) -> None:
     skipped = result.plan.delete_objects - len(result.deleted)
     tail = f"; {skipped} planned objects were no longer garbage and stay" if skipped else ""
     console.out.print(
@@ -344,10 +336,8 @@ def print_gc_result(console: BaseConsole, result: GcResult) -> None:
     )
 
 
-def print_cache_prune(console: BaseConsole, prune: CachePrune) -> None:
-    if console.as_json:
-        console.document(prune)
-        return
+@view
+def cache_prune(console: Console, prune: CachePrune) -> None:
     verb = "removed" if prune.removed else "would remove"
     console.out.print(
         f"{prune.cache_dir}: release {prune.release_id} lists {prune.kept_files} files (kept); "
