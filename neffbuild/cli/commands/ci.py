@@ -328,4 +328,4 @@ def suggest(manifest: Path, events: tuple[Path, ...], write: bool, as_json: bool
         loop.suggestion(Console(as_json), result)
 
 
-COMMANDS = (recipe, plan, build, release_command, push, tag, keygen, schema, suggest)
+COMMANDS: tuple[click.Command, ...] = (recipe, plan, build, release_command, push, tag, keygen, schema, suggest)

@@ -348,4 +348,4 @@ def status(
         raise error
 
 
-COMMANDS = (pull, verify, warmup, env_command, doctor, status)
+COMMANDS: tuple[click.Command, ...] = (pull, verify, warmup, env_command, doctor, status)

@@ -169,4 +169,4 @@ def gc_command(
         )
 
 
-COMMANDS = (ls_command, show_command, diff_command, du_command, gc_command)
+COMMANDS: tuple[click.Command, ...] = (ls_command, show_command, diff_command, du_command, gc_command)
