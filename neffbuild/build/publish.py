@@ -68,7 +68,7 @@ def publish_release(store: Store, release: Release) -> str:
     for _ in range(SETTLE_RETRIES):
         store.put_locator(release.release_id, digests)  # before the release that it serves
         store.put_doc("releases", release.release_id, dump(release))
-        wait_for_gc(store)  # then check that no gc took what the release reuses (fence.py)
+        wait_for_gc(store)  # then check that no gc took what the release reuses (store/lease.py)
         if store.get_doc("releases", release.release_id) is not None:
             break
     gone = [u.unit_id for u in release.units if store.get_doc("bundles", u.key) is None]

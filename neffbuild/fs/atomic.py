@@ -3,7 +3,7 @@
 A process-unique temp file beside the target is written and flushed to disk, then renamed (or
 linked, for files that must never be replaced) into place, and the directory is flushed so the
 new name survives a power cut too. Whatever fails on the way, the temp file is removed and the
-target is as it was. Verified blobs of a cache dir land through materialize.write_verified
+target is as it was. Verified blobs of a cache dir land through confined.write_verified
 instead (hashed while written, unnamed until verified).
 """
 

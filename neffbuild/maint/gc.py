@@ -36,7 +36,7 @@ from neffbuild.documents.records import BundleRecord, Release, TagRecord, parse
 from neffbuild.errors import ConflictError, InputError, IntegrityError
 from neffbuild.inspect.du import Reclaimable
 from neffbuild.inspect.read import Snapshot
-from neffbuild.store import lease as fence
+from neffbuild.store import lease
 from neffbuild.store.base import DELETE_BATCH, ObjectInfo, Store
 from neffbuild.store.packs import PackIndex, pack_id_of_index_key
 
@@ -252,20 +252,20 @@ def sweep(
     policy: Policy,
     *,
     jobs: int = DOC_JOBS,
-    lease_s: float = fence.LEASE_S,
+    lease_s: float = lease.LEASE_S,
     clock: Callable[[], float] = time.time,
 ) -> GcResult:
     """Take the lease, plan again, delete what both plans call garbage (in sweep order); give the
     lease back. Stops, with a ConflictError, when the lease is about to expire."""
     started = clock()
-    lease = fence.acquire(store, fence.holder(), lease_s=lease_s, clock=clock)
+    held = lease.acquire(store, lease.holder(), lease_s=lease_s, clock=clock)
     try:
         view = scan(store, policy, jobs=jobs, now=clock())
         approved = set(confirmed.delete)
         keys = [k for k in plan_of(view, policy).delete if k in approved]
         done: list[str] = []
         for start in range(0, len(keys), DELETE_BATCH):
-            if lease.ends_soon(clock()):
+            if held.ends_soon(clock()):
                 raise ConflictError(
                     f"gc of {store.url} stopped after deleting {len(done)} of {len(keys)} objects: its lease ends soon",
                     hint="run gc again to continue (it plans afresh)",
@@ -274,7 +274,7 @@ def sweep(
             store.delete_objects(batch)
             done += batch
     finally:
-        fence.release(store, lease)
+        lease.release(store, held)
     result = GcResult(confirmed, tuple(done), sum(view.objects[k].size for k in done), clock() - started)
     log.info("gc %s: deleted %d objects, %d bytes", store.url, len(result.deleted), result.deleted_bytes)
     return result

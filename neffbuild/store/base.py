@@ -181,7 +181,7 @@ class Store(Protocol):
         a pull of it reads only what it needs (S3: locators/<release id>.json; a local store has no packs)."""
 
     def download_blobs(self, targets: Sequence[BlobTarget], jobs: int, *, release: str | None = None) -> None:
-        """Bring each blob to its target path through materialize.write_verified (atomic, checked).
+        """Bring each blob to its target path through confined.write_verified (atomic, checked).
 
         `release`: the release the targets belong to, if any; its locator then says where they lie.
         """

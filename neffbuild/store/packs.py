@@ -10,7 +10,7 @@ concatenation of its blobs; its index, stored beside it, says where each blob li
 `p` is the XXH3-128 of the index's canonical JSON, which fixes the pack's bytes too (its entries are
 content digests laid end to end), so the pair is content-addressed and never rewritten. The index is
 written after the pack: a present index means a complete pack. Every blob read out of a pack is still
-checked against its own digest when it lands (materialize.write_verified).
+checked against its own digest when it lands (confined.write_verified).
 
 A release's locator says which packs hold its blobs (and which blobs are objects of their own):
 

@@ -3,7 +3,7 @@
 botocore costs milliseconds of Python per request, and large bodies must not be copied more than
 needed, so reads bypass it: the store presigns each request (store/s3/sigv4.py, or botocore when only
 it can resolve the credentials or endpoint) and this module moves the bytes, receiving them into
-reused buffers and handing them to materialize.write_verified as they arrive. Connection failures,
+reused buffers and handing them to confined.write_verified as they arrive. Connection failures,
 throttling and 5xx are retried under neffbuild/retry.py's policy and deadline (a retried body
 continues with a ranged GET from the bytes it has); S3's error codes become typed errors naming the
 object and what needed it.
@@ -142,7 +142,7 @@ class Body:
 class Buffers:
     """Buffers reused across requests: fresh memory costs page faults (and on a VM, host
     allocations) that cost more than the copy itself; reuse keeps the data plane fast. They are
-    page-aligned, so that materialize can write them to disk with O_DIRECT."""
+    page-aligned, so that confined.write_verified can write them to disk with O_DIRECT."""
 
     def __init__(self, size: int) -> None:
         self.size = size

@@ -8,7 +8,7 @@ still hash to the digest it is published under.
 Down: small blobs by streaming ranged GETs of their packs, split across about `jobs` connections;
 many large blobs by one streaming GET each; a few large blobs by parallel ranges, so that a single
 big NEFF still gets several connections. Each blob is landed as its bytes arrive and checked
-against its XXH3-128 when it lands (materialize.write_verified).
+against its XXH3-128 when it lands (confined.write_verified).
 """
 
 from __future__ import annotations
