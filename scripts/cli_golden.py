@@ -164,6 +164,15 @@ def cases(root: Path, names: dict[str, str]) -> list[tuple[str, ...]]:
     return out
 
 
+# NEFFBUILD_GOLDEN_LIGHT=1: only the calls that plan nothing (seconds each, where a plan imports the
+# compile stack), the release made once in the fixture instead.
+PLANNING = ("plan", "build", "release", "recipe", "warmup", "suggest")
+
+
+def light(calls: list[tuple[str, ...]], manifest: str) -> list[tuple[str, ...]]:
+    return [c for c in calls if not (c[:1] and c[0] in PLANNING) and not (c[1:2] == (manifest,))]
+
+
 def normalised(text: str, root: Path) -> str:
     text = text.replace(str(root), "<ROOT>").replace(str(ROOT), "<REPO>")
     text = TIME.sub("<TIME>", text)
@@ -180,6 +189,12 @@ def record(out: Path) -> int:
     env.update(PYTHONPATH=str(ROOT), COLUMNS="100", LINES="40", TERM="dumb", NO_COLOR="1", TZ="UTC")
     out.mkdir(parents=True, exist_ok=True)
     calls = cases(SCRATCH, names)
+    if os.environ.get("NEFFBUILD_GOLDEN_LIGHT"):
+        from neffbuild.build.fanin import release_manifest
+        from neffbuild.store import StoreChoice
+
+        release_manifest(Path(names["m"]), StoreChoice(str(SCRATCH / "store")), env=dict(os.environ))
+        calls = light(calls, names["m"])
     for i, args in enumerate(calls):
         done = subprocess.run(
             [sys.executable, "-m", "neffbuild", *args],
