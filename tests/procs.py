@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from neffbuild.runner.jobs import PARENT_PID_ENV
+from neffbuild.runner.workers import PARENT_PID_ENV
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:

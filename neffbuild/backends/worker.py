@@ -21,17 +21,17 @@ from neffbuild.backends.base import Backend
 from neffbuild.backends.calls import measured_call
 from neffbuild.backends.components import input_signatures
 from neffbuild.documents.manifest import Shape
-from neffbuild.runner.jobs import (
+from neffbuild.runner.jobfiles import (
     ShapeRun,
     WorkerJob,
     WorkerResult,
     WrittenFile,
     append_event,
-    die_with_parent,
     result_path,
     write_json_atomic,
 )
 from neffbuild.runner.opened import Opened, opened_under
+from neffbuild.runner.workers import die_with_parent
 
 # Modules to import before the job runs (comma-separated). The seam through which tests register
 # a substitute compile backend (tests/neuron_double.py); future backends may load plugins so.
@@ -184,7 +184,7 @@ def group_rank(env: Mapping[str, str]) -> tuple[int, int]:
 
 def writes_result(env: Mapping[str, str]) -> bool:
     """Under torchrun (tensor parallel) every rank runs this module; rank 0 speaks for the group
-    (same fingerprint, same graphs); another rank writes only its failure (jobs.result_path)."""
+    (same fingerprint, same graphs); another rank writes only its failure (runner/jobfiles.py)."""
     return group_rank(env)[0] == 0
 
 

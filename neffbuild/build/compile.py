@@ -7,7 +7,7 @@ publish a release and move the tag.
 
 A failing unit's worker log, job and result are copied out of its scratch dir (deleted at the
 end unless --keep-work) to `<logs dir>/<run>/<unit>/`, and the failure names them. SIGINT or
-SIGTERM stops every worker, removes the scratch and raises Interrupted (jobs.supervised).
+SIGTERM stops every worker, removes the scratch and raises Interrupted (runner/workers.py).
 """
 
 from __future__ import annotations
@@ -34,25 +34,19 @@ from neffbuild.errors import BuildError, Interrupted, NeffbuildError, NotFoundEr
 from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
 from neffbuild.printable import printable
-from neffbuild.runner.jobs import (
-    OnPhase,
-    Progress,
-    ShapeRun,
-    WorkerJob,
-    Workers,
+from neffbuild.runner.jobfiles import OnPhase, Progress, ShapeRun, WorkerJob, no_progress
+from neffbuild.runner.memory import MemoryGate, available_memory
+from neffbuild.runner.scratch import (
     keep_logs,
     log_tail,
     logs_dir_for,
     make_scratch_root,
-    no_progress,
     remove_tree,
     run_name,
-    run_worker,
-    supervised,
     unit_dir_name,
 )
-from neffbuild.runner.memory import MemoryGate, available_memory
 from neffbuild.runner.unitdir import unit_scratch, units_root
+from neffbuild.runner.workers import Workers, run_worker, supervised
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
@@ -127,7 +121,7 @@ def build_manifest(
     create) its store, build every unit or this shard's.
 
     A plan that cannot be built is refused before the store is created, so it leaves nothing
-    behind; failed units' logs go to --work-dir's logs/ (jobs.logs_dir_for).
+    behind; failed units' logs go to --work-dir's logs/ (runner/scratch.py).
     """
     o, f = options or BuildOptions(), fleet or FleetChoice()
     loaded = load_manifest(manifest)

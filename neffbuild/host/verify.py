@@ -47,24 +47,18 @@ from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.exports import serving_dirs
 from neffbuild.host.trace import ReplayTrace, TracedFile, UnitTrace, write_trace
 from neffbuild.host.trust import Trust, verify_release
-from neffbuild.runner.jobs import (
+from neffbuild.runner.jobfiles import OnPhase, Progress, WorkerJob, WrittenFile, no_progress
+from neffbuild.runner.scratch import (
     DEFAULT_LOGS_DIR,
-    OnPhase,
-    Progress,
-    WorkerJob,
-    Workers,
-    WrittenFile,
     keep_logs,
     log_tail,
     logs_dir_for,
     make_scratch_root,
-    no_progress,
     remove_tree,
     run_name,
-    run_worker,
-    supervised,
     unit_dir_name,
 )
+from neffbuild.runner.workers import Workers, run_worker, supervised
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
 from neffbuild.units.plan import BuildUnit, Plan, make_plan

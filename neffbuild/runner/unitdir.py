@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from neffbuild.runner.jobs import remove_tree
+from neffbuild.runner.scratch import remove_tree
 
 log = logging.getLogger(__name__)
 ROOT_NAME = "neffbuild-work-units"

@@ -599,7 +599,8 @@ def test_tensor_parallel_runs_every_rank_under_torchrun_and_rank_zero_reports(tm
         pytest.skip("torch-neuronx is installed: the real TP path is covered on Trainium")
     from neffbuild.documents.manifest import Shape
     from neffbuild.errors import BuildError
-    from neffbuild.runner.jobs import WorkerJob, run_worker
+    from neffbuild.runner.jobfiles import WorkerJob
+    from neffbuild.runner.workers import run_worker
 
     e = entry(model="/nonexistent", tensor_parallel=2)
     job = WorkerJob(
@@ -624,7 +625,8 @@ def test_a_failing_rank_is_heard_when_rank_zero_was_stopped_before_it_could_writ
     # As torchrun does when rank 1 fails first: rank 0 is stopped (here: never started).
     from neffbuild.documents.manifest import Shape
     from neffbuild.errors import BuildError
-    from neffbuild.runner.jobs import WorkerJob, run_worker
+    from neffbuild.runner.jobfiles import WorkerJob
+    from neffbuild.runner.workers import run_worker
 
     e = entry(model="/nonexistent", tensor_parallel=2)
     job = WorkerJob(

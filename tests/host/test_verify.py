@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.host.verify import clone_file, make_view, tree_state
-from neffbuild.runner.jobs import remove_tree
+from neffbuild.runner.scratch import remove_tree
 from tests.conftest import write_manifest
 from tests.procs import assert_all_stopped, start_cli, tree_hash, wait_until_compiling
 

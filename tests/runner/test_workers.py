@@ -19,18 +19,10 @@ from pathlib import Path
 import pytest
 
 from neffbuild.documents.manifest import ModelEntry, Shape
-from neffbuild.errors import BuildError, InputError
-from neffbuild.runner.jobs import (
-    PARENT_PID_ENV,
-    WorkerJob,
-    Workers,
-    WorkerStopped,
-    keep_logs,
-    log_tail,
-    make_scratch_root,
-    remove_tree,
-    run_worker,
-)
+from neffbuild.errors import BuildError
+from neffbuild.runner.jobfiles import WorkerJob
+from neffbuild.runner.scratch import keep_logs, log_tail, remove_tree
+from neffbuild.runner.workers import PARENT_PID_ENV, Workers, WorkerStopped, run_worker
 from tests.procs import gone, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +54,7 @@ def env() -> dict[str, str]:
 EVENTS_WORKER = """
     import json, sys, time
     from pathlib import Path
-    from neffbuild.runner.jobs import WorkerJob, WorkerResult, ShapeRun, append_event, write_json_atomic
+    from neffbuild.runner.jobfiles import WorkerJob, WorkerResult, ShapeRun, append_event, write_json_atomic
     job_file = Path(sys.argv[1])
     job = WorkerJob.model_validate_json(job_file.read_text())
     append_event(job.events_file, "loading", job.unit_ids[0])
@@ -99,7 +91,7 @@ def test_phase_events_reach_the_parent_while_the_worker_runs(tmp_path: Path) -> 
 FAILING_WORKER = """
     import sys, traceback
     from pathlib import Path
-    from neffbuild.runner.jobs import WorkerResult, write_json_atomic
+    from neffbuild.runner.jobfiles import WorkerResult, write_json_atomic
     job_file = Path(sys.argv[1])
     print("loading the model")
     try:
@@ -181,12 +173,12 @@ def test_stop_ends_every_process_of_every_worker_group(tmp_path: Path) -> None:
 PARENT = """
     import os, sys
     from pathlib import Path
-    from neffbuild.runner.jobs import Workers
+    from neffbuild.runner.workers import Workers
     Workers().run([sys.executable, "-c", sys.argv[1], sys.argv[2]], os.environ, Path(sys.argv[2] + ".log"), lambda: None)
 """
 ORPHANED_WORKER = """
     import os, subprocess, sys, time
-    from neffbuild.runner.jobs import die_with_parent
+    from neffbuild.runner.workers import die_with_parent
     die_with_parent(os.environ)
     child = subprocess.Popen(["sleep", "300"])
     open(sys.argv[1] + ".tmp", "w").write(f"{os.getpid()} {child.pid}")
@@ -211,33 +203,13 @@ def test_a_worker_whose_parent_is_killed_ends_its_whole_group(tmp_path: Path) ->
 
 def test_a_worker_run_by_hand_keeps_default_signal_handling(tmp_path: Path) -> None:
     # Without PARENT_PID_ENV (not started by neffbuild) die_with_parent changes nothing.
-    script = "import os, signal; from neffbuild.runner.jobs import die_with_parent; die_with_parent({}); print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    script = "import os, signal; from neffbuild.runner.workers import die_with_parent; die_with_parent({}); print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
     out = subprocess.run([*python(script)], env=env(), capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
 
 
-def test_scratch_root_is_created_in_the_work_dir_or_refused_with_an_input_error(tmp_path: Path) -> None:
-    root = make_scratch_root(tmp_path / "new" / "work", "neffbuild-work-")
-    assert root.parent == tmp_path / "new" / "work" and root.is_dir()
-    a_file = tmp_path / "file"
-    a_file.write_text("")
-    with pytest.raises(InputError, match=f"work dir {a_file / 'sub'}: cannot make a scratch dir there"):
-        make_scratch_root(a_file / "sub", "neffbuild-work-")
-
-
-def test_remove_tree_removes_read_only_dirs(tmp_path: Path) -> None:
-    tree = tmp_path / "tree"
-    (tree / "a" / "b").mkdir(parents=True)
-    (tree / "a" / "b" / "f").write_text("x")
-    os.chmod(tree / "a" / "b" / "f", 0o444)
-    os.chmod(tree / "a" / "b", 0o555)
-    os.chmod(tree / "a", 0o555)
-    remove_tree(tree)
-    assert not tree.exists()
-
-
 def test_stop_signal_handlers_come_back_after_a_supervised_run(tmp_path: Path) -> None:
-    from neffbuild.runner.jobs import supervised
+    from neffbuild.runner.workers import supervised
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with supervised() as workers:
