@@ -31,6 +31,8 @@ COMMANDS = (
 )  # fmt: skip
 TIME = re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:?\d\d)?")
 DURATION = re.compile(r"\b\d+(\.\d+)? ?(s|ms|seconds?)\b")
+# Seconds a JSON document reports (a push's, a pull's rate): times, whatever the key.
+SECONDS = re.compile(r'("(?:\w+_s|seconds|mb_per_s)"): -?\d+(?:\.\d+)?(?:e-?\d+)?')
 AGO = re.compile(r"\b\d+ ?(s|m|h|d|seconds?|minutes?|hours?|days?) ago\b")
 
 
@@ -48,6 +50,9 @@ def fixture(root: Path) -> dict[str, str]:
 
     write_model_index(root / "model")
     manifest = write_manifest(root / "m.toml", root / "model")
+    # The model by a relative path: the manifest's digest (in every release id) is the same in
+    # any scratch dir.
+    manifest.write_text(manifest.read_text().replace(f'"{root / "model"}"', '"model"'))
     plan = make_plan(load_manifest(manifest), dict(os.environ))
     store = open_store(str(root / "store"), create=True)
     for unit in plan.units:
@@ -177,6 +182,7 @@ def normalised(text: str, root: Path) -> str:
     text = text.replace(str(root), "<ROOT>").replace(str(ROOT), "<REPO>")
     text = TIME.sub("<TIME>", text)
     text = AGO.sub("<AGO>", text)
+    text = SECONDS.sub(r"\1: <NUM>", text)
     return DURATION.sub("<DUR>", text)
 
 
