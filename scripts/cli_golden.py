@@ -52,7 +52,7 @@ def fixture(root: Path) -> dict[str, str]:
     manifest = write_manifest(root / "m.toml", root / "model")
     # The model by a relative path: the manifest's digest (in every release id) is the same in
     # any scratch dir.
-    manifest.write_text(manifest.read_text().replace(f'"{root / "model"}"', '"model"'))
+    manifest.write_text(manifest.read_text().replace(f'"{root / "model"}"', '"./model"'))
     plan = make_plan(load_manifest(manifest), dict(os.environ))
     store = open_store(str(root / "store"), create=True)
     for unit in plan.units:
