@@ -33,6 +33,7 @@ TIME = re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:?\d\d)?
 DURATION = re.compile(r"\b\d+(\.\d+)? ?(s|ms|seconds?)\b")
 # Seconds a JSON document reports (a push's, a pull's rate): times, whatever the key.
 SECONDS = re.compile(r'("(?:\w+_s|seconds|mb_per_s)"): -?\d+(?:\.\d+)?(?:e-?\d+)?')
+FREE = re.compile(r"\b\d+(\.\d+)? ?(B|KiB|MiB|GiB|TiB) free\b")  # doctor: the disk, as others fill it
 AGO = re.compile(r"\b\d+ ?(s|m|h|d|seconds?|minutes?|hours?|days?) ago\b")
 
 
@@ -183,6 +184,7 @@ def normalised(text: str, root: Path) -> str:
     text = TIME.sub("<TIME>", text)
     text = AGO.sub("<AGO>", text)
     text = SECONDS.sub(r"\1: <NUM>", text)
+    text = FREE.sub("<SIZE> free", text)
     return DURATION.sub("<DUR>", text)
 
 
