@@ -29,7 +29,7 @@ COMMANDS = (
     "plan", "build", "release", "push", "tag", "keygen", "schema", "recipe", "suggest", "pull", "env", "status",
     "doctor", "verify", "warmup", "ls", "show", "diff", "du", "gc",
 )  # fmt: skip
-TIME = re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:?\d\d)?")
+TIME = re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d(:\d\d(\.\d+)?)?(Z|[+-]\d\d:?\d\d)?")  # ls shows minutes
 DURATION = re.compile(r"\b\d+(\.\d+)? ?(s|ms|seconds?)\b")
 # Seconds a JSON document reports (a push's, a pull's rate): times, whatever the key.
 SECONDS = re.compile(r'("(?:\w+_s|seconds|mb_per_s)"): -?\d+(?:\.\d+)?(?:e-?\d+)?')
