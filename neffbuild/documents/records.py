@@ -491,6 +491,8 @@ def _decode(tp: Any, value: Any, loc: Loc) -> Any:
             raise _Invalid(loc, f"expected a list, got {type(value).__name__}")
         if item is FileEntry:
             return _file_entries(value, loc)
+        if item is str and all(type(v) is str for v in value) and "".join(value).isascii():
+            return tuple(value)  # ASCII holds no lone surrogate: _text of each, at once (a unit's 10,000s of paths)
         return tuple(_decode(item, v, (*loc, i)) for i, v in enumerate(value))
     if shape == "dict":
         if not isinstance(value, dict):
