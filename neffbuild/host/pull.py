@@ -310,7 +310,10 @@ def _resolved(
 
     resolved = resolve(store, ref, known=(found[0], as_recorded))
     vouched = Vouched(found[0], found[1], resolved.release) if served and resolved.release is served[0] else None
-    return resolved, None, parse_state(data, vouched)
+    old = parse_state(data, vouched)
+    if vouched is not None and (old.installed is None or old.installed.release is not vouched.release):
+        resolved = resolve(store, ref)  # a state corrupt elsewhere vouches for nothing: the store's bytes, strictly
+    return resolved, None, old
 
 
 def _signed(verified: Verified | None) -> dict[str, Any]:

@@ -788,6 +788,20 @@ def test_a_no_op_pull_trusts_only_the_release_it_recorded_as_the_store_serves_it
     assert fresh.installed.release == before.installed.release and fresh.files.keys() == before.files.keys()
     assert not (tmp_path / "escape.so").exists()
 
+    # The release intact but the state corrupt elsewhere: it vouches for nothing, the store's
+    # bytes are parsed strictly.
+    import neffbuild.documents.refs as refs_module
+
+    checked: list[type] = []
+    check = refs_module.checked_doc
+    monkeypatch.setattr(refs_module, "checked_doc", lambda kind, *a: checked.append(kind) or check(kind, *a))
+    doc = json.loads(state_file.read_bytes())
+    doc["installed"]["exports"]["1BAD"] = "x"
+    state_file.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    repaired = pull(store, "t", cache)
+    assert repaired.state_replaced is not None and "installed.exports" in repaired.state_replaced
+    assert Release in checked and repaired.files_fetched == 0
+
 
 # ---- preflight: the host is compared with the release before any byte moves (issue 11) -----------
 
