@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import _smoke as smoke
@@ -46,48 +48,90 @@ def main() -> None:
     p.add_argument("--files", type=int, default=10_000)
     p.add_argument("--jobs", type=int, default=16)
     p.add_argument("--size", type=int, default=0, help="every file this many MiB (NEFF-like) instead of 4-64 KiB")
+    p.add_argument("--noop-only", action="store_true", help="only (a) and its parts, not --verify full")
+    p.add_argument("--vs", type=Path, help="also time (a) with the neffbuild package of this checkout (a baseline)")
     args = smoke.parse(p, runs=1, files=40)
     store_dir, cache = prepare(args.files, args.size)
     files = sorted(str(p) for p in cache.rglob("*") if p.is_file() and ".neffbuild" not in p.parts)
-    size = sum(os.path.getsize(f) for f in files)
     command = [sys.executable, "-m", "neffbuild", "pull", "t", "--store", str(store_dir), "--cache-dir", str(cache)]
     # As installed (pip compiles bytecode): the warm-up round writes it if the environment says not to.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPATH": str(ROOT)}
     listing = WORK / f"files-{len(files)}.txt"
     listing.write_text("\n".join(files) + "\n")
     raw_command = [sys.executable, "-c", RAW_LOOP, str(listing)]
-    timings: dict[str, list[float]] = {
-        "noop": [],
-        "full_cli": [],
-        "full_inproc": [],
-        "xxh3": [],
-        "xxh3_buf": [],
-        "xxh3_cli": [],
+    parts = noop_parts(command, env, args.vs)
+    timings: dict[str, list[float]] = {k: [] for k in parts}
+    full = {
+        "full_cli": lambda: run([*command, "--verify", "full", "--jobs", str(args.jobs)], env),
+        "full_inproc": lambda: verify_in_process(store_dir, cache, args.jobs),
+        "xxh3": lambda: raw_xxh3(files),
+        "xxh3_buf": lambda: raw_xxh3_reused_buffer(files),
+        "xxh3_cli": lambda: subprocess.run(raw_command, env=env, check=True),
     }
     for round_ in range(1 + args.runs):
-        got = {
-            "noop": timed(lambda: run(command, env)),
-            "full_cli": timed(lambda: run([*command, "--verify", "full", "--jobs", str(args.jobs)], env)),
-            "full_inproc": timed(lambda: verify_in_process(store_dir, cache, args.jobs)),
-            "xxh3": timed(lambda: raw_xxh3(files)),
-            "xxh3_buf": timed(lambda: raw_xxh3_reused_buffer(files)),
-            "xxh3_cli": timed(lambda: subprocess.run(raw_command, env=env, check=True)),
-        }
-        print(f"  round {round_}: " + ", ".join(f"{k} {v:.3f}s" for k, v in got.items()), file=sys.stderr)
+        got = {k: process_times(fn) for k, fn in parts.items()}
+        if not args.noop_only:
+            got |= {k: (timed(fn), 0.0) for k, fn in full.items()}
+        print(f"  round {round_}: " + ", ".join(f"{k} {v[0]:.3f}s" for k, v in got.items()), file=sys.stderr)
         if round_:
             for k, v in got.items():
-                timings[k].append(v)
+                timings.setdefault(k, []).append(v[0])
+                timings.setdefault(f"{k}_cpu", []).append(v[1])
+    noop_table(timings, args.runs, len(files))
+    if not args.noop_only:
+        full_table(timings, files, args)
+    print(
+        f"\nmachine: {os.cpu_count()} CPUs; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
+    )
+
+
+def noop_parts(command: list[str], env: dict[str, str], vs: Path | None) -> dict[str, Callable[[], None]]:
+    """(a) and its parts, each a process: the interpreter alone, the imports of the pull path,
+    the no-op pull without and with the host check (and the baseline's, with --vs)."""
+    py = sys.executable
+    parts: dict[str, Callable[[], None]] = {
+        "start": lambda: run([py, "-c", "pass"], env, check_fetch=False),
+        "imports": lambda: run([py, "-c", IMPORTS], env, check_fetch=False),
+        "noop_nohc": lambda: run([*command, "--no-host-check"], env),
+        "noop": lambda: run(command, env),
+    }
+    if vs is not None:
+        base = env | {"PYTHONPATH": str(vs.resolve())}
+        parts["noop_vs"] = lambda: run(command, base, cwd=vs)
+    return parts
+
+
+# What `neffbuild pull` imports on its way (the CLI, the pull, the store, the host check).
+IMPORTS = "import neffbuild.cli, neffbuild.host.fallback, neffbuild.store.local, neffbuild.host.hostcheck, neffbuild.backends.inductor"
+
+
+def noop_table(timings: dict[str, list[float]], runs: int, count: int) -> None:
     med = {k: statistics.median(v) for k, v in timings.items()}
-    mbs = {k: size / v / 1e6 for k, v in med.items()}
+    low = {k: min(v) for k, v in timings.items()}
+    print(f"\n(a) no-op pull of {count:,} files: median of {runs} runs after 1 warm-up; CPU: user+sys of the process\n")
+    print("| what (each a process) | min s | median s | CPU median s | x no-op pull (median wall) |")
+    print("|---|---:|---:|---:|---:|")
+    for key, label in (
+        ("start", "interpreter start (`python -c pass`)"), ("imports", "imports of the pull path"),
+        ("noop_nohc", "no-op `pull --no-host-check`"), ("noop", "(a) no-op `pull` (process, interpreter start included)"),
+        ("noop_vs", "(a) with the --vs checkout's neffbuild"),
+    ):  # fmt: skip
+        if key in med:
+            print(
+                f"| {label} | {low[key]:.3f} | {med[key]:.3f} | {med[key + '_cpu']:.3f} | {med[key] / med['noop']:.2f} |"
+            )
+
+
+def full_table(timings: dict[str, list[float]], files: list[str], args: argparse.Namespace) -> None:
+    size = sum(os.path.getsize(f) for f in files)
+    med = {k: statistics.median(v) for k, v in timings.items()}
+    mbs = {k: size / med[k] / 1e6 for k in ("full_cli", "full_inproc", "xxh3", "xxh3_buf", "xxh3_cli")}
     print(
         f"\n{len(files):,} files, {size / 1e6:,.0f} MB; median of {args.runs} runs after 1 warm-up; --jobs {args.jobs}\n"
     )
     low = {k: min(v) for k, v in timings.items()}
     print("| what | min s | median s | MB/s (median) | x its peer | x raw XXH3 | x raw XXH3, reused buffer |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    print(
-        f"| (a) no-op `pull` (process, interpreter start included) | {low['noop']:.3f} | {med['noop']:.3f} | - | - | - | - |"
-    )
     peer_of = {"full_cli": "xxh3_cli", "full_inproc": "xxh3"}
     for key, label in (("full_cli", "(b) `pull --verify full` (process)"), ("full_inproc", "(b) `pull(verify=\"full\")` in-process"),
                        ("xxh3_cli", "raw XXH3 loop as a process (peer of the process row)"),
@@ -96,9 +140,6 @@ def main() -> None:
         print(
             f"| {label} | {low[key]:.3f} | {med[key]:.3f} | {mbs[key]:,.0f} | {peer} | {mbs[key] / mbs['xxh3']:.2f} | {mbs[key] / mbs['xxh3_buf']:.2f} |"
         )
-    print(
-        f"\nmachine: {os.cpu_count()} CPUs; uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
-    )
 
 
 def prepare(count: int, mib: int) -> tuple[Path, Path]:
@@ -119,9 +160,9 @@ def prepare(count: int, mib: int) -> tuple[Path, Path]:
     return store_dir, cache
 
 
-def run(command: list[str], env: dict[str, str]) -> None:
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0 or "0 of" not in done.stderr:
+def run(command: list[str], env: dict[str, str], *, check_fetch: bool = True, cwd: Path | None = None) -> None:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, cwd=cwd)
+    if done.returncode != 0 or (check_fetch and "0 of" not in done.stderr):
         raise SystemExit(f"{' '.join(command)} failed or fetched something ({done.returncode}):\n{done.stderr[-2000:]}")
 
 
@@ -157,6 +198,14 @@ def raw_xxh3_reused_buffer(files: list[str]) -> None:
             while n := src.readinto(buffer):
                 hasher.update(buffer[:n])
             hasher.hexdigest()
+
+
+def process_times(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall, CPU of the child processes fn ran) in seconds: CPU holds up on a shared machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = timed(fn)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def timed(fn) -> float:

@@ -26,14 +26,12 @@ hold for reading (see `Beneath`): a link at a release path is never "present".
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import functools
 import mmap
 import os
 import stat
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -84,7 +82,7 @@ class BlobTarget:
 
 
 def temp_name_for(name: str) -> str:
-    return f".{name}.{os.getpid()}.{uuid.uuid4().hex[:10]}{INCOMPLETE_SUFFIX}"
+    return f".{name}.{os.getpid()}.{os.urandom(5).hex()}{INCOMPLETE_SUFFIX}"
 
 
 def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, origin: str) -> None:
@@ -485,6 +483,8 @@ def sync_filesystem(path: Path) -> None:
     """Flush the filesystem holding path (Linux syncfs; elsewhere a global sync, which reports
     nothing). A failed flush is a DiskError: what was written may not survive a power cut, so
     nothing may be recorded as durable (pull's state file)."""
+    import ctypes  # only where something was written: a no-op pull never flushes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

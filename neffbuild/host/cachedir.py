@@ -17,8 +17,14 @@ from pathlib import Path
 
 from neffbuild.fs.confined import Beneath, disk_error
 from neffbuild.fs.locks import acquire
-from neffbuild.fs.readonly import require_read_only, writable_dirs
-from neffbuild.host.state import CacheState, open_existing, open_state_dir, read_state, state_path
+from neffbuild.host.state import (
+    CacheState,
+    open_existing,
+    open_state_dir,
+    read_state,
+    read_state_data,
+    state_path,
+)
 from neffbuild.names import STATE_DIR
 
 LOCK_FILE = "pull.lock"
@@ -72,6 +78,10 @@ class CacheDir:
         """(the state file's bytes, what it says), corrupt or not; makes nothing."""
         return (None, CacheState()) if self.fd is None else read_state(self.fd, self.path)
 
+    def read_state_data(self) -> bytes | CacheState:
+        """The state file's bytes, unparsed (else what it reads as: nothing known, or corrupt)."""
+        return CacheState() if self.fd is None else read_state_data(self.fd, self.path)
+
     def state(self) -> CacheState:
         """What the state says, for a command that only reads: StateCorrupt if it is corrupt."""
         return self.read_state()[1].trusted(self.state_path)
@@ -108,11 +118,15 @@ class CacheDir:
 
     def writable_dirs(self, allowed: Collection[str]) -> list[Path]:
         """Dirs this process could write, outside allowed (read-only detection)."""
+        from neffbuild.fs.readonly import writable_dirs  # tempfile and shutil: not on a pull's path
+
         return writable_dirs(self.path, allowed)
 
     def require_read_only(self, backend: str, writable: Collection[str]) -> None:
         """Refuse a dir this process could write outside `writable` (InputError), or one whose
         `writable` dirs it cannot write (HostNotReady): what `verify --replay --in-place` needs."""
+        from neffbuild.fs.readonly import require_read_only
+
         require_read_only(self.path, backend, writable)
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild import retry
-from neffbuild.documents.records import FileEntry
+from neffbuild.documents.records import FileEntry, Release, trusted_release
 from neffbuild.documents.refs import ResolvedRelease, resolve
 from neffbuild.errors import DiskError, EnvironmentMismatch, IntegrityError, NotFoundError, StateCorrupt
 from neffbuild.fs.atomic import write_atomic_at
@@ -66,10 +66,13 @@ from neffbuild.host.state import (
     STATE_FILE,
     CacheState,
     Installed,
+    Vouched,
     encode_state,
     find_target,
     installed_unit,
     load_state,
+    parse_state,
+    release_in,
     release_units,
 )
 from neffbuild.host.trust import Trust, Verified, verify_release
@@ -231,8 +234,7 @@ def pull(
         started = time.perf_counter()
         deadline = retry.current()
         retry.doing(f"resolving {label}")
-        _, old = cache.read_state()
-        resolved, verified = _resolved(store, ref, old, o.trust)
+        resolved, verified, old = _resolved(store, ref, cache.read_state_data(), o.trust)
         accepted = verified.accepted(old.accepted) if verified else old.accepted
         expires = verified.expires(old.expires) if verified else old.expires
         retry.check(store.url)
@@ -282,17 +284,36 @@ def pull(
 
 
 def _resolved(
-    store: Store, ref: str | None, old: CacheState, trust: Trust | None
-) -> tuple[ResolvedRelease, Verified | None]:
-    """REF's release: verified against the trusted keys where there are some (read from the
-    bytes that were checked, never from the state), else resolved as before."""
+    store: Store, ref: str | None, data: bytes | CacheState, trust: Trust | None
+) -> tuple[ResolvedRelease, Verified | None, CacheState]:
+    """(REF's release, its check against the trusted keys, the cache dir's state from data).
+    With trusted keys the release is read from the bytes that were checked, never from the
+    state. Without, where the state holds the release exactly as the store serves it under REF
+    (the bytes a pull parsed strictly and recorded), neither is decoded entry by entry again."""
     if trust is not None:
+        old = data if isinstance(data, CacheState) else parse_state(data)
         verified = verify_release(store, ref, trust, old.accepted)
-        return verified.resolved, verified
+        return verified.resolved, verified, old
     if ref is None:
         raise ValueError("pull needs a ref unless trust pins a release")
-    known = (old.installed.release_id, old.installed.release) if old.installed else None
-    return resolve(store, ref, known=known), None
+    if isinstance(data, CacheState) or (found := release_in(data)) is None:
+        old = data if isinstance(data, CacheState) else parse_state(data)
+        installed = old.installed
+        known = None if installed is None else (installed.release_id, lambda _: installed.release)
+        return resolve(store, ref, known=known), None, old
+    served: list[Release] = []  # the release decoded from the store's bytes, where they are the state's
+
+    def as_recorded(got: bytes) -> Release | None:
+        release = trusted_release(got) if got == found[1] else None
+        served.extend(() if release is None else (release,))
+        return release
+
+    resolved = resolve(store, ref, known=(found[0], as_recorded))
+    vouched = Vouched(found[0], found[1], resolved.release) if served and resolved.release is served[0] else None
+    old = parse_state(data, vouched)
+    if vouched is not None and (old.installed is None or old.installed.release is not vouched.release):
+        resolved = resolve(store, ref)  # a state corrupt elsewhere vouches for nothing: the store's bytes, strictly
+    return resolved, None, old
 
 
 def _signed(verified: Verified | None) -> dict[str, Any]:

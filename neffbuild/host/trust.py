@@ -23,23 +23,17 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neffbuild.documents.records import BundleRecord, Release, TagRecord
 from neffbuild.documents.refs import ResolvedRelease, checked_doc, doc_where, parse_ref, read_tag
-from neffbuild.documents.signing import (
-    PublicKey,
-    ReleaseClaim,
-    TagClaim,
-    open_envelope,
-    parse_envelope,
-    read_public_key,
-    release_claim,
-    tag_claim,
-)
 from neffbuild.errors import InputError, NotFoundError, TrustError
 from neffbuild.hashing import blake3_bytes, is_digest
 from neffbuild.names import check_digest
 from neffbuild.store.base import Store
+
+if TYPE_CHECKING:  # signing is read only where keys are trusted: a pull without keys never imports it
+    from neffbuild.documents.signing import PublicKey, ReleaseClaim, TagClaim
 
 TRUSTED_KEYS_ENV = "NEFFBUILD_TRUSTED_KEYS"
 
@@ -73,6 +67,8 @@ def trust_from(paths: Sequence[Path], env: Mapping[str, str], pin: str | None = 
         if pin is not None:
             raise InputError("--release pins a signed release", hint=f"give --trusted-key or set {TRUSTED_KEYS_ENV}")
         return None
+    from neffbuild.documents.signing import read_public_key
+
     keys = tuple(read_public_key(p) for p in files)
     names = [k.name for k in keys]
     if len(set(names)) != len(names):
@@ -182,6 +178,8 @@ def _tag(
             f"{where}: tag {record.name!r} has no signed statement (trusted keys: {trust.names})",
             hint="move the tag in CI with --sign-key, or pin a signed release with --release ID",
         )
+    from neffbuild.documents.signing import open_envelope, tag_claim
+
     statement, signer = open_envelope(record.statement, trust.keys, f"{where} (tag statement)")
     claim = tag_claim(statement, f"{where} (tag statement)")
     if claim.tag != record.name or claim.release_id != record.release:
@@ -207,6 +205,8 @@ def _tag(
 def _release_signature(store: Store, release_id: str, trust: Trust) -> tuple[ReleaseClaim, str]:
     """The claim of the first trusted key's signature present; TrustError naming the keys
     expected and those that did sign, if none is there."""
+    from neffbuild.documents.signing import open_envelope, parse_envelope, release_claim
+
     for key in trust.keys:
         name = f"{release_id}.{key.name}"
         data = store.get_doc("signatures", name)

@@ -136,3 +136,38 @@ def test_select_files_takes_cache_entries_and_kernels_only(tmp_path: Path) -> No
     # Every path named by a hash of what it holds: two builds' copies of one serve alike.
     assert all(backend.is_content_keyed(p) for p in kept)
     assert not any(backend.is_content_keyed(p) for p in ("model_config.json", "fxgraph/entry", "ab/c/d.so"))
+
+
+@pytest.mark.parametrize(
+    "package", ["torch", "click", "xxhash", "typing-extensions", "Jinja2", "diffusers", "torchao", "no-such-package-x"]
+)
+def test_package_versions_read_from_dist_info_are_importlib_metadatas(package: str) -> None:
+    """The host check reads versions without importing importlib.metadata (issue 40): the same
+    answers, "" for a package that is not installed."""
+    from importlib import metadata
+
+    from neffbuild.backends.inductor import _version
+
+    try:
+        expected = metadata.version(package)
+    except metadata.PackageNotFoundError:
+        expected = ""
+    assert _version(package) == expected
+
+
+def test_a_dist_info_without_a_version_or_twice_in_one_dir_asks_importlib_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from neffbuild.backends.inductor import _dist_info_version
+
+    (tmp_path / "one_pkg-1.0.dist-info").mkdir()
+    (tmp_path / "one_pkg-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: one-pkg\n\nVersion: 9\n")
+    (tmp_path / "two-1.0.dist-info").mkdir()
+    (tmp_path / "two-2.0.dist-info").mkdir()
+    (tmp_path / "three-1.0.dist-info").mkdir()
+    (tmp_path / "three-1.0.dist-info" / "METADATA").write_text("Name: three\nVersion: 1.0.post1\n\n")
+    monkeypatch.setattr("sys.path", [str(tmp_path)])
+    assert _dist_info_version("one.pkg") is None  # no Version among the headers
+    assert _dist_info_version("two") is None
+    assert _dist_info_version("three") == "1.0.post1"
+    assert _dist_info_version("absent") == ""

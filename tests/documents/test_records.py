@@ -407,3 +407,19 @@ def test_a_file_list_decodes_a_column_at_a_time_exactly_as_entry_by_entry(files:
 def test_distinct_paths_decided_by_sets_says_what_the_entry_walk_says(paths: list[str]) -> None:
     files = tuple(FileEntry(path=p, size=1, digest=DIGEST) for p in paths)
     assert records._distinct_paths(files) == records._why_not_distinct(files)
+
+
+def test_a_list_of_strings_decodes_at_once_with_the_same_verdicts() -> None:
+    """tuple[str, ...] fields (a unit's 10,000s of paths in the cache state) are taken whole
+    when every item is an ASCII str; anything else is decoded item by item, naming the item."""
+    from neffbuild.documents.records import SharedPath, decode_doc
+
+    ok = decode_doc(SharedPath, {"path": "a/b", "kept": DIGEST, "dropped": ["x", "é", "y"]}, "d")
+    assert ok.dropped == ("x", "é", "y") and type(ok.dropped) is tuple
+    for dropped, problem in (
+        (["x", 1], "dropped.1: expected str, got int"),
+        (["x", "\ud800"], "dropped.1: "),
+        (["x", True], "dropped.1: expected str, got bool"),
+    ):
+        with pytest.raises(IntegrityError, match=problem):
+            decode_doc(SharedPath, {"path": "a/b", "kept": DIGEST, "dropped": dropped}, "d")

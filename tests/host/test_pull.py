@@ -28,7 +28,7 @@ from neffbuild.documents.records import (
     parse,
 )
 from neffbuild.errors import IntegrityError
-from neffbuild.hashing import hash_bytes, hash_file
+from neffbuild.hashing import canonical_json, hash_bytes, hash_file
 from neffbuild.host.pull import STATE_DIR, pull, remove_stale_temp_files
 from neffbuild.names import INCOMPLETE_SUFFIX
 from neffbuild.store.base import BlobSource, blob_key
@@ -754,6 +754,53 @@ def test_a_state_whose_release_was_edited_is_corrupt_until_a_pull_rewrites_it(
         and repaired.state_replaced == state.problem
     )
     assert cli("env", "--cache-dir", str(cache)).returncode == 0
+
+
+def test_a_no_op_pull_trusts_only_the_release_it_recorded_as_the_store_serves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: a state holding the release byte for byte as the store serves it under the tag is
+    not decoded entry by entry again; a tampered one (its id recomputed) is, and is replaced."""
+    import neffbuild.host.state as state_module
+
+    store = LocalStore(tmp_path / "store", create=True)
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    state_file = cache / STATE_DIR / "state.json"
+    clean = state_file.read_bytes()
+    decoded: list[type] = []
+    decode = state_module.decode_doc
+    monkeypatch.setattr(state_module, "decode_doc", lambda kind, *a, **k: decoded.append(kind) or decode(kind, *a, **k))
+    again = pull(store, "t", cache)
+    assert again.files_fetched == 0 and again.files_rehashed == 0 and again.state_replaced is None
+    assert Release not in decoded and state_file.read_bytes() == clean
+
+    doc = json.loads(clean)
+    doc["installed"]["release"]["files"][0]["path"] = "../escape.so"
+    doc["installed"]["release_id"] = hash_bytes(canonical_json(doc["installed"]["release"]))
+    state_file.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    repaired = pull(store, "t", cache)
+    assert repaired.state_replaced is not None and "unsafe path" in repaired.state_replaced
+    assert Release in decoded and repaired.files_fetched == 0 and repaired.files_rehashed == len(FILES)
+    fresh, before = parse_state(state_file.read_bytes()), parse_state(clean)
+    assert fresh.installed is not None and before.installed is not None and fresh.problem is None
+    assert fresh.installed.release == before.installed.release and fresh.files.keys() == before.files.keys()
+    assert not (tmp_path / "escape.so").exists()
+
+    # The release intact but the state corrupt elsewhere: it vouches for nothing, the store's
+    # bytes are parsed strictly.
+    import neffbuild.documents.refs as refs_module
+
+    checked: list[type] = []
+    check = refs_module.checked_doc
+    monkeypatch.setattr(refs_module, "checked_doc", lambda kind, *a: checked.append(kind) or check(kind, *a))
+    doc = json.loads(state_file.read_bytes())
+    doc["installed"]["exports"]["1BAD"] = "x"
+    state_file.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    repaired = pull(store, "t", cache)
+    assert repaired.state_replaced is not None and "installed.exports" in repaired.state_replaced
+    assert Release in checked and repaired.files_fetched == 0
 
 
 # ---- preflight: the host is compared with the release before any byte moves (issue 11) -----------

@@ -22,10 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild import ensure_cache
+from neffbuild.documents.records import Release, parse, trusted_release
 from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.host.pull import pull
-from neffbuild.host.state import STATE_FORMAT, parse_state
+from neffbuild.host.state import STATE_FORMAT, Vouched, parse_state, release_in
 from neffbuild.store.local import LocalStore
 from tests.procs import without_override
 from tests.storekit import publish_release_of, write_files
@@ -394,3 +395,69 @@ def test_an_edited_unit_fingerprint_in_the_state_repairs_itself_instead_of_refus
     )  # fmt: skip
     assert pulled.returncode == 0, pulled.stderr
     assert json.loads(state_file.read_bytes())["installed"]["units"] == good["installed"]["units"]
+
+
+# ---- the no-op pull's fast path: a release held exactly as the store serves it ------------------
+
+
+def store_release_bytes(store: LocalStore, doc: dict[str, Any]) -> bytes:
+    data = store.get_doc("releases", doc["installed"]["release_id"])
+    assert data is not None
+    return data
+
+
+def test_a_release_held_as_the_store_serves_it_reads_as_the_strict_parse(installed) -> None:
+    store, cache, doc = installed
+    data = (cache / STATE).read_bytes()
+    served = store_release_bytes(store, doc)
+    assert release_in(data) == (doc["installed"]["release_id"], served)
+    release = trusted_release(served)
+    assert release is not None
+    vouched = parse_state(data, Vouched(doc["installed"]["release_id"], served, release))
+    assert vouched == parse_state(data) and vouched.problem is None
+    assert vouched.installed is not None and vouched.installed.release is release  # not decoded again
+
+
+def test_a_tampered_or_unvouched_release_in_the_state_is_parsed_strictly(installed) -> None:
+    """Only bytes equal to the store's are taken as vouched; an edit (even self-consistent, its id
+    recomputed), a second release key, or other bytes take the strict parse, with its verdict."""
+    store, cache, doc = installed
+    served = store_release_bytes(store, doc)
+    release = trusted_release(served)
+    assert release is not None
+    unsafe = copy.deepcopy(doc)
+    unsafe["installed"]["release"]["files"][0]["path"] = "../escape.so"
+    write_state(cache, unsafe)
+    edited = (cache / STATE).read_bytes()
+    recomputed = unsafe["installed"]["release_id"]
+    for data, vouched in (
+        (edited, Vouched(doc["installed"]["release_id"], served, release)),  # not the store's bytes
+        (edited, Vouched(recomputed, served, release)),  # the edit's id, but other bytes
+        (json.dumps(unsafe, sort_keys=True, separators=(",", ":")).encode(), Vouched(recomputed, served, release)),
+    ):
+        state = parse_state(data, vouched)
+        assert state.problem is not None and "unsafe path" in state.problem, state.problem
+        assert state.installed is None
+    # The store's bytes where encode_state puts them, but a later "release" key the JSON parse keeps:
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    doubled = canonical.replace(b',"release_id":"', b',"release":' + json.dumps(unsafe["installed"]["release"]).encode() + b',"release_id":"', 1)  # fmt: skip
+    state = parse_state(doubled, Vouched(doc["installed"]["release_id"], served, release))
+    assert state == parse_state(doubled) and state.problem is not None
+
+
+def test_trusted_release_is_the_strict_parse_or_none(installed) -> None:
+    store, _, doc = installed
+    served = store_release_bytes(store, doc)
+    assert trusted_release(served) == parse(Release, served, "r")
+    raw = json.loads(served)
+    for edit in (
+        lambda r: r.update(format="neffbuild.release/1"),
+        lambda r: r["files"][0].pop("blake3"),
+        lambda r: r["files"].append("x"),
+        lambda r: r.update(env={"1BAD": "x"}),  # every field but the file list is still checked
+        lambda r: r.update(files={}),
+    ):
+        edited = copy.deepcopy(raw)
+        edit(edited)
+        assert trusted_release(json.dumps(edited).encode()) is None
+    assert trusted_release(b"[") is None and trusted_release(b"[]") is None
