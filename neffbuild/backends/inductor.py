@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from neffbuild.backends.base import (
 )
 from neffbuild.backends.envreads import NOT_KEYED
 from neffbuild.backends.serving import INDUCTOR
+from neffbuild.version import installed_version
 
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry, ResolvedRecipe
@@ -304,10 +304,7 @@ def _read(path: str) -> str:
 
 
 def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return ""
+    return installed_version(package)
 
 
 def _compiler_version(cxx: str) -> str:

@@ -183,8 +183,9 @@ def plan(
     if out is None and shards is None:
         from neffbuild.documents.manifest import load_manifest
         from neffbuild.units.plan import make_plan
+        from neffbuild.units.plancache import cache_dir
 
-        Console(as_json).plan(make_plan(load_manifest(manifest), os.environ))
+        Console(as_json).plan(make_plan(load_manifest(manifest), os.environ, cache=cache_dir(os.environ)))
         return
     from neffbuild.build.fleet import plan_fleet
     from neffbuild.cli.views.ci import print_fleet_plan
