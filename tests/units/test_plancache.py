@@ -228,6 +228,7 @@ def test_a_warm_cache_plans_without_importing_torch_and_ci_invalidates(manifest:
     plan = ["plan", str(manifest), "--json"]
     status = ["status", str(manifest), "--cache-dir", str(cache_dir_arg), "--json"]
     assert _probe([plan], env) == {"torch": True, "diffusers": True}  # cold: the checks import them
-    assert _probe([plan, status], env) == {"torch": False, "diffusers": False}
+    verify = ["verify", str(manifest), "--cache-dir", str(cache_dir_arg), "--json"]
+    assert _probe([plan, status, verify], env) == {"torch": False, "diffusers": False}
     assert _probe([plan], {**env, "CI": "true"}) == {"torch": True, "diffusers": True}
     assert _probe([plan], {**env, "CI": "true"}) == {"torch": False, "diffusers": False}
