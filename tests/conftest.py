@@ -41,6 +41,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Plans cached per test session (units/plancache.py), never in the user's ~/.cache."""
+    os.environ["NEFFBUILD_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plan-cache"))
+
+
 @pytest.fixture(scope="session")
 def cli() -> Callable[..., subprocess.CompletedProcess[str]]:
     return run_cli

@@ -33,6 +33,8 @@ DONE = {
     "guard": r"^\| fail \| [0-9.]+ ms \| [0-9.]+x \|$",
     "recipes": r"^\| default \| 1 \|",
     "build": r"^\| jobs1 \|",
+    # The cached plan's row, and it must not have imported torch.
+    "uptodate": r"^\| plan \| cached \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| \*\*[0-9.]+\*\* \| \*\*[0-9.]+\*\* \| False \|$",
 }
 COMPILES = {"guard", "recipes", "build"}  # real torch.compile runs: minutes on 2 cores
 NEEDS_WEED = {"pull", "storm", "trust"}  # start their own SeaweedFS, and have no local-store mode

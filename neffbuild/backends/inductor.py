@@ -29,6 +29,7 @@ from neffbuild.backends.base import (
 )
 from neffbuild.backends.envreads import NOT_KEYED
 from neffbuild.backends.serving import INDUCTOR
+from neffbuild.version import installed_version
 
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry, ResolvedRecipe
@@ -303,55 +304,7 @@ def _read(path: str) -> str:
 
 
 def _version(package: str) -> str:
-    """importlib.metadata.version(package), or "" if it is not installed: read from the
-    dist-info directory's METADATA where sys.path holds only directories (importing
-    importlib.metadata costs about 35 ms, most of a no-op pull's host check)."""
-    found = _dist_info_version(package)
-    if found is not None:
-        return found
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return ""
-
-
-_DIST_INFO = re.compile(r"([^-]+)-[^-]+\.dist-info")
-
-
-def _normal(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
-def _dist_info_version(package: str) -> str | None:
-    """The Version of package's first dist-info on sys.path, "" where none has one; None where
-    that cannot be told so (a zip or egg on the path, two dist-infos in one directory, no Version)."""
-    wanted = _normal(package)
-    for entry in sys.path:
-        try:
-            names = os.listdir(entry or ".")
-        except NotADirectoryError:
-            return None
-        except OSError:
-            continue
-        if any(n.endswith((".egg-info", ".egg")) and _normal(n).startswith(wanted) for n in names):
-            return None
-        found = [n for n in names if (m := _DIST_INFO.fullmatch(n)) and _normal(m[1]) == wanted]
-        if len(found) > 1:
-            return None
-        if found:
-            return _metadata_version(Path(entry or ".") / found[0] / "METADATA")
-    return ""
-
-
-def _metadata_version(path: Path) -> str | None:
-    for line in _read(str(path)).splitlines():
-        if not line:
-            break  # the headers end at the first blank line
-        if line.startswith("Version:"):
-            return line.removeprefix("Version:").strip()
-    return None
+    return installed_version(package)
 
 
 def _compiler_version(cxx: str) -> str:

@@ -50,6 +50,7 @@ from neffbuild.runner.workers import Workers, run_worker, supervised
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
+from neffbuild.units.plancache import cache_dir as plan_cache
 from neffbuild.units.shards import ShardSpec
 from neffbuild.version import __version__
 
@@ -125,7 +126,7 @@ def build_manifest(
     """
     o, f = options or BuildOptions(), fleet or FleetChoice()
     loaded = load_manifest(manifest)
-    plan = make_plan(loaded, env)
+    plan = make_plan(loaded, env, cache=plan_cache(env))
     check_buildable(plan)
     document = checked_document(plan, f.plan_file)
     opened = store.open(env, manifest_default=loaded.manifest.store, create=True)

@@ -137,8 +137,9 @@ def plan_fleet(
     (a store that cannot be read only costs the balance, with a warning); write --out."""
     from neffbuild.documents.manifest import load_manifest
     from neffbuild.units.plan import make_plan
+    from neffbuild.units.plancache import cache_dir
 
-    plan = make_plan(load_manifest(manifest), env)
+    plan = make_plan(load_manifest(manifest), env, cache=cache_dir(env))
     durations: dict[str, float] = {}
     source = None
     if store.url or env.get("NEFFBUILD_STORE") or plan.loaded.manifest.store:

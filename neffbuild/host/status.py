@@ -137,8 +137,9 @@ def status_of(
     if ref is not None and (ref.endswith(".toml") or "/" in ref):
         from neffbuild.documents.manifest import load_manifest
         from neffbuild.units.plan import make_plan
+        from neffbuild.units.plancache import cache_dir as plan_cache
 
-        plan = make_plan(load_manifest(Path(ref)), env)
+        plan = make_plan(load_manifest(Path(ref)), env, cache=plan_cache(env))
         manifest_store = plan.loaded.manifest.store
     named = bool(store.url or env.get("NEFFBUILD_STORE"))  # then a tag is judged where it points now
     query = StatusQuery(store_named=named, verify=verify, plan=plan, allow_env=tuple(allow_env))

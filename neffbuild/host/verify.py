@@ -62,6 +62,7 @@ from neffbuild.runner.workers import Workers, run_worker, supervised
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
 from neffbuild.units.plan import BuildUnit, Plan, make_plan
+from neffbuild.units.plancache import cache_dir as plan_cache
 
 _ELSEWHERE = "a replay never writes into the dir it checks: give --work-dir / --outputs / --trace another place"
 FICLONE = 0x40049409  # linux/fs.h: share the source's extents (a reflink), copy-on-write
@@ -186,7 +187,7 @@ def verify_files(
 
 def _plan_for(manifest: Path, cache_dir: Path, env: Mapping[str, str]) -> tuple[LoadedManifest, Plan]:
     loaded = load_manifest(manifest)
-    plan = make_plan(loaded, env)
+    plan = make_plan(loaded, env, cache=plan_cache(env))
     if not cache_dir.is_dir():
         raise InputError(f"--cache-dir {cache_dir}: no such directory", hint="pull into it first")
     return loaded, plan

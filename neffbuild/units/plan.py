@@ -23,6 +23,7 @@ from neffbuild.documents.manifest import LoadedManifest, ModelEntry, Shape, is_l
 from neffbuild.documents.records import unit_key
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.hashing import canonical_json, hash_bytes
+from neffbuild.units.plancache import CheckedFacts, EntryFacts, cached_facts, key_inputs
 
 if TYPE_CHECKING:
     from neffbuild.backends.pipecode import CallFacts
@@ -72,38 +73,43 @@ def collect_facts(backend: Backend, env: Mapping[str, str], device: str) -> Mapp
     return backend.collect_facts(env, device)
 
 
-def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: FactsProvider = collect_facts) -> Plan:
-    """Check, expand and key every unit; `env` is the environment the build will run in."""
+def make_plan(
+    loaded: LoadedManifest,
+    env: Mapping[str, str],
+    facts_provider: FactsProvider = collect_facts,
+    cache: Path | None = None,
+) -> Plan:
+    """Check, expand and key every unit; `env` is the environment the build will run in. With
+    `cache` (plancache.cache_dir), the checks' outcome and the pipeline facts come from there when
+    nothing they depend on changed: no torch import."""
     backend_name = _single_backend(loaded)
     backend = get_backend(backend_name)
-    notes = check_entries(loaded, backend, env)
+    models = loaded.manifest.models
+    if cache is None:
+        checked = checked_facts(loaded, backend, env)
+        probed = _probe(loaded, backend, env, facts_provider)
+    else:
+        probed = _probe(loaded, backend, env, facts_provider)
+        inputs = key_inputs({e.id: _model_input(loaded, e) for e in models}, probed, loaded.source_digest, env)
+        checked = cached_facts(cache, inputs, env, lambda observed: checked_facts(loaded, backend, observed))
     declared = dict(loaded.manifest.toolchain or {})
-    facts_cache: dict[str, Mapping[str, str]] = {}
-    other_host: dict[str, tuple[str, str]] = {}
+    other_host = {k: (v, p.get(k, "")) for p in probed.values() for k, v in declared.items() if p.get(k) != v}
+    usable = {
+        device: _usable_facts(
+            loaded, backend, {**p, **declared}, {**env, **backend.scope(_first_on(loaded, device)).env}
+        )
+        for device, p in probed.items()
+    }
     units: list[BuildUnit] = []
-    for entry in loaded.manifest.models:
+    for entry in models:
         scope = backend.scope(entry)
         unit_env = dict(scope.env)
-        if entry.device not in facts_cache:
-            probed = facts_provider(backend, {**env, **unit_env}, entry.device)
-            other_host.update({k: (v, probed.get(k, "")) for k, v in declared.items() if probed.get(k) != v})
-            facts_cache[entry.device] = _usable_facts(loaded, backend, {**probed, **declared}, {**env, **unit_env})
-        fingerprint = backend.fingerprint(facts_cache[entry.device], {**env, **unit_env}, scope)
+        fingerprint = backend.fingerprint(usable[entry.device], {**env, **unit_env}, scope)
         identity = model_identity(loaded, entry)
-        from neffbuild.backends.pipelines import guidance_doubles, pipeline_facts
-
-        facts = pipeline_facts(entry)
-        keyed_call, left_out, reduced = split_call(entry, facts)
-        doubles = guidance_doubles(entry, loaded.resolve_model(entry), is_local_model(entry.model))
-        if "guidance_scale" in keyed_call and facts and doubles is not None:
-            # The comparison's outcome matters only through CFG doubling the batch; this model's
-            # configs may rule CFG out either way (a distilled FLUX.2-klein: `and not is_distilled`).
-            default = facts.defaults.get("guidance_scale")
-            if guidance_doubles(entry, loaded.resolve_model(entry), True, default) == doubles:
-                keyed_call = {k: v for k, v in keyed_call.items() if k != "guidance_scale"}
+        facts = checked.entries[entry.id]
+        doubles = facts.doubles
         for shape in entry.expanded_shapes():
-            normalized = normalize_unit(entry, shape, identity, unit_env, keyed_call)
-            key = unit_key(normalized, fingerprint)
+            normalized = normalize_unit(entry, shape, identity, unit_env, facts.keyed_call)
             units.append(
                 BuildUnit(
                     unit_id=f"{entry.id}/{entry.unit_label(shape)}",
@@ -113,14 +119,15 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
                     env=unit_env,
                     normalized=normalized,
                     fingerprint=fingerprint,
-                    key=key,
-                    left_out=left_out,
-                    reduced=reduced,
+                    key=unit_key(normalized, fingerprint),
+                    left_out=facts.left_out,
+                    reduced=facts.reduced,
                     graph_batch=None
                     if doubles is None
                     else shape.batch * entry.prompts_per_call * (2 if doubles else 1),
                 )
             )
+    notes = list(checked.notes)
     if other_host:
         differing = ", ".join(f"{k} {d!r} (here {h or 'absent'!r})" for k, (d, h) in sorted(other_host.items()))
         notes = [f"planning for another host: keys use the facts [toolchain] declares: {differing}", *notes]
@@ -132,6 +139,55 @@ def make_plan(loaded: LoadedManifest, env: Mapping[str, str], facts_provider: Fa
         notes=tuple(notes),
         other_host=other_host,
     )
+
+
+def checked_facts(loaded: LoadedManifest, backend: Backend, env: Mapping[str, str]) -> CheckedFacts:
+    """What plan learns from torch and diffusers: its checks' notes (or one ManifestError), and
+    what each entry's pipeline code does with its call arguments."""
+    notes = check_entries(loaded, backend, env)
+    return CheckedFacts(tuple(notes), {entry.id: entry_facts(loaded, entry) for entry in loaded.manifest.models})
+
+
+def entry_facts(loaded: LoadedManifest, entry: ModelEntry) -> EntryFacts:
+    from neffbuild.backends.pipelines import guidance_doubles, pipeline_facts
+
+    facts = pipeline_facts(entry)
+    keyed_call, left_out, reduced = split_call(entry, facts)
+    doubles = guidance_doubles(entry, loaded.resolve_model(entry), is_local_model(entry.model))
+    if "guidance_scale" in keyed_call and facts and doubles is not None:
+        # The comparison's outcome matters only through CFG doubling the batch; this model's
+        # configs may rule CFG out either way (a distilled FLUX.2-klein: `and not is_distilled`).
+        default = facts.defaults.get("guidance_scale")
+        if guidance_doubles(entry, loaded.resolve_model(entry), True, default) == doubles:
+            keyed_call = {k: v for k, v in keyed_call.items() if k != "guidance_scale"}
+    return EntryFacts(keyed_call, left_out, reduced, doubles)
+
+
+def _probe(
+    loaded: LoadedManifest, backend: Backend, env: Mapping[str, str], facts_provider: FactsProvider
+) -> dict[str, Mapping[str, str]]:
+    """This host's facts per device, probed in the environment of the first entry on it."""
+    probed: dict[str, Mapping[str, str]] = {}
+    for entry in loaded.manifest.models:
+        if entry.device not in probed:
+            probed[entry.device] = facts_provider(backend, {**env, **backend.scope(entry).env}, entry.device)
+    return probed
+
+
+def _first_on(loaded: LoadedManifest, device: str) -> ModelEntry:
+    return next(e for e in loaded.manifest.models if e.device == device)
+
+
+def _model_input(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, Any]:
+    """What of a model the checks read: a local model's config files; a hub model's cached
+    model_index.json (the components checked against it)."""
+    identity = model_identity(loaded, entry)
+    if is_local_model(entry.model):
+        return identity
+    from neffbuild.backends.pipelines import model_index
+
+    index = model_index(entry.model, entry.revision, False)
+    return {**identity, "model_index": hash_bytes(canonical_json(index)) if index is not None else ""}
 
 
 def check_entries(loaded: LoadedManifest, backend: Backend, env: Mapping[str, str]) -> list[str]:

@@ -153,21 +153,3 @@ def test_package_versions_read_from_dist_info_are_importlib_metadatas(package: s
     except metadata.PackageNotFoundError:
         expected = ""
     assert _version(package) == expected
-
-
-def test_a_dist_info_without_a_version_or_twice_in_one_dir_asks_importlib_metadata(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from neffbuild.backends.inductor import _dist_info_version
-
-    (tmp_path / "one_pkg-1.0.dist-info").mkdir()
-    (tmp_path / "one_pkg-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: one-pkg\n\nVersion: 9\n")
-    (tmp_path / "two-1.0.dist-info").mkdir()
-    (tmp_path / "two-2.0.dist-info").mkdir()
-    (tmp_path / "three-1.0.dist-info").mkdir()
-    (tmp_path / "three-1.0.dist-info" / "METADATA").write_text("Name: three\nVersion: 1.0.post1\n\n")
-    monkeypatch.setattr("sys.path", [str(tmp_path)])
-    assert _dist_info_version("one.pkg") is None  # no Version among the headers
-    assert _dist_info_version("two") is None
-    assert _dist_info_version("three") == "1.0.post1"
-    assert _dist_info_version("absent") == ""

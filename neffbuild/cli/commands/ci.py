@@ -69,8 +69,9 @@ def plan(
     if out is None and shards is None:
         from neffbuild.documents.manifest import load_manifest
         from neffbuild.units.plan import make_plan
+        from neffbuild.units.plancache import cache_dir
 
-        views.plan(Console(as_json), make_plan(load_manifest(manifest), os.environ))
+        views.plan(Console(as_json), make_plan(load_manifest(manifest), os.environ, cache=cache_dir(os.environ)))
         return
     from neffbuild.build.fleet import plan_fleet
 
