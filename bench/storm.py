@@ -8,7 +8,10 @@ through and answers the rest 503 SlowDown with S3's XML body (tests/tcpproxy.py,
 Without --limit, the limit is set so the storm lasts --storm seconds: N x (requests per pull,
 counted in the unthrottled run) / limit. Every pull runs with --timeout (default 600). Prints,
 per run: pulls completed (exit 0) and verified (every file whole), 503s per forwarded request,
-and p50 / p90 / max of each pull's time from the common start.
+p50 / p90 / max of each pull's time from the common start, the utilisation of the throttled
+capacity (requests forwarded / (limit x the time to the last pull's end)), and where a pull's
+requests spent their time (medians over pulls of its --json paced_s, backoff_s, in_flight_s:
+seconds summed over its requests, waiting in the pacer, in backoff, in flight).
 
 --code DIR runs the pulls with another checkout's neffbuild (PYTHONPATH=DIR), e.g. main's code
 for the old policy: `git archive main | tar -x -C /tmp/neffbuild-main`.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +41,7 @@ from tests.stormkit import Storm, holds, publish_fleet_release, storm  # noqa: E
 from tests.tcpproxy import TcpProxy  # noqa: E402
 
 WORK = ROOT / "bench" / ".work" / "storm"
+SPENT = ("paced_s", "backoff_s", "in_flight_s")  # a pull's --json seconds, each a column (median over pulls)
 BUCKET = "storm"
 
 
@@ -70,9 +75,10 @@ def main() -> None:
         print(f"release: {args.small + args.large} files, {size / 2**20:.1f} MiB; code: {args.code}; timeout {args.timeout:g} s; "
               f"{os.cpu_count()} CPUs; {uptime()}", flush=True)  # fmt: skip
         print(
-            "| hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm |"
+            "| hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm "
+            "| utilisation | paced s | backoff s | in flight s |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
         port = int(server.endpoint.rsplit(":", 1)[1])
         for hosts in [int(h) for h in args.hosts.split(",")]:
             per_pull = args.per_pull
@@ -110,8 +116,11 @@ def row(hosts: int, limit: float | None, storm_s: float | None, ran: tuple[Storm
     ratio = f"{done.ratio:.2f}" if limit else "-"
     p90 = done.quantile(0.9)
     against = f"{p90 / storm_s:.2f}" if storm_s else "-"
+    last = max(p.seconds for p in done.pulls)
+    used = f"{done.forwarded / (limit * last):.2f}" if limit else "-"
+    spent = " | ".join(f"{statistics.median(p.report.get(k, 0.0) for p in done.pulls):.1f}" for k in SPENT)
     print(f"| {hosts} | {limit if limit else 'none'} | {storm_text} | {done.completed}/{hosts} | {verified}/{hosts} | {ratio} | "
-          f"{done.median:.1f} | {p90:.1f} | {max(p.seconds for p in done.pulls):.1f} | {against} |", flush=True)  # fmt: skip
+          f"{done.median:.1f} | {p90:.1f} | {last:.1f} | {against} | {used} | {spent} |", flush=True)  # fmt: skip
 
 
 def uptime() -> str:

@@ -32,7 +32,10 @@ class HostViews(BaseConsole):
         if report.throttled:  # on stderr, --json or not: a journal should show that boot was slowed by the store
             from neffbuild.retry import Counts
 
-            counts = Counts(report.retries, report.throttled, report.waited_s, report.paced_to)
+            counts = Counts(
+                report.retries, report.throttled, report.waited_s, report.paced_to, report.paced_s, report.backoff_s,
+                report.in_flight_s,
+            )  # fmt: skip
             print(f"note: the store throttled this pull: {counts.summary()}", file=sys.stderr)
         if self.as_json:
             mb_per_s = report.bytes_fetched / report.seconds / 1e6 if report.seconds > 0 else 0.0
