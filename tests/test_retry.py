@@ -580,6 +580,44 @@ def test_throttling_that_outlasts_the_tries_of_a_failure_is_still_backed_off(
 
 
 @pytest.mark.s3
+def test_a_pull_that_will_not_make_its_deadline_says_so_before_it_and_keeps_what_it_fetched(
+    s3_url, s3_env, s3_server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the pull reaches the release's packs, the store serves 0.5 request/s: about 16 ranged
+    GETs, over 30 s of them, with a 20 s deadline. The pull says, once and before its deadline,
+    that it will not make it; it fails at the deadline; what it fetched stays, and the next pull
+    fetches only the rest."""
+    sizes = {f"f{i:03d}.bin": 300_000 + i for i in range(120)}  # packed: about 16 ranges
+    _, files = _published(s3_url, s3_env, tmp_path / "src", sizes)
+    cache = tmp_path / "cache"
+    failed: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            ensure_cache("prod", store=s3_url, cache_dir=cache, env=env, host_check=False, timeout=20)
+        except DeadlineExceeded as e:
+            failed.append(e)
+
+    with TcpProxy(_port(s3_server.endpoint), mode="limit", limit=None) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        with caplog.at_level(logging.WARNING, logger="neffbuild.retry"):
+            thread = threading.Thread(target=retry.carried(pull))
+            thread.start()
+            while thread.is_alive() and not any("/packs/" in path for _, path, _ in list(proxy.seen)):
+                time.sleep(0.01)
+            proxy.limit = 0.5
+            thread.join(timeout=60)
+    said = [r for r in caplog.records if "will likely run out of time" in r.getMessage()]
+    assert len(failed) == 1 and len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert "requests left need about" in said[0].getMessage() and "past the deadline in " in said[0].getMessage()
+    landed = [rel for rel in sizes if (cache / rel).exists()]
+    assert landed and len(landed) < len(sizes)
+    report = ensure_cache("prod", store=s3_url, cache_dir=cache, env=s3_env, host_check=False, timeout=60)
+    assert report.files_fetched == len(sizes) - len(landed)  # only what was missing
+    _assert_cache_holds(cache, files)
+
+
+@pytest.mark.s3
 def test_a_fatal_error_stops_the_pulls_other_requests_and_keeps_what_landed(
     s3_url, s3_env, s3_server, tmp_path: Path
 ) -> None:
