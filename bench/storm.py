@@ -8,20 +8,29 @@ through and answers the rest 503 SlowDown with S3's XML body (tests/tcpproxy.py,
 Without --limit, the limit is set so the storm lasts --storm seconds: N x (requests per pull,
 counted in the unthrottled run) / limit. Every pull runs with --timeout (default 600). Prints,
 per run: pulls completed (exit 0) and verified (every file whole), 503s per forwarded request,
-and p50 / p90 / max of each pull's time from the common start.
+p50 / p90 / max of each pull's time from the common start, the utilisation of the throttled
+capacity (requests forwarded / (limit x the time to the last pull's end)), and where a pull's
+requests spent their time (medians over pulls of its --json paced_s, backoff_s, in_flight_s:
+seconds summed over its requests, waiting in the pacer, in backoff, in flight).
 
 --code DIR runs the pulls with another checkout's neffbuild (PYTHONPATH=DIR), e.g. main's code
 for the old policy: `git archive main | tar -x -C /tmp/neffbuild-main`.
 
+--client adaptive runs, instead of the pulls, the requests one pull made (recorded through an
+unthrottled proxy) with botocore's own adaptive retry mode (bench/_adaptive.py); --client both runs
+the pulls, then that, each against the same limit.
+
 Run:
-    .venv/bin/python bench/storm.py [--hosts 16,32,64] [--storm 165 | --limit 12] [--timeout 600] [--code DIR]
+    .venv/bin/python bench/storm.py [--hosts 16,32,64] [--storm 165 | --limit 12] [--timeout 600] [--code DIR] [--client both]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +46,7 @@ from tests.stormkit import Storm, holds, publish_fleet_release, storm  # noqa: E
 from tests.tcpproxy import TcpProxy  # noqa: E402
 
 WORK = ROOT / "bench" / ".work" / "storm"
+SPENT = ("paced_s", "backoff_s", "in_flight_s")  # a pull's --json seconds, each a column (median over pulls)
 BUCKET = "storm"
 
 
@@ -55,6 +65,10 @@ def main() -> None:
         "--no-unthrottled", action="store_true", help="skip the unthrottled run (requests per pull: --per-pull)"
     )
     p.add_argument("--per-pull", type=float, default=None)
+    p.add_argument(
+        "--client", choices=("neffbuild", "adaptive", "both"), default="neffbuild",
+        help="adaptive: each host sends a recorded pull's requests with botocore's adaptive retry mode (bench/_adaptive.py)",
+    )  # fmt: skip
     args = smoke.parse(p, hosts="2", small=10, large=1, storm=4.0, timeout=60.0)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -70,9 +84,10 @@ def main() -> None:
         print(f"release: {args.small + args.large} files, {size / 2**20:.1f} MiB; code: {args.code}; timeout {args.timeout:g} s; "
               f"{os.cpu_count()} CPUs; {uptime()}", flush=True)  # fmt: skip
         print(
-            "| hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm |"
+            "| client | hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm "
+            "| utilisation | paced s | backoff s | in flight s |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
         port = int(server.endpoint.rsplit(":", 1)[1])
         for hosts in [int(h) for h in args.hosts.split(",")]:
             per_pull = args.per_pull
@@ -82,21 +97,43 @@ def main() -> None:
                 per_pull = ran[0].forwarded / hosts
                 row(hosts, None, None, ran)
             limit = args.limit or round(hosts * per_pull / args.storm, 2)
-            with TcpProxy(port, mode="limit", limit=limit) as proxy:
-                ran = run(proxy, url, env, hosts, args.timeout)
-            row(hosts, limit, hosts * per_pull / limit if per_pull else None, ran)
+            storm_s = hosts * per_pull / limit if per_pull else None
+            for client in ("neffbuild", "adaptive") if args.client == "both" else (args.client,):
+                command = adaptive_command(port, url, env, args.timeout) if client == "adaptive" else None
+                with TcpProxy(port, mode="limit", limit=limit) as proxy:
+                    ran = run(proxy, url, env, hosts, args.timeout, command)
+                row(hosts, limit, storm_s, ran, client)
     print(f"# {uptime()}")
 
 
-def run(proxy: TcpProxy, url: str, env: dict[str, str], hosts: int, timeout: float) -> tuple[Storm, int]:
-    """One storm of `hosts` pulls through proxy; it and how many pulls verified (every file whole)."""
+def adaptive_command(port: int, url: str, env: dict[str, str], timeout: float) -> list[str]:
+    """bench/_adaptive.py's command, with the requests of one pull recorded through a passing proxy."""
+    shutil.rmtree(WORK / "caches", ignore_errors=True)
+    with TcpProxy(port, mode="limit", limit=None) as proxy:
+        storm(proxy, url, env, [WORK / "caches" / "record"], timeout=timeout, code=Path(env["PYTHONPATH"]))
+    plan = [
+        [path, headers.get("range")]
+        for method, path, headers in proxy.seen
+        if method == "GET" and "list-type=" not in path
+    ]
+    (WORK / "plan.json").write_text(json.dumps(plan))
+    return [sys.executable, str(ROOT / "bench" / "_adaptive.py"), str(WORK / "plan.json"), "--timeout", f"{timeout:g}"]
+
+
+def run(
+    proxy: TcpProxy, url: str, env: dict[str, str], hosts: int, timeout: float, command: list[str] | None = None
+) -> tuple[Storm, int]:
+    """One storm of `hosts` pulls through proxy (or of command); it and how many verified (every
+    file whole; for command: every body whole, which it checks itself)."""
     caches = [WORK / "caches" / f"host{i:02d}" for i in range(hosts)]
     shutil.rmtree(WORK / "caches", ignore_errors=True)
-    done = storm(proxy, url, env, caches, timeout=timeout, code=Path(env["PYTHONPATH"]))
+    done = storm(proxy, url, env, caches, timeout=timeout, code=Path(env["PYTHONPATH"]), command=command)
     files = {
         rel.relative_to(WORK / "src").as_posix(): rel.read_bytes() for rel in (WORK / "src").rglob("*") if rel.is_file()
     }
-    verified = sum(p.code == 0 and holds(c, files) for p, c in zip(done.pulls, caches, strict=True))
+    verified = sum(
+        p.code == 0 and (command is not None or holds(c, files)) for p, c in zip(done.pulls, caches, strict=True)
+    )
     failures = [p.report.get("error", "")[:160] for p in done.pulls if p.code]
     if failures:
         print(f"#   {len(failures)} failed, e.g.: {failures[0]}", flush=True)
@@ -104,14 +141,19 @@ def run(proxy: TcpProxy, url: str, env: dict[str, str], hosts: int, timeout: flo
     return done, verified
 
 
-def row(hosts: int, limit: float | None, storm_s: float | None, ran: tuple[Storm, int]) -> None:
+def row(
+    hosts: int, limit: float | None, storm_s: float | None, ran: tuple[Storm, int], client: str = "neffbuild"
+) -> None:
     done, verified = ran
     storm_text = f"{storm_s:.0f}" if storm_s else "-"
     ratio = f"{done.ratio:.2f}" if limit else "-"
     p90 = done.quantile(0.9)
     against = f"{p90 / storm_s:.2f}" if storm_s else "-"
-    print(f"| {hosts} | {limit if limit else 'none'} | {storm_text} | {done.completed}/{hosts} | {verified}/{hosts} | {ratio} | "
-          f"{done.median:.1f} | {p90:.1f} | {max(p.seconds for p in done.pulls):.1f} | {against} |", flush=True)  # fmt: skip
+    last = max(p.seconds for p in done.pulls)
+    used = f"{done.forwarded / (limit * last):.2f}" if limit else "-"
+    spent = " | ".join(f"{statistics.median(p.report.get(k, 0.0) for p in done.pulls):.1f}" for k in SPENT)
+    print(f"| {client} | {hosts} | {limit if limit else 'none'} | {storm_text} | {done.completed}/{hosts} | {verified}/{hosts} | {ratio} | "
+          f"{done.median:.1f} | {p90:.1f} | {last:.1f} | {against} | {used} | {spent} |", flush=True)  # fmt: skip
 
 
 def uptime() -> str:

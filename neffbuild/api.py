@@ -73,7 +73,8 @@ def ensure_cache(
     state says.
     policy: how requests are retried and paced (neffbuild.retry.Policy; None: the default). The
     report counts what the store put the pull through: retries, throttled (503 SlowDown or 429
-    answers), waited_s (backoff and pacing) and paced_to (the rate it ended at, if throttled).
+    answers), waited_s (backoff and pacing: paced_s + backoff_s), in_flight_s and paced_to (the
+    rate it ended at, if throttled).
     trusted_keys: public key files (else env's NEFFBUILD_TRUSTED_KEYS): serve only what CI signed,
     fresh and never older (TrustError before anything is written; docs/security.md); release: a
     signed release id to pull instead of REF's tag (pull --release).

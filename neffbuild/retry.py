@@ -65,16 +65,19 @@ _T = TypeVar("_T")
 class Policy:
     """How requests are retried and paced. Defaults: 6 tries of a failing request (1.5 s of backoff
     on average, 3.1 s at most, about what AWS's SDKs wait by default, so a store down at boot fails
-    in seconds); throttled requests until the deadline, or 16 tries (about 40 s) without one."""
+    in seconds); throttled requests until the deadline, or 16 tries without one."""
 
     attempts: int = 6  # tries of a failing request
     throttled_attempts: int = 16  # tries of a throttled request when no deadline bounds it
     base_s: float = 0.1  # the first backoff is drawn from [0, base_s]
     cap_s: float = 8.0  # no single backoff is longer
-    # The Pacer (AWS's adaptive mode's constants, but for min_rate and beta: see Pacer):
-    min_rate: float = 0.1  # requests/s a throttled pull never goes below
+    # The Pacer (see there for why each):
+    min_rate: float = 0.02  # requests/s a throttled pull never goes below
     beta: float = 0.5  # a throttled answer cuts the rate to beta x what was sent
-    cubic_c: float = 0.4  # requests/s^3: how fast the rate grows back after a cut
+    growth: float = 0.05  # the n-th success in a row since the last cut grows the rate by 1 + growth x n
+    jitter: float = 0.5  # each gap between requests is 1 / rate x a uniform draw in [1 - jitter, 1 + jitter]
+    probe: float = 0.02  # per second: between answers the rate grows by exp(probe x seconds)
+    headroom: float = 4.0  # the rate never grows past headroom x the rate measured being sent
     window_s: float = 0.5  # the sent rate is measured over windows this long
 
     def scaled(self, factor: float) -> Policy:
@@ -84,7 +87,7 @@ class Policy:
             raise ValueError(f"a retry scale must be a positive number, not {factor!r}")
         return replace(
             self, base_s=self.base_s * factor, cap_s=self.cap_s * factor, min_rate=self.min_rate / factor,
-            cubic_c=self.cubic_c / factor**4, window_s=self.window_s * factor,
+            window_s=self.window_s * factor, probe=self.probe / factor,
         )  # fmt: skip
 
 
@@ -194,43 +197,56 @@ class Pacer:
 
     The model is the AWS SDKs' "adaptive" retry mode (botocore/retries/adaptive.py): no limit
     until the store first throttles; then each throttled answer cuts the rate to beta x the rate
-    measured being sent, and each success lets it grow back along a CUBIC curve (slowly near the
-    rate that was throttled, faster away from it), never past twice the measured rate. Every
-    host of a fleet does the same, so together they settle near the store's rate instead of
-    spending most requests on 503s. Where this one differs, and why:
+    measured being sent, and successes let it grow back, never past twice the measured rate.
+    Every host of a fleet does the same, so together they keep the store near its rate. Where this
+    one differs, and why (bench/RESULTS.md, "Boot storms", has the runs):
     - it paces one operation (a pull, all its threads and both its read and write paths), not one
       botocore client;
-    - its floor is 0.1 requests/s, not 0.5: 64 hosts at 0.5 would still ask 32 requests/s of a
-      store that serves 12; and a cut halves the rate (beta 0.5, not 0.7): each host is one of
-      many, so it sheds more (a simulation of 64 hosts put 503s per forwarded request at 0.4
-      with 0.5 and 0.6 with 0.7, in the same time);
+    - a throttled request is not also backed off (pause): the cut rate spaces its retry. Backoff
+      sleeps on top of the pacer's own wait left the store idle while whole fleets slept (45 % of
+      a throttled store's capacity used, issue 39);
+    - it grows two ways instead of along a CUBIC curve: per success (the n-th success in a row
+      since the last cut multiplies the rate by 1 + growth x n: quick once 503s stop, so the last
+      hosts of a storm take up the rate the others left) and in time (x exp(probe x seconds): a
+      host cut far below the others climbs back while it waits, where growth per success alone
+      left it crawling at a request every 30 s to the end of the storm, the tail of a fleet);
+      neither past headroom x the rate measured being sent (AWS: 2; 4 lets a host that was cut
+      low catch up in fewer requests);
+    - its floor is 0.02 requests/s, well below the share of any fleet the store can serve in a
+      deadline: a floor at the fair share (64 hosts at 0.1 against 6.5 requests/s) kept every host
+      at it, answered 503 half the time;
+    - gaps between requests are jittered (x [0.5, 1.5]), so hosts cut by the same burst of 503s do
+      not come back in step;
     - a throttled answer to a request sent before the last cut does not cut again (TCP's one
       reduction per round trip): sixteen requests in flight answered 503 together are one signal,
       not sixteen, and would otherwise drop the rate to the floor at once;
-    - there is no burst: a request goes once 1 / rate has passed since the previous one; a waiting
-      request looks again every window_s (the rate may have grown or been cut since) and wakes for
-      the operation's stop and its deadline;
-    - requests go in the order they asked (a ticket queue), and a retry asks again after its
-      backoff, behind those already waiting: without it, whichever waiter looked first went, and
-      requests retried over and over could starve one that had never been sent (a 404 among
-      throttled blobs then waited for the deadline instead of failing the pull at once);
+    - there is no burst: a request goes once its gap has passed since the previous one (at the
+      rate as it is now: a rate that grew shortens the wait already begun); a waiting request
+      looks again every window_s and wakes for the operation's stop and its deadline;
+    - requests go in the order they asked (a ticket queue), and a retry asks again behind those
+      already waiting: without it, requests retried over and over could starve one that had never
+      been sent (a 404 among throttled blobs then waited for the deadline instead of failing);
     - before a window of sending has been measured, the rate is estimated from the requests sent
       since the start (over at least a tenth of a window): AWS takes 0 then, and falls to its
-      floor at the first 503, so a host throttled on its first requests crawled for tens of
-      seconds after the store had stopped throttling;
+      floor at the first 503;
     - its timings scale with the policy (Policy.scaled), for tests.
-    `clock` is injectable so the curve can be checked without sleeping.
+    `clock` and `rng` are injectable so the rates can be checked without sleeping.
     """
 
-    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, policy: Policy, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None
+    ) -> None:
         self.policy = policy
         self._clock = clock
+        self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self.enabled = False
         self.rate = math.inf  # requests/s while enabled
-        self._w_max = 0.0  # the rate at the last cut
+        self._streak = 0  # successes since the last cut
+        self._grown_at = clock()
         self._cut_at = -math.inf
-        self._next = -math.inf  # when the next request may go
+        self._last = -math.inf  # when the last request went (or the last cut)
+        self._draw = 1.0  # the jitter of the gap after it
         self._start = clock()
         self._measured: float | None = None  # requests/s sent, smoothed over windows (None: no window yet)
         self._window = math.floor(self._start / policy.window_s) * policy.window_s
@@ -250,16 +266,25 @@ class Pacer:
         with self._lock, suppress(ValueError):
             self._waiting.remove(ticket)
 
+    def _probed(self, now: float) -> None:
+        """Grow the rate for the time since it last changed (the lock held)."""
+        if self.enabled and self.policy.probe and now > self._grown_at:
+            ceiling = max(self.rate, self.policy.headroom * self.measured())
+            self.rate = min(ceiling, self.rate * math.exp(self.policy.probe * (now - self._grown_at)))
+        self._grown_at = now
+
     def take(self, ticket: int) -> float:
         """0 if the request holding ticket may go now (it is counted as sent and leaves the
         queue), else about the seconds to wait first (its turn, at the current rate)."""
         with self._lock:
             now = self._clock()
+            self._probed(now)
             if self.enabled:
                 ahead = self._waiting.index(ticket)
-                if ahead or now < self._next:
-                    return max(self._next - now, 0.0) + ahead / self.rate
-                self._next = now + 1.0 / self.rate
+                due = self._last + self._draw / self.rate
+                if ahead or now < due:
+                    return max(due - now, 0.0) + ahead / self.rate
+                self._went(now)
             self._waiting.remove(ticket)
             window = math.floor(now / self.policy.window_s) * self.policy.window_s
             self._in_window += 1
@@ -268,6 +293,11 @@ class Pacer:
                 self._measured = current if self._measured is None else 0.8 * current + 0.2 * self._measured
                 self._window, self._in_window = window, 0
             return 0.0
+
+    def _went(self, now: float) -> None:
+        """A request went (or the rate was cut) at now: the next gap starts here, with its jitter."""
+        self._last = now
+        self._draw = 1.0 + self.policy.jitter * (2.0 * self._rng.random() - 1.0)
 
     def measured(self) -> float:
         """The rate requests were sent at lately (the lock held)."""
@@ -281,55 +311,109 @@ class Pacer:
             if sent_at < self._cut_at:
                 return  # sent at the old rate: already answered by that cut
             now = self._clock()
-            measured = self.measured()
-            self._w_max = max(min(measured, self.rate), self.policy.min_rate)
-            self.rate = max(self.policy.min_rate, self._w_max * self.policy.beta)
+            self._probed(now)
+            self.rate = max(self.policy.min_rate, min(self.measured(), self.rate) * self.policy.beta)
+            self._streak = 0
             self._cut_at = now
             self.enabled = True
-            self._next = now + 1.0 / self.rate
+            self._went(now)
         log.debug("throttled: sending at most %.3g requests/s", self.rate)
 
     def succeeded(self) -> None:
         with self._lock:
             if not self.enabled:
                 return
-            p = self.policy
-            k = (self._w_max * (1 - p.beta) / p.cubic_c) ** (1 / 3)
-            cubic = p.cubic_c * (self._clock() - self._cut_at - k) ** 3 + self._w_max
-            self.rate = max(p.min_rate, min(cubic, 2 * self.measured()))
+            self._probed(self._clock())
+            self._streak += 1
+            grown = self.rate * (1.0 + self.policy.growth * self._streak)
+            self.rate = max(self.policy.min_rate, min(grown, self.policy.headroom * self.measured()))
 
     def now(self) -> float:
         return self._clock()
 
 
+class Forecast:
+    """Whether an operation under a deadline will end in time at the rate its requests are being
+    answered. Told how many requests are to come (expect: a pull's downloads, once planned), it
+    times their successes; the first time the requests left, at the rate of the last few, would
+    end past the deadline, it says so in one log line with the estimate: a host that will not come
+    up in time is known minutes before its deadline, not at it."""
+
+    SEEN = 8  # the rate is taken over this many successes at most
+    LEAST = 4  # and spoken of from this many
+
+    def __init__(self, what: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._expected = 0
+        self._done = 0
+        self._times: deque[float] = deque(maxlen=self.SEEN)
+        self.told: str | None = None  # the line logged, once
+
+    def expect(self, requests: int) -> None:
+        with self._lock:
+            self._expected += requests
+
+    def answered(self, deadline: Deadline | None, *, ok: bool) -> None:
+        """A request was answered (ok: it succeeded; else throttled): log if the rest will be late."""
+        now = self._clock()
+        with self._lock:
+            if not self._expected or self.told is not None or deadline is None:
+                return
+            if ok:
+                self._done += 1
+                self._times.append(now)
+            if len(self._times) < self.LEAST or now <= self._times[0]:
+                return
+            rate = (len(self._times) - 1) / (now - self._times[0])
+            left = max(self._expected - self._done, 0)
+            need, remaining = left / rate, deadline.left()
+            if need <= remaining:
+                return
+            self.told = (
+                f"{self.what}: at the {rate:.2g} requests/s the store has been answering lately, the {left} requests "
+                f"left need about {need:.0f} s, past the deadline in {remaining:.0f} s: this pull will likely run "
+                "out of time (the files it fetched stay in the cache dir for the next try)"
+            )
+        log.warning("%s", self.told)
+
+
 @dataclass(frozen=True, slots=True)
 class Counts:
     """What an operation's requests went through: tries after the first (retries), answers that
-    throttled them, and seconds they spent waiting (backoff and pacing, summed over requests in
-    parallel, so it may exceed the operation's own time)."""
+    throttled them, and seconds summed over its requests (in parallel, so a sum may exceed the
+    operation's own time): waiting their turn in the pacer (paced_s), sleeping in backoff after a
+    failure (backoff_s), and inside a try, from sending to its answer handled (in_flight_s)."""
 
     retries: int = 0
     throttled: int = 0
-    waited_s: float = 0.0
+    waited_s: float = 0.0  # paced_s + backoff_s
     paced_to: float | None = None  # requests/s the pacer allowed at the end; None: never throttled
+    paced_s: float = 0.0
+    backoff_s: float = 0.0
+    in_flight_s: float = 0.0
 
     def summary(self) -> str:
         rate = f", paced down to {self.paced_to:.2g} requests/s" if self.paced_to is not None else ""
         return (
-            f"{self.throttled} answers 503 SlowDown or 429, {self.retries} retries, {self.waited_s:.1f} s waiting{rate}"
+            f"{self.throttled} answers 503 SlowDown or 429, {self.retries} retries, {self.waited_s:.1f} s waiting "
+            f"({self.paced_s:.1f} s paced, {self.backoff_s:.1f} s in backoff){rate}"
         )
 
 
 class Operation:
-    """What the threads of one operation (a pull) share: policy, pacer, counts and a stop switch."""
+    """What the threads of one operation (a pull) share: policy, pacer, counts, a stop switch and
+    a forecast against its deadline (Forecast)."""
 
     def __init__(self, policy: Policy = DEFAULT, what: str = "the operation") -> None:
         self.policy = policy
         self.what = what
         self.pacer = Pacer(policy)
+        self.forecast = Forecast(what)
         self.retries = 0
         self.throttled = 0
-        self.waited_s = 0.0
+        self._seconds = {"paced": 0.0, "backoff": 0.0, "flight": 0.0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._cuts = _Cuts()
@@ -337,13 +421,19 @@ class Operation:
     def counts(self) -> Counts:
         with self._lock:
             paced = self.pacer.rate if self.pacer.enabled else None
-            return Counts(self.retries, self.throttled, round(self.waited_s, 3), paced)
+            s = {k: round(v, 3) for k, v in self._seconds.items()}
+            waited = round(self._seconds["paced"] + self._seconds["backoff"], 3)
+            return Counts(self.retries, self.throttled, waited, paced, s["paced"], s["backoff"], s["flight"])
 
-    def count(self, *, retry: bool = False, throttled: bool = False, waited: float = 0.0) -> None:
+    def count(self, *, retry: bool = False, throttled: bool = False) -> None:
         with self._lock:
             self.retries += retry
             self.throttled += throttled
-            self.waited_s += waited
+
+    def spent(self, kind: str, seconds: float) -> None:
+        """seconds of one request's time, kind: "paced", "backoff" or "flight"."""
+        with self._lock:
+            self._seconds[kind] += seconds
 
     def stop(self) -> None:
         """One request failed for good: wake the others from their waits and cut their reads."""
@@ -500,6 +590,7 @@ def pause(where: str, tries: Tries, failure: Transient) -> None:
         tries.throttled += 1
         if op is not None:
             op.pacer.throttled(tries.sent_at)
+            op.forecast.answered(deadline, ok=False)
     else:
         tries.failed += 1
     if op is not None:
@@ -512,21 +603,23 @@ def pause(where: str, tries: Tries, failure: Transient) -> None:
         doing = f", {deadline.what}: {deadline.now()}" if deadline is not None else ""
         raise StoreError(f"{where}: {failure} ({attempts} tries{doing})", hint=failure.hint)
     delay = backoff(tries.failed + tries.throttled - 1, base=policy.base_s, cap=policy.cap_s)
+    if failure.throttled and op is not None:
+        delay = 0.0  # the pacer, cut by this answer, spaces the retry: a backoff on top would idle the store
     if deadline is not None:
         delay = min(delay, deadline.left())
-    _wait(op, delay)
+    _wait(op, delay, "backoff")
     check(where)
     if op is not None:
         op.count(retry=True)
 
 
-def _wait(op: Operation | None, seconds: float) -> None:
+def _wait(op: Operation | None, seconds: float, kind: str) -> None:
     if op is None:
         time.sleep(seconds)
         return
     started = time.monotonic()
     op.wait(seconds)
-    op.count(waited=time.monotonic() - started)
+    op.spent(kind, time.monotonic() - started)
 
 
 def paced(where: str, tries: Tries) -> None:
@@ -541,7 +634,7 @@ def paced(where: str, tries: Tries) -> None:
             # deadline: the rate may grow and those ahead go or leave sooner, and a request asleep
             # until the deadline would hold up every one queued behind it.
             deadline = _CURRENT.get()
-            _wait(op, min(delay, op.policy.window_s, deadline.left() if deadline is not None else math.inf))
+            _wait(op, min(delay, op.policy.window_s, deadline.left() if deadline is not None else math.inf), "paced")
             check(where)
     finally:
         op.pacer.leave(ticket)
@@ -552,19 +645,33 @@ def succeeded() -> None:
     op = _OPERATION.get()
     if op is not None:
         op.pacer.succeeded()
+        op.forecast.answered(_CURRENT.get(), ok=True)
+
+
+def expect(requests: int) -> None:
+    """The current operation is about to send about this many more requests (for its Forecast)."""
+    op = _OPERATION.get()
+    if op is not None:
+        op.forecast.expect(requests)
 
 
 def retried(where: str, attempt: Callable[[], _T]) -> _T:
     """attempt() until it returns, retrying Transient failures under the policy."""
     check(where)
     tries = Tries()
+    op = _OPERATION.get()
     while True:
         paced(where, tries)
+        sent = time.monotonic()
         try:
             result = attempt()
         except Transient as failure:
+            if op is not None:
+                op.spent("flight", time.monotonic() - sent)
             pause(where, tries, failure)
             continue
+        if op is not None:
+            op.spent("flight", time.monotonic() - sent)
         succeeded()
         return result
 

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,12 +74,12 @@ class Storm:
 
 def storm(
     proxy: TcpProxy, store_url: str, env: Mapping[str, str], caches: list[Path], *, timeout: float, extra: tuple[str, ...] = (),
-    code: Path | None = None,
+    code: Path | None = None, command: Sequence[str] | None = None,
 ) -> Storm:  # fmt: skip
     """One `neffbuild pull prod --json` per cache dir, all started together through proxy; code:
     the checkout whose neffbuild they run (its root is their working dir: `python -m` puts that
-    first on sys.path), default this one."""
-    command = [
+    first on sys.path), default this one; command: another one to run instead (given --cache-dir)."""
+    command = command or [
         sys.executable,
         "-m",
         "neffbuild",

@@ -29,7 +29,7 @@ DONE = {
     "trust": r"^verify full \(large\) 1 files: pull [0-9.]+ s",
     "killpull": r"^\(a\) kill: .* all passed$",
     "pull": r"^\| neffbuild \| [0-9.]+ \|",
-    "storm": r"^\| 2 \| [0-9.]+ \| [0-9.]+ \| 2/2 \| 2/2 \|",
+    "storm": r"^\| neffbuild \| 2 \| [0-9.]+ \| [0-9.]+ \| 2/2 \| 2/2 \|",
     "guard": r"^\| fail \| [0-9.]+ ms \| [0-9.]+x \|$",
     "recipes": r"^\| default \| 1 \|",
     "build": r"^\| jobs1 \|",

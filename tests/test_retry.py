@@ -4,13 +4,16 @@ server with faults made for real by a proxy (tests/tcpproxy.py) or by killing th
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
 from neffbuild.store.s3.dataplane import PART, http_error
+from tests.fleetsim import Fleet, simulate
 from tests.s3server import S3Server, client_for
 from tests.storekit import publish_release_of, write_files
 from tests.tcpproxy import TcpProxy
@@ -31,6 +35,7 @@ from tests.tcpproxy import TcpProxy
 
 
 FAST = retry.DEFAULT.scaled(0.0001)  # the policy's shape, at test speed
+EVEN = replace(retry.DEFAULT, jitter=0.0, probe=0.0)  # gaps of exactly 1 / rate, no growth in time
 
 
 def test_backoff_is_full_jitter_within_its_exponential_bound() -> None:
@@ -46,7 +51,12 @@ def test_backoff_is_full_jitter_within_its_exponential_bound() -> None:
 def test_a_scaled_policy_keeps_its_shape() -> None:
     scaled = retry.DEFAULT.scaled(0.1)
     assert (scaled.base_s, scaled.cap_s, scaled.window_s) == pytest.approx((0.01, 0.8, 0.05))
-    assert scaled.min_rate == pytest.approx(1.0) and (scaled.attempts, scaled.throttled_attempts) == (6, 16)
+    assert scaled.min_rate == pytest.approx(10 * retry.DEFAULT.min_rate) and scaled.probe == pytest.approx(
+        10 * retry.DEFAULT.probe
+    )
+    assert (scaled.attempts, scaled.throttled_attempts, scaled.beta, scaled.growth) == (
+        6, 16, retry.DEFAULT.beta, retry.DEFAULT.growth,
+    )  # fmt: skip
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             retry.DEFAULT.scaled(bad)
@@ -120,7 +130,7 @@ def test_without_a_deadline_a_throttling_store_gets_more_tries_than_one_that_fai
 
 def test_under_a_deadline_throttling_is_backed_off_until_the_deadline_and_named_there() -> None:
     counts = {True: 0, False: 0}
-    with retry.operation(retry.DEFAULT.scaled(0.001)) as op:
+    with retry.operation(FAST) as op:
         with retry.bounded(1.0, "pulling prod"), pytest.raises(DeadlineExceeded) as err:
             retry.retried("s3://b/k", lambda: _failing(counts, True))
         with (
@@ -193,7 +203,7 @@ def _send(pacer: retry.Pacer, clock: Clock, *, throttled: bool) -> None:
 
 def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
     clock = Clock()
-    pacer = retry.Pacer(retry.DEFAULT, clock)
+    pacer = retry.Pacer(EVEN, clock)
     for _ in range(200):  # unthrottled: no limit at all
         assert _take(pacer) == 0
         clock.now += 0.01
@@ -216,7 +226,7 @@ def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
 
 def test_a_pacer_never_goes_below_its_floor_and_cuts_once_per_round() -> None:
     clock = Clock()
-    pacer = retry.Pacer(retry.DEFAULT, clock)
+    pacer = retry.Pacer(EVEN, clock)
     for _ in range(100):  # sending about 100 requests/s
         _take(pacer)
         clock.now += 0.01
@@ -237,7 +247,7 @@ def test_a_throttled_pacer_lets_requests_go_in_the_order_they_asked() -> None:
     """A retry asking again after its backoff goes behind a request that has waited since before
     it: however often retries look first, the first request goes first (no starvation)."""
     clock = Clock()
-    pacer = retry.Pacer(retry.DEFAULT, clock)
+    pacer = retry.Pacer(EVEN, clock)
     for _ in range(10):
         _take(pacer)
         clock.now += 0.1
@@ -255,6 +265,132 @@ def test_a_throttled_pacer_lets_requests_go_in_the_order_they_asked() -> None:
     pacer.leave(second)  # second gave up (its operation stopped): retried moves up
     assert pacer.take(retried) == 0
     assert pacer.take(pacer.join()) == pytest.approx(gap)
+
+
+def test_a_throttled_request_is_spaced_by_the_pacer_not_backed_off_on_top() -> None:
+    """Throttled: the retry waits its turn in the pacer (cut by the 503), with no backoff sleep on
+    top (a sleeping request leaves the store idle); failing (500): it backs off as before."""
+    answers = iter([True] * 5 + [False] * 3)
+
+    def attempt() -> str:
+        throttled = next(answers, None)
+        if throttled is None:
+            return "done"
+        raise retry.Transient("HTTP 503 SlowDown" if throttled else "HTTP 500", throttled=throttled)
+
+    policy = replace(retry.DEFAULT.scaled(0.01), base_s=0.02, cap_s=0.02)
+    with retry.operation(policy) as op, retry.bounded(60, "pulling prod"):
+        assert retry.retried("s3://b/k", attempt) == "done"
+        counts = op.counts()
+    assert (counts.throttled, counts.retries) == (5, 8)
+    assert counts.paced_s > 0 and counts.backoff_s > 0 and counts.in_flight_s >= 0
+    assert counts.waited_s == pytest.approx(counts.paced_s + counts.backoff_s, abs=0.002)
+    # Only the three failures slept in backoff: each sleep at most cap_s.
+    assert counts.backoff_s <= 3 * policy.cap_s + 0.05
+
+
+def test_a_pacer_grows_faster_with_each_success_in_a_row() -> None:
+    """Once 503s stop, each success grows the rate by more than the one before (quick probing
+    back), up to headroom x what was measured being sent; a 503 starts the run over."""
+    clock = Clock()
+    pacer = retry.Pacer(EVEN, clock)
+    for _ in range(20):
+        _send(pacer, clock, throttled=False)
+        clock.now += 0.1
+    for _ in range(6):
+        _send(pacer, clock, throttled=True)
+    rates = [pacer.rate]
+    for _ in range(6):
+        _send(pacer, clock, throttled=False)
+        rates.append(pacer.rate)
+    steps = [b / a for a, b in zip(rates, rates[1:], strict=False)]
+    assert all(later > earlier > 1 for earlier, later in zip(steps, steps[1:], strict=False)), steps
+    assert rates[-1] > 2.5 * rates[0]
+    _send(pacer, clock, throttled=True)
+    cut = pacer.rate
+    _send(pacer, clock, throttled=False)
+    assert pacer.rate / cut == pytest.approx(1 + EVEN.growth)  # the run starts over
+
+
+def test_a_pacer_cut_far_down_climbs_back_while_it_waits() -> None:
+    """Between answers the rate grows in time (probe): a host cut to its floor does not crawl at
+    one request per 1 / floor seconds to the end of a storm; and never past headroom x measured."""
+    policy = replace(retry.DEFAULT, jitter=0.0)
+    clock = Clock()
+    pacer = retry.Pacer(policy, clock)
+    for _ in range(40):
+        _send(pacer, clock, throttled=False)
+        clock.now += 0.5  # about 2 requests/s
+    while pacer.rate > policy.min_rate:
+        _send(pacer, clock, throttled=True)
+    floor_gap = 1 / policy.min_rate
+    waits = []
+    for _ in range(5):
+        ticket = pacer.join()
+        waited = 0.0
+        while (delay := pacer.take(ticket)) > 0:
+            clock.now += min(delay, policy.window_s)
+            waited += min(delay, policy.window_s)
+        waits.append(waited)
+        pacer.succeeded()
+    assert waits[0] < floor_gap and all(b < a for a, b in zip(waits, waits[1:], strict=False)), waits
+    clock.now += 10_000  # a long silence, then an answer: the rate stops at headroom x what was measured
+    pacer.succeeded()
+    assert pacer.rate == pytest.approx(policy.headroom * pacer.measured())
+
+
+def test_a_pacers_gaps_are_jittered() -> None:
+    """Hosts cut by the same burst of 503s do not come back in step: gaps vary around 1 / rate."""
+    clock = Clock()
+    pacer = retry.Pacer(replace(retry.DEFAULT, probe=0.0), clock, random.Random(39))
+    for _ in range(10):
+        _send(pacer, clock, throttled=False)
+    pacer.throttled(clock.now)
+    rate, gaps = pacer.rate, []
+    for _ in range(40):
+        started = clock.now
+        _send(pacer, clock, throttled=False)
+        gaps.append((clock.now - started) * rate)
+        pacer.rate = rate  # keep the rate, to look at the gaps alone
+    assert 0.5 - 0.01 <= min(gaps) < 0.7 and 1.3 < max(gaps) <= 1.5 + 0.01, (min(gaps), max(gaps))
+
+
+@pytest.mark.parametrize(("hosts", "limit"), [(64, 6.5), (64, 13.0), (256, 25.6)])
+def test_a_fleet_of_pacers_keeps_a_throttling_store_busy(hosts: int, limit: float) -> None:
+    """The pacers of a fleet together use most of what a throttling store serves while it
+    throttles, spending at most one 503 per request it serves, at fair shares of 0.1 and 0.2
+    requests/s per host (a virtual clock: tests/fleetsim.py; bench/storm.py measures real pulls).
+    With the floor at the fair share and a backoff on top (the old policy) this was 45 %."""
+    fleet = Fleet(hosts, limit)
+    outcome = simulate(fleet, retry.DEFAULT)
+    assert len(outcome.ends) == hosts and outcome.forwarded == hosts * fleet.requests
+    assert outcome.utilisation(limit) >= 0.8 and outcome.ratio <= 1.0, (outcome.utilisation(limit), outcome.ratio)
+
+
+@pytest.mark.parametrize(("expected", "late"), [(200, True), (50, False)])
+def test_a_pull_that_will_not_make_its_deadline_says_so_once_with_the_estimate(
+    expected: int, late: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At one request a second, 192 requests left need about 192 s: past a deadline 100 s away,
+    said once, early (after a handful of answers), naming the estimate; 42 left fit, nothing said."""
+    clock = Clock()
+    forecast = retry.Forecast("pulling prod", clock)
+    deadline = retry.Deadline(100, "pulling prod")
+    forecast.answered(deadline, ok=True)  # before the downloads are planned: not counted
+    forecast.expect(expected)
+    with caplog.at_level(logging.WARNING, logger="neffbuild.retry"):
+        for _ in range(8):
+            clock.now += 1.0
+            forecast.answered(deadline, ok=True)
+        for _ in range(4):
+            clock.now += 1.0
+            forecast.answered(deadline, ok=False)
+    said = [r.getMessage() for r in caplog.records if "out of time" in r.getMessage()]
+    if not late:
+        assert said == [] and forecast.told is None
+        return
+    assert said == [forecast.told] and "the 196 requests left need about 19" in said[0], said
+    assert "deadline in 100 s" in said[0] and "stay in the cache dir for the next try" in said[0]
 
 
 def test_a_request_whose_turn_looks_past_the_deadline_still_goes_when_it_comes_sooner() -> None:
@@ -441,6 +577,44 @@ def test_throttling_that_outlasts_the_tries_of_a_failure_is_still_backed_off(
     assert len(proxy.slowed) == slowdowns and report.files_fetched == len(files)
     assert report.throttled == slowdowns and report.retries == slowdowns and report.waited_s > 0
     _assert_cache_holds(tmp_path / "cache", files)
+
+
+@pytest.mark.s3
+def test_a_pull_that_will_not_make_its_deadline_says_so_before_it_and_keeps_what_it_fetched(
+    s3_url, s3_env, s3_server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the pull reaches the release's packs, the store serves 0.5 request/s: about 16 ranged
+    GETs, over 30 s of them, with a 20 s deadline. The pull says, once and before its deadline,
+    that it will not make it; it fails at the deadline; what it fetched stays, and the next pull
+    fetches only the rest."""
+    sizes = {f"f{i:03d}.bin": 300_000 + i for i in range(120)}  # packed: about 16 ranges
+    _, files = _published(s3_url, s3_env, tmp_path / "src", sizes)
+    cache = tmp_path / "cache"
+    failed: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            ensure_cache("prod", store=s3_url, cache_dir=cache, env=env, host_check=False, timeout=20)
+        except DeadlineExceeded as e:
+            failed.append(e)
+
+    with TcpProxy(_port(s3_server.endpoint), mode="limit", limit=None) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        with caplog.at_level(logging.WARNING, logger="neffbuild.retry"):
+            thread = threading.Thread(target=retry.carried(pull))
+            thread.start()
+            while thread.is_alive() and not any("/packs/" in path for _, path, _ in list(proxy.seen)):
+                time.sleep(0.01)
+            proxy.limit = 0.5
+            thread.join(timeout=60)
+    said = [r for r in caplog.records if "will likely run out of time" in r.getMessage()]
+    assert len(failed) == 1 and len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert "requests left need about" in said[0].getMessage() and "past the deadline in " in said[0].getMessage()
+    landed = [rel for rel in sizes if (cache / rel).exists()]
+    assert landed and len(landed) < len(sizes)
+    report = ensure_cache("prod", store=s3_url, cache_dir=cache, env=s3_env, host_check=False, timeout=60)
+    assert report.files_fetched == len(sizes) - len(landed)  # only what was missing
+    _assert_cache_holds(cache, files)
 
 
 @pytest.mark.s3

@@ -117,11 +117,15 @@ class PullReport:
     )
     # What the store put this pull through (retry.Counts): tries after a request's first, answers
     # that throttled it (503 SlowDown, 429), seconds its requests waited (backoff and pacing,
-    # summed over parallel requests), and the rate it was paced down to (None: never throttled).
+    # summed over parallel requests), the rate it was paced down to (None: never throttled), and
+    # the waiting split: in the pacer, in backoff, and the seconds its requests were in flight.
     retries: int = 0
     throttled: int = 0
     waited_s: float = 0.0
     paced_to: float | None = None
+    paced_s: float = 0.0
+    backoff_s: float = 0.0
+    in_flight_s: float = 0.0
     signed_by: str | None = None  # with trusted keys: the key whose release signature verified
     tag_signed_by: str | None = None  # ... and the tag statement's (None: pinned by id)
     tag_version: int | None = None
@@ -129,8 +133,9 @@ class PullReport:
 
     def with_counts(self, counts: retry.Counts) -> PullReport:
         return replace(
-            self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to
-        )
+            self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to,
+            paced_s=counts.paced_s, backoff_s=counts.backoff_s, in_flight_s=counts.in_flight_s,
+        )  # fmt: skip
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:

@@ -30,7 +30,10 @@ def pull(console: Console, report: PullReport) -> None:
     if report.throttled:  # on stderr, --json or not: a journal should show that boot was slowed by the store
         from neffbuild.retry import Counts
 
-        counts = Counts(report.retries, report.throttled, report.waited_s, report.paced_to)
+        counts = Counts(
+            report.retries, report.throttled, report.waited_s, report.paced_to, report.paced_s, report.backoff_s,
+            report.in_flight_s,
+        )  # fmt: skip
         print(f"note: the store throttled this pull: {counts.summary()}", file=sys.stderr)
     _pulled(console, report)
 

@@ -128,6 +128,7 @@ class Transfers:
             # and written in order (measured faster than ranges: no reordering, no big buffers).
             tasks += [partial(self._stream_loose, t, chunks) for t in large]
             large = []
+        retry.expect(len(tasks) + sum(-(-t.size // dataplane.PART) for t in large))  # one GET each, a range each
         self._run_with_ranges(large, tasks, jobs)
         for first, twin in copies:  # one blob at several paths: fetched once, landed again locally
             with first.dest.open("rb") as landed:
