@@ -41,6 +41,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         group = next((name for name in SHARED_BUILDS if name in used), None)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(f"{group}:{item.path.name}"))
+    # Real compiles first (xdist hands out groups, then single tests, in this order): the minutes-long
+    # tests start early on both workers and the many short ones fill in at the end, instead of a
+    # long test picked up last keeping one worker busy while the other idles.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> object:
