@@ -22,6 +22,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports
 .venv/bin/python -m mypy  # the package's types ([tool.mypy] in pyproject.toml)
-# Two workers, one per core; tests sharing a real build stay on one worker (tests/conftest.py).
+# Two workers, one per core; a module's tests that share a real build stay on one worker
+# (tests/conftest.py). The ten slowest tests close the log: the suite's budget is 15 minutes.
 # Later arguments win: scripts/test.sh -n 0 runs in one process.
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup "${quick[@]}" "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup --durations=10 "${quick[@]}" "$@"

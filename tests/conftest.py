@@ -27,8 +27,10 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     )
 
 
-# scripts/test.sh runs the suite on 2 xdist workers with --dist loadgroup; tests that share one of
-# these builds (minutes of real compiling) go to one worker, so that each is built once.
+# scripts/test.sh runs the suite on 2 xdist workers with --dist loadgroup. A module whose tests use
+# one of these builds (minutes of real compiling) is one group, kept on one worker with its module
+# fixtures. `built` is made once per run for both workers (`once`), so its modules (the oracle,
+# the serve loop, e2e) spread over both; the others are each used by one module.
 SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built")
 
 
@@ -38,7 +40,33 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         used = getattr(item, "fixturenames", ())
         group = next((name for name in SHARED_BUILDS if name in used), None)
         if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(f"{group}:{item.path.name}"))
+    # Real compiles first (xdist hands out groups, then single tests, in this order): the minutes-long
+    # tests start early on both workers and the many short ones fill in at the end, instead of a
+    # long test picked up last keeping one worker busy while the other idles.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> object:
+    """`make(dir)` run once per test run, for every xdist worker: the first to ask runs it under a
+    file lock while the other waits, and both get its JSON result. A failed `make` leaves nothing
+    behind, so the next to ask runs it again (and fails naming the same cause)."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, above each worker's popen-gwN/
+    shared = root / "shared"
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{name}.json"
+    with (shared / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(shared / name, ignore_errors=True)
+            (shared / name).mkdir()
+            done.write_text(json.dumps(make(shared / name)))
+    return json.loads(done.read_text())
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -52,14 +80,20 @@ def cli() -> Callable[..., subprocess.CompletedProcess[str]]:
     return run_cli
 
 
+def _made_by(script: str, name: str) -> Callable[[Path], object]:
+    def make(root: Path) -> str:
+        out = root / name
+        subprocess.run([sys.executable, str(ROOT / "scripts" / script), str(out)], check=True, capture_output=True)
+        return str(out)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised tiny FLUX.2-klein pipeline, written by the project's own script."""
-    out = tmp_path_factory.mktemp("models") / "tiny-flux2-klein"
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(out)], check=True, capture_output=True
-    )
-    return out
+    """A randomly initialised tiny FLUX.2-klein pipeline, written by the project's own script (once
+    per run: the builds both workers share point at it)."""
+    return Path(str(once(tmp_path_factory, "tiny-model", _made_by("make_tiny_pipeline.py", "tiny-flux2-klein"))))
 
 
 def write_manifest(
@@ -98,7 +132,10 @@ def write_model_index(root: Path, index: dict | None = None) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_manifest(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
-    return write_manifest(tmp_path_factory.mktemp("manifests") / "tiny.toml", tiny_model)
+    """The manifest `built` was built from (one file for both workers)."""
+    return Path(
+        str(once(tmp_path_factory, "tiny-manifest", lambda root: str(write_manifest(root / "tiny.toml", tiny_model))))
+    )
 
 
 @dataclass(frozen=True)
@@ -112,15 +149,22 @@ class BuiltStore:
 def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_manifest: Path) -> BuiltStore:
     """A local store with a real Inductor build of the tiny manifest (two shapes), built in two
     steps so the incremental path is exercised at no extra compile cost: one shape first, then
-    the full manifest, which must compile only the shape that is new."""
-    store = tmp_path_factory.mktemp("stores") / "local"
-    one_shape = write_manifest(tiny_manifest.with_name("one-shape.toml"), tiny_model, widths=(128,))
-    reports = []
-    for manifest in (one_shape, tiny_manifest):
-        result = run_cli("build", str(manifest), "--store", str(store), "--json")
-        assert result.returncode == 0, result.stderr
-        reports.append(json.loads(result.stdout))
-    return BuiltStore(store, *reports)
+    the full manifest, which must compile only the shape that is new. Built once per run for both
+    workers; tests read it (a test that builds into it again builds into a copy, or changes nothing)."""
+
+    def make(root: Path) -> dict:
+        store = root / "local"
+        one_shape = write_manifest(root / "one-shape.toml", tiny_model, widths=(128,))
+        reports = []
+        for manifest in (one_shape, tiny_manifest):
+            result = run_cli("build", str(manifest), "--store", str(store), "--json")
+            assert result.returncode == 0, result.stderr
+            reports.append(json.loads(result.stdout))
+        return {"path": str(store), "reports": reports}
+
+    made = once(tmp_path_factory, "built", make)
+    assert isinstance(made, dict)
+    return BuiltStore(Path(made["path"]), *made["reports"])
 
 
 @pytest.fixture(scope="session")
@@ -135,12 +179,9 @@ SDXL_MANIFEST = ROOT / "manifests" / "tiny-sdxl.toml"
 
 @pytest.fixture(scope="session")
 def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A randomly initialised tiny StableDiffusionXL pipeline, written by the project's script."""
-    out = tmp_path_factory.mktemp("models") / "tiny-sdxl"
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_tiny_sdxl.py"), str(out)], check=True, capture_output=True
-    )
-    return out
+    """A randomly initialised tiny StableDiffusionXL pipeline, written by the project's script
+    (once per run)."""
+    return Path(str(once(tmp_path_factory, "tiny-sdxl", _made_by("make_tiny_sdxl.py", "tiny-sdxl"))))
 
 
 def write_sdxl_manifest(path: Path, model_dir: Path, *, replace: tuple[tuple[str, str], ...] = ()) -> Path:
@@ -153,6 +194,9 @@ def write_sdxl_manifest(path: Path, model_dir: Path, *, replace: tuple[tuple[str
     return path
 
 
+SDXL_ONE_SHAPE = ("width = [64, 128]", "width = [64]")  # the shared build's shape (built_sdxl)
+
+
 @dataclass(frozen=True)
 class BuiltSdxl:
     store: Path
@@ -163,11 +207,14 @@ class BuiltSdxl:
 
 @pytest.fixture(scope="session")
 def built_sdxl(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl: Path) -> BuiltSdxl:
-    """One real Inductor build of the tiny SDXL manifest (unet + vae.decode, two shapes), shared."""
+    """One real Inductor build of the tiny SDXL manifest (unet + vae.decode), shared. One shape of
+    the repo manifest's two: what the tests check (what the graphs saw, a replay elsewhere with 0
+    compiles, keys) is per unit, and multi-shape builds are the FLUX tests'; the second unit was
+    minutes of compiling on 2 cores."""
     import time
 
     root = tmp_path_factory.mktemp("sdxl")
-    manifest = write_sdxl_manifest(root / "tiny-sdxl.toml", tiny_sdxl)
+    manifest = write_sdxl_manifest(root / "tiny-sdxl.toml", tiny_sdxl, replace=(SDXL_ONE_SHAPE,))
     started = time.monotonic()
     result = run_cli("build", str(manifest), "--store", str(root / "store"), "--json")
     assert result.returncode == 0, result.stderr

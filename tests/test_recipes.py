@@ -6,7 +6,7 @@ recipe misses against the same cache.
 
 The entries share one build: (a) max-autotune-no-cudagraphs with the diffusers guide's Inductor
 flags, (b) channels_last on vae.decode and fused QKV on the transformer, (c) dynamic shapes
-(duck_shape = false) over three sizes, served by one graph, (d) torch's default dynamic ("auto")
+(duck_shape = false) over two sizes, served by one graph, (d) torch's default dynamic ("auto")
 with the guide's mode and flags over two sizes, (e) torchao int8 dynamic quantization with a
 layer filter."""
 
@@ -23,10 +23,12 @@ import pytest
 
 from tests.conftest import ROOT
 
-# Five real builds (nine units: a dynamic entry's units each compile its graphs) in one fixture.
+# Five real builds (eight units: a dynamic entry's units each compile its graphs) in one fixture.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
-DYNAMIC_WIDTHS = [128, 256, 384]  # 64, 128, 192 image tokens (64 text tokens: distinct symbols)
+# 64 and 128 image tokens (64 text tokens: distinct symbols). Two sizes show one graph serving
+# another size; a third was one more unit compiled and asserted nothing new.
+DYNAMIC_WIDTHS = [128, 256]
 AUTO_WIDTHS = [128, 256]  # "auto": the first a static graph, the second the automatic-dynamic one
 GUIDE_FLAGS = (
     "{ conv_1x1_as_mm = true, coordinate_descent_tuning = true, epilogue_fusion = false, "
@@ -148,9 +150,9 @@ def test_each_recipe_entry_builds_and_replays_from_another_path_with_zero_compil
         # deltas its compile recorded). That a build which autotunes counts here: test_autotuning.py.
         assert unit["counters"].get("neffbuild.autotune.selections", 0) == 0, unit
     # (c): replayed in one process in the manifest's order, the first size loads the symbolic
-    # graph from the cache and the other sizes run it without tracing another.
+    # graph from the cache and the other size runs it without tracing another.
     graphs = {u["unit_id"]: u["counters"].get("stats.unique_graphs", 0) for u in report["units"]}
-    assert [graphs[u] for u in dynamic] == [1, 0, 0], graphs
+    assert [graphs[u] for u in dynamic] == [1, 0], graphs
 
 
 @pytest.mark.parametrize(
@@ -171,7 +173,7 @@ def test_a_fresh_server_that_calls_prepare_hits_every_graph(
     assert counters.get("inductor.fxgraph_cache_hit", 0) > 0 and counters.get("neffbuild.graphs.transformer", 0) > 0
     if entry == "layout":
         assert counters.get("neffbuild.graphs.vae.decode", 0) > 0
-    if entry == "dynamic":  # the three sizes share one symbolic graph, loaded once
+    if entry == "dynamic":  # the sizes share one symbolic graph, loaded once
         assert counters.get("stats.unique_graphs") == 1 and counters.get("aot_autograd.autograd_cache_hit") == 1, (
             counters
         )

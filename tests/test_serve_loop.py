@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,10 +124,13 @@ def test_suggest_covers_the_event_and_the_rebuilt_release_replays_both_shapes(
     assert plan.returncode == 0, plan.stderr
     labels = sorted(u["unit_id"] for u in json.loads(plan.stdout)["units"])
     assert labels == ["klein/128x128x1", "klein/128x256x1"]
-    build = cli("build", str(manifest), "--store", str(built.path), "--json")
+    # Into a copy: the shared store's tag history is other tests' (both workers read it).
+    store = tmp_path / "store"
+    shutil.copytree(built.path, store)
+    build = cli("build", str(manifest), "--store", str(store), "--json")
     assert build.returncode == 0, build.stderr
     cache = tmp_path / "cache"
-    _pull(cli, built.path, json.loads(build.stdout)["release_id"], cache)
+    _pull(cli, store, json.loads(build.stdout)["release_id"], cache)
     replay = cli("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--json")
     assert replay.returncode == 0, replay.stdout + replay.stderr
     report = json.loads(replay.stdout)
