@@ -212,14 +212,16 @@ class Backend(ABC):
         (plan refuses them) compiles every recipe alike."""
         return self.compiler()
 
-    def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
+    def apply_mode(self, pipe: Any, entry: ModelEntry, artifacts: Path | None = None) -> Any:
         """Move the pipeline to its device, apply the entry's recipe and compile the listed
-        components (backends/recipe.py): what build, replay and serve.prepare all run."""
+        components (backends/recipe.py): what build, replay and serve.prepare all run. With
+        `artifacts` (a serving cache dir), a component whose recipe ships a package loads it
+        from there instead of compiling (backends/artifacts.py)."""
         pipe = pipe.to(self.run_device(entry))
         if entry.mode != "eager":
             from neffbuild.backends.recipe import apply_recipe
 
-            apply_recipe(pipe, entry, self)
+            apply_recipe(pipe, entry, self, artifacts)
         return pipe
 
     def counters(self) -> dict[str, int]:
@@ -302,10 +304,10 @@ class GraphCounter:
         return self.compiler(gm, example_inputs, **kwargs)
 
 
-def compile_components(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
-    """Compile each listed component the way serving must: `name` compiles the module's forward
-    (`full`) or its repeated blocks (`regional`); `name.method` compiles that bound method. Each
-    with its recipe's compiler settings (backends/recipe.py)."""
+def compile_components(pipe: Any, entry: ModelEntry, backend: Backend, skip: frozenset[str] = frozenset()) -> None:
+    """Compile each listed component (but those in `skip`) the way serving must: `name` compiles
+    the module's forward (`full`) or its repeated blocks (`regional`); `name.method` compiles that
+    bound method. Each with its recipe's compiler settings (backends/recipe.py)."""
     import torch
 
     from neffbuild.backends.recipe import compile_options, scoped
@@ -314,6 +316,8 @@ def compile_components(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
         component = getattr(pipe, name, None)
         if component is None:
             raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
+        if spec in skip:
+            continue
         recipe = entry.recipe_for(spec)
         counter = GraphCounter(spec, backend.compiler_for(recipe), backend.compiler_name)
         options = {"backend": counter, **compile_options(recipe)}
@@ -361,6 +365,19 @@ class ComponentCall:
 # refused recompile) into the guard's own, or returns None to let it pass.
 RefusalHook = Callable[[ComponentCall, Exception], Exception | None]
 _refusal_hooks: list[RefusalHook] = []
+# Set by a build that packages components (backends/artifacts.py): sees each listed component's
+# call arguments as the pipeline passes them.
+CallHook = Callable[[str, tuple[Any, ...], Mapping[str, Any]], None]
+_call_hooks: list[CallHook] = []
+
+
+def add_call_hook(hook: CallHook) -> None:
+    _call_hooks.append(hook)
+
+
+def remove_call_hook(hook: CallHook) -> None:
+    if hook in _call_hooks:
+        _call_hooks.remove(hook)
 
 
 def add_refusal_hook(hook: RefusalHook) -> None:
@@ -398,6 +415,8 @@ def _recorded(spec: str, compiled: Any) -> Any:
 
 
 def _record(spec: str, args: Any, kwargs: Any) -> None:
+    for hook in tuple(_call_hooks):
+        hook(spec, args, kwargs)
     seen = _INPUTS.setdefault(spec, {})
     if len(seen) < _MAX_SIGNATURES:
         seen.setdefault(", ".join(signature_parts(args, kwargs)), None)

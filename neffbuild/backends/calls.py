@@ -4,8 +4,10 @@ call cost in compiles (the backend's counters before and after)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from neffbuild.backends.base import Backend
@@ -73,3 +75,19 @@ def measured_call(backend: Backend, runner: Any, entry: ModelEntry, shape: Shape
     compile_s = backend_after - backend_before
     trace_s = max(0.0, dynamo_after - dynamo_before - compile_s)
     return MeasuredCall(seconds, delta, backend.compiles_in(delta), images, trace_s, compile_s)
+
+
+def call_size(entry: ModelEntry) -> dict[str, int]:
+    """The pipeline call's resolved height, width and images per prompt, read from the frame of
+    the pipeline's __call__ this compile happens under (diffusers resolves defaults into locals)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
+        if owner is not None and type(owner).__name__ == entry.pipeline:
+            found = {k: frame.f_locals.get(k) for k in ("height", "width", "num_images_per_prompt")}
+            size = {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
+            if "num_images_per_prompt" in size:
+                size["batch"] = size.pop("num_images_per_prompt")
+            return size
+        frame = frame.f_back
+    return {}

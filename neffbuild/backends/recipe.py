@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,11 +29,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def apply_recipe(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
-    """Prepare each listed component's module as its recipe says, then compile the components."""
+def apply_recipe(pipe: Any, entry: ModelEntry, backend: Backend, artifacts: Path | None = None) -> None:
+    """Prepare each listed component's module as its recipe says, then compile the components.
+    With `artifacts` (a serving cache dir), a component whose recipe ships a package gets its
+    loader instead: the package was exported from the prepared module, so nothing else applies."""
+    from neffbuild.backends.artifacts import install_loaders
     from neffbuild.backends.base import compile_components
 
-    done: set[str] = set()
+    loaded = (
+        frozenset(c for c in entry.components if entry.recipe_for(c).artifact == "package")
+        if artifacts
+        else frozenset()
+    )
+    done: set[str] = set(c.partition(".")[0] for c in loaded)
     for spec, (name, _method) in zip(entry.components, entry.components_named(), strict=True):
         if name in done:
             continue
@@ -43,7 +52,9 @@ def apply_recipe(pipe: Any, entry: ModelEntry, backend: Backend) -> None:
         recipe = entry.recipe_for(spec)
         log.debug("%s: recipe %s", spec, describe(recipe))
         prepare_module(module, recipe)
-    compile_components(pipe, entry, backend)
+    if artifacts is not None and loaded:
+        install_loaders(pipe, entry, artifacts)
+    compile_components(pipe, entry, backend, skip=loaded)
 
 
 def prepare_module(module: Any, recipe: ResolvedRecipe) -> None:
