@@ -77,15 +77,16 @@ def manifest_for(kind: str, work: Path, model: Path, widths: list[int]) -> Path:
     return path
 
 
-def pulled(kind: str, work: Path, model: Path, widths: list[int]) -> tuple[Path, str]:
-    """The kind's manifest and its release's exports, building and pulling once per --work."""
+def pulled(kind: str, work: Path, model: Path, widths: list[int], store: Path) -> tuple[Path, str]:
+    """The kind's manifest and its release's exports, building and pulling once per --work (a
+    --store that holds the units already makes the build a lookup)."""
     manifest = manifest_for(kind, work, model, widths)
     cache, exports = work / f"{kind}-cache", work / f"{kind}-exports.json"
     if not exports.exists():
         started = time.perf_counter()
-        release = json.loads(neffbuild("build", str(manifest), "--store", str(work / "store"), "--json"))["release_id"]
+        release = json.loads(neffbuild("build", str(manifest), "--store", str(store), "--json"))["release_id"]
         print(f"built {kind} in {time.perf_counter() - started:.0f} s", flush=True)
-        neffbuild("pull", release, "--store", str(work / "store"), "--cache-dir", str(cache))
+        neffbuild("pull", release, "--store", str(store), "--cache-dir", str(cache))
         exports.write_text(neffbuild("env", "--cache-dir", str(cache), "--json"))
     return manifest, exports.read_text()
 
@@ -125,13 +126,16 @@ def main() -> None:
     parser.add_argument("--steady", type=int, default=3)
     parser.add_argument("--widths", default="128,256", help="shapes 128xW, built and measured")
     parser.add_argument("--work", type=Path, default=Path("/tmp/neffbuild-bench-firstcall"))
+    parser.add_argument("--model", type=Path, help="the tiny pipeline's dir (default: made in --work)")
+    parser.add_argument("--store", type=Path, help="the local store to build into (default: in --work)")
     args = smoke.parse(parser, processes=1, steady=1, widths="128", work=Path("/tmp/neffbuild-bench-firstcall-smoke"))
     widths = [int(w) for w in args.widths.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
-    model = args.work / "tiny-flux2-klein"
+    model = args.model or args.work / "tiny-flux2-klein"
     if not model.exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(model)], check=True)
-    releases = {kind: pulled(kind, args.work, model, widths) for kind in KINDS}
+    store = args.store or args.work / "store"
+    releases = {kind: pulled(kind, args.work, model, widths, store) for kind in KINDS}
     runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     for r in range(args.processes):
         for kind in KINDS[r % 2 :] + KINDS[: r % 2]:

@@ -29,7 +29,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 # scripts/test.sh runs the suite on 2 xdist workers with --dist loadgroup; tests that share one of
 # these builds (minutes of real compiling) go to one worker, so that each is built once.
-SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built")
+SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built", "packaged")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

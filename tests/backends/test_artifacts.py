@@ -49,7 +49,7 @@ def images(pipe, width):
 load = lambda: diffusers.Flux2KleinPipeline.from_pretrained(model, torch_dtype=torch.float32)
 pipe = serve.prepare(load(), manifest)
 report = serve.warmup(pipe, manifest)
-served = {w: images(pipe, w) for w in (128, 256)}
+packaged = {w: images(pipe, w) for w in (128, 256)}
 out = {"warmup": [[s.shape, s.compiles] for s in report.shapes], **counts}
 try:
     images(pipe, 192)
@@ -57,7 +57,7 @@ try:
 except UnlistedShape as exc:
     out["refused"] = str(exc)
 eager = load()
-out["diff"] = {w: float((served[w] - images(eager, w)).abs().max()) for w in served}
+out["diff"] = {w: float((packaged[w] - images(eager, w)).abs().max()) for w in packaged}
 print("RESULT " + json.dumps(out))
 """
 
@@ -78,11 +78,11 @@ def _read_only(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, cli) -> dict:
+def packaged(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, cli) -> dict:
     root = tmp_path_factory.mktemp("packages")
     manifest = package_manifest(root / "package.toml", tiny_model)
     store, cache = root / "store", root / "pulled" / "cache"
-    build = cli("build", str(manifest), "--store", str(store), "--json")
+    build = cli("build", str(manifest), "--store", str(store), "--jobs", "2", "--json")
     assert build.returncode == 0, build.stderr[-4000:]
     pull = cli("pull", json.loads(build.stdout)["release_id"], "--store", str(store), "--cache-dir", str(cache))
     assert pull.returncode == 0, pull.stderr
@@ -102,23 +102,26 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, cli) -> d
 
 
 @pytest.mark.slow
-def test_a_pulled_read_only_release_serves_both_shapes_with_no_compile(served: dict) -> None:
-    result = served["result"]
+@pytest.mark.timeout(3600)  # the first one builds: two shapes, compile and package (minutes each)
+def test_a_pulled_read_only_release_serves_both_shapes_with_no_compile(packaged: dict) -> None:
+    result = packaged["result"]
     assert result["warmup"] == [["128x128x1", 0], ["128x256x1", 0]]
     assert result["frames"] == 0 and result["kernel_builds"] == 0
-    assert served["unchanged"]
+    assert packaged["unchanged"]
     assert max(result["diff"].values()) < 1e-3
 
 
 @pytest.mark.slow
-def test_a_shape_no_package_covers_is_refused_naming_shape_component_and_entry(served: dict) -> None:
-    refused = served["result"]["refused"]
+@pytest.mark.timeout(3600)  # the first one builds: two shapes, compile and package (minutes each)
+def test_a_shape_no_package_covers_is_refused_naming_shape_component_and_entry(packaged: dict) -> None:
+    refused = packaged["result"]["refused"]
     assert refused and "128x192x1" in refused and "transformer" in refused and "model[klein]" in refused
 
 
 @pytest.mark.slow
-def test_the_bundle_records_each_packages_difference_from_the_compiled_component(served: dict) -> None:
-    records = [json.loads(p.read_text()) for p in sorted((served["cache"] / "aoti").rglob("*.json"))]
+@pytest.mark.timeout(3600)  # the first one builds: two shapes, compile and package (minutes each)
+def test_the_bundle_records_each_packages_difference_from_the_compiled_component(packaged: dict) -> None:
+    records = [json.loads(p.read_text()) for p in sorted((packaged["cache"] / "aoti").rglob("*.json"))]
     assert sorted(r["component"] for r in records) == ["transformer", "transformer", "vae.decode", "vae.decode"]
     assert all(0 <= r["max_abs_diff"] <= r["tolerance"] for r in records)
 
