@@ -18,9 +18,11 @@ Nothing is traced or compiled. The package holds the component's weights as the 
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -243,7 +245,9 @@ class PackageLoader:
 
 
 def load_packages(entry: ModelEntry, spec: str, cache_dir: Path) -> PackageLoader:
-    """Every package of the entry's component in the cache dir, loaded now (not on a request)."""
+    """Every package of the entry's component in the cache dir, loaded now (not on a request),
+    and run once on zeros of its recorded inputs: a package's first run sets up what later runs
+    reuse (measured: 1.4 s against 0.2 s for the tiny VAE under load), which is load, not request."""
     from torch._inductor import aoti_load_package
 
     found = sorted(package_dir(cache_dir, entry, spec).glob("*.pt2"))
@@ -252,7 +256,44 @@ def load_packages(entry: ModelEntry, spec: str, cache_dir: Path) -> PackageLoade
             f"model[{entry.id}]: no AOTInductor package of {spec} in {cache_dir} (artifact 'package')",
             hint="pull a release built from this manifest entry into the cache dir",
         )
-    return PackageLoader(entry, spec, {p.stem: aoti_load_package(str(p)) for p in found})
+    runners = {p.stem: aoti_load_package(str(p)) for p in found}
+    for path in found:
+        _first_run(runners[path.stem], path.with_suffix(".json"))
+    return PackageLoader(entry, spec, runners)
+
+
+_KEYWORD = re.compile(r"^([A-Za-z_]\w*)=(.*)$")
+_TENSOR = re.compile(r"^(\w+)\[([0-9, ]*)\]$")
+
+
+def _first_run(runner: Any, record: Path) -> None:
+    import torch
+
+    try:
+        parts = json.loads(record.read_text())["inputs"]
+        args, kwargs = [], {}
+        for part in parts:
+            keyword = _KEYWORD.match(part)
+            value = _example(keyword.group(2) if keyword else part)
+            if keyword:
+                kwargs[keyword.group(1)] = value
+            else:
+                args.append(value)
+    except (OSError, ValueError, KeyError, SyntaxError, AttributeError):
+        return  # an input it cannot make (a container, another type): the first request pays instead
+    with torch.inference_mode():
+        runner(*args, **kwargs)
+
+
+def _example(text: str) -> Any:
+    """Zeros of a described tensor (`float32[1, 64, 16]`), or the described plain value."""
+    import torch
+
+    tensor = _TENSOR.match(text)
+    if tensor is None:
+        return ast.literal_eval(text)
+    dims = [int(d) for d in tensor.group(2).split(",") if d.strip()]
+    return torch.zeros(dims, dtype=getattr(torch, tensor.group(1)))
 
 
 def install_loaders(pipe: Any, entry: ModelEntry, cache_dir: Path) -> None:
