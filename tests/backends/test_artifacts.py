@@ -169,3 +169,19 @@ def test_packages_are_bundled_and_aotinductors_build_dirs_are_not(tmp_path: Path
         (tmp_path / rel).write_bytes(b"x")
     assert backend.select_files(tmp_path) == [files[0], files[1], files[3]]
     assert all(backend.is_content_keyed(f) for f in (files[0], files[1], files[3]))
+
+
+def test_a_packages_recorded_inputs_make_inputs_of_the_same_signature() -> None:
+    # prepare's first run of each package (artifacts._first_run) must reach the package it warms
+    import torch
+
+    from neffbuild.backends.artifacts import _example, signature_digest
+    from neffbuild.backends.base import signature_parts
+
+    args = (torch.ones(1, 1, 16, 32),)
+    kwargs = {"img_ids": torch.ones(1, 64, 4, dtype=torch.int64), "guidance": None, "return_dict": False}
+    parts = signature_parts(args, kwargs)
+    made_args = [_example(p) for p in parts if "=" not in p]
+    made_kwargs = {p.split("=", 1)[0]: _example(p.split("=", 1)[1]) for p in parts if "=" in p}
+    assert signature_digest(tuple(made_args), made_kwargs) == signature_digest(args, kwargs)
+    assert made_kwargs["img_ids"].dtype == torch.int64 and not made_kwargs["img_ids"].any()
