@@ -31,7 +31,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 # one of these builds (minutes of real compiling) is one group, kept on one worker with its module
 # fixtures. `built` is made once per run for both workers (`once`), so its modules (the oracle,
 # the serve loop, e2e) spread over both; the others are each used by one module.
-SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built")
+SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built", "packaged")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -35,8 +35,9 @@ DONE = {
     "build": r"^\| jobs1 \|",
     # The cached plan's row, and it must not have imported torch.
     "uptodate": r"^\| plan \| cached \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| \*\*[0-9.]+\*\* \| \*\*[0-9.]+\*\* \| False \|$",
+    "firstcall": r"^\| package \| 128x128 \| [0-9.]+ \|",
 }
-COMPILES = {"guard", "recipes", "build"}  # real torch.compile runs: minutes on 2 cores
+COMPILES = {"guard", "recipes", "build", "firstcall"}  # real torch.compile runs: minutes on 2 cores
 NEEDS_WEED = {"pull", "storm", "trust"}  # start their own SeaweedFS, and have no local-store mode
 
 

@@ -209,14 +209,23 @@ class Backend(ABC):
         (plan refuses them) compiles every recipe alike."""
         return self.compiler()
 
-    def apply_mode(self, pipe: Any, entry: ModelEntry) -> Any:
+    def apply_mode(self, pipe: Any, entry: ModelEntry, artifacts: Path | None = None) -> Any:
         """Move the pipeline to its device, apply the entry's recipe and compile the listed
-        components (backends/recipe.py): what build, replay and serve.prepare all run."""
+        components (backends/recipe.py): what build, replay and serve.prepare all run. With
+        `artifacts` (a serving cache dir), a component whose recipe ships a package loads it
+        from there instead of compiling (backends/artifacts.py)."""
         pipe = pipe.to(self.run_device(entry))
         if entry.mode != "eager":
             from neffbuild.backends.recipe import apply_recipe
 
-            apply_recipe(pipe, entry, self)
+            loaded = frozenset[str]()
+            if artifacts is not None:
+                from neffbuild.backends.artifacts import install_loaders, packaged
+
+                loaded = packaged(entry)
+                if loaded:
+                    install_loaders(pipe, entry, artifacts)
+            apply_recipe(pipe, entry, self, skip=loaded)
         return pipe
 
     def counters(self) -> dict[str, int]:

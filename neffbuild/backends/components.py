@@ -9,10 +9,15 @@ Imports torch only inside the functions that run in a worker or a serving proces
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from neffbuild.documents.manifest import ModelEntry
 
 # torch._dynamo.utils.counters group the GraphCounters write; reported as "graphs.<component>".
 GRAPH_GROUP = "neffbuild.graphs"
@@ -61,6 +66,19 @@ class ComponentCall:
 # refused recompile) into the guard's own, or returns None to let it pass.
 RefusalHook = Callable[[ComponentCall, Exception], Exception | None]
 _refusal_hooks: list[RefusalHook] = []
+# Set by a build that packages components (backends/artifacts.py): sees each listed component's
+# call arguments as the pipeline passes them.
+CallHook = Callable[[str, tuple[Any, ...], Mapping[str, Any]], None]
+_call_hooks: list[CallHook] = []
+
+
+def add_call_hook(hook: CallHook) -> None:
+    _call_hooks.append(hook)
+
+
+def remove_call_hook(hook: CallHook) -> None:
+    if hook in _call_hooks:
+        _call_hooks.remove(hook)
 
 
 def add_refusal_hook(hook: RefusalHook) -> None:
@@ -98,6 +116,8 @@ def recorded(spec: str, compiled: Any) -> Any:
 
 
 def _record(spec: str, args: Any, kwargs: Any) -> None:
+    for hook in tuple(_call_hooks):
+        hook(spec, args, kwargs)
     seen = _INPUTS.setdefault(spec, {})
     if len(seen) < _MAX_SIGNATURES:
         seen.setdefault(", ".join(signature_parts(args, kwargs)), None)
@@ -137,3 +157,19 @@ def graph_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {f"{GRAPH_PREFIX}{name}": int(n) for name, n in counters[GRAPH_GROUP].items()}
+
+
+def call_size(entry: ModelEntry) -> dict[str, int]:
+    """The pipeline call's resolved height, width and images per prompt, read from the frame of
+    the pipeline's __call__ this compile happens under (diffusers resolves defaults into locals)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
+        if owner is not None and type(owner).__name__ == entry.pipeline:
+            found = {k: frame.f_locals.get(k) for k in ("height", "width", "num_images_per_prompt")}
+            size = {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
+            if "num_images_per_prompt" in size:
+                size["batch"] = size.pop("num_images_per_prompt")
+            return size
+        frame = frame.f_back
+    return {}

@@ -41,10 +41,14 @@ _CONTENT_KEYED = re.compile(
     r"^(fxgraph/[^/]+/[^/]+/[^/]+"
     r"|aotautograd/[^/]+/[^/]+"
     r"|[0-9a-z]{2}/[0-9a-zA-Z_]+(\.[a-z]+)*"
-    r"|triton/\d+/[^/]+/[^/]+)$"
+    r"|triton/\d+/[^/]+/[^/]+"
+    # AOTInductor packages (artifacts.py): named by the digests of what they bake in and of their inputs.
+    r"|aoti/[^/]+/[0-9a-f]+/[0-9a-f]+\.(pt2|json))$"
 )
 _NEVER_BUNDLED = re.compile(
     r"^\.neffbuild/|(^|/)(locks|precompiled_headers|torch_compile_debug)(/|$)|\.(lock|tmp)$|(^|/)tmp[^/]*$"
+    # AOTInductor's build dirs: what they hold is inside the .pt2 package a server loads.
+    r"|^c[0-9a-z]{51}/"
 )
 _ENV_NAMES = ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "TORCH_COMPILE_CACHE_KEY_TAG", "CXX", "CC", "MKL_NUM_THREADS")
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")

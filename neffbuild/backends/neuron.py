@@ -577,6 +577,12 @@ def recipe_refusals(entry: ModelEntry) -> list[Problem]:
             problems.append(Problem("compile.mode" if recipe.mode != "default" else "compile.inductor",
                                     "Inductor's modes and settings do not reach neuronx-cc",
                                     "remove mode and inductor; neuronx-cc flags go in [model.env] NEURON_CC_FLAGS"))  # fmt: skip
+        if recipe.artifact != "cache":
+            problems.append(Problem("compile.artifact", f"{recipe.artifact!r}: AOTInductor packages are Inductor's "
+                                    "(C++/Triton), and nothing here has verified a TorchNeuron path that reaches its "
+                                    "NEFF cache without tracing",
+                                    "use artifact = 'cache' (the NEFF cache); the documented counterpart is "
+                                    "vLLM-Neuron's Precompile Cache (docs/serving.md, 'Neuron')"))  # fmt: skip
         if recipe.quantize is not None:
             problems.append(Problem("compile.quantize", "torchao's int8 kernels do not run on Neuron",
                                     "remove quantize (quantize for Neuron before saving the model)"))  # fmt: skip

@@ -38,9 +38,11 @@ class Compilers(Protocol):
     def compiler_for(self, recipe: ResolvedRecipe) -> Any: ...
 
 
-def apply_recipe(pipe: Any, entry: ModelEntry, backend: Compilers) -> None:
-    """Prepare each listed component's module as its recipe says, then compile the components."""
-    done: set[str] = set()
+def apply_recipe(pipe: Any, entry: ModelEntry, backend: Compilers, skip: frozenset[str] = frozenset()) -> None:
+    """Prepare each listed component's module as its recipe says, then compile the components,
+    but those in `skip` (served from packages: exported from the prepared module, so nothing
+    else applies to them)."""
+    done: set[str] = {c.partition(".")[0] for c in skip}
     for spec, (name, _method) in zip(entry.components, entry.components_named(), strict=True):
         if name in done:
             continue
@@ -51,19 +53,21 @@ def apply_recipe(pipe: Any, entry: ModelEntry, backend: Compilers) -> None:
         recipe = entry.recipe_for(spec)
         log.debug("%s: recipe %s", spec, describe(recipe))
         prepare_module(module, recipe)
-    compile_components(pipe, entry, backend)
+    compile_components(pipe, entry, backend, skip=skip)
 
 
-def compile_components(pipe: Any, entry: ModelEntry, backend: Compilers) -> None:
-    """Compile each listed component the way serving must: `name` compiles the module's forward
-    (`full`) or its repeated blocks (`regional`); `name.method` compiles that bound method. Each
-    with its recipe's compiler settings (below)."""
+def compile_components(pipe: Any, entry: ModelEntry, backend: Compilers, skip: frozenset[str] = frozenset()) -> None:
+    """Compile each listed component (but those in `skip`) the way serving must: `name` compiles
+    the module's forward (`full`) or its repeated blocks (`regional`); `name.method` compiles that
+    bound method. Each with its recipe's compiler settings (below)."""
     import torch
 
     for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
         component = getattr(pipe, name, None)
         if component is None:
             raise ValueError(f"pipeline {entry.pipeline} has no component {name!r}")
+        if spec in skip:
+            continue
         recipe = entry.recipe_for(spec)
         counter = GraphCounter(spec, backend.compiler_for(recipe), backend.compiler_name)
         options = {"backend": counter, **compile_options(recipe)}

@@ -50,10 +50,11 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
         pipe = backend.load_pipeline(job.entry, job.model_ref)
         runner = backend.apply_mode(pipe, job.entry)
         load_s = time.perf_counter() - started
-    runs = [
-        _run_shape(job, backend, runner, unit_id, shape)
-        for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)
-    ]
+    with _packaging(job, backend, env, runner):
+        runs = [
+            _run_shape(job, backend, runner, unit_id, shape)
+            for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)
+        ]
     reads = envreads.recorder()
     return WorkerResult(
         fingerprint=fingerprint,
@@ -63,6 +64,20 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
         env_reads=reads.recorded() if reads else {},
         compiler_keys=keys,
     )
+
+
+@contextmanager
+def _packaging(job: WorkerJob, backend: Backend, env: Mapping[str, str], pipe: Any) -> Iterator[None]:
+    """For an entry whose artifact is a package (a build, not a replay): the listed components'
+    inputs during the block, exported and packaged into the cache dir after it (artifacts.py)."""
+    from neffbuild.backends import artifacts
+
+    if job.purpose != "build" or not artifacts.uses_packages(job.entry):
+        yield
+        return
+    with artifacts.captured_inputs(job.entry) as captured:
+        yield
+    artifacts.write_packages(pipe, job.entry, Path(env[backend.cache_env]), captured)
 
 
 @contextmanager

@@ -103,6 +103,9 @@ class ShapeSet(_Strict):
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 MemoryFormat = Literal["contiguous", "channels_last"]
 MatmulPrecision = Literal["highest", "high", "medium"]
+# What a build ships per listed component: the compiler's cache (a server still traces), or an
+# AOTInductor package per input signature (a server loads it: no tracing, no compile).
+ArtifactKind = Literal["cache", "package"]
 # torchao: int8 dynamic activation + int8 weight; float8 the same in float8 (CUDA only).
 Quantization = Literal["int8-dynamic", "float8-dynamic"]
 SkipPatterns = Annotated[tuple[Annotated[str, Field(min_length=1, max_length=200)], ...], Field(max_length=64)]
@@ -172,6 +175,12 @@ class Recipe(ComponentRecipe):
     matmul_precision: MatmulPrecision | None = Field(
         default=None, description="torch.set_float32_matmul_precision during compile and calls."
     )
+    artifact: ArtifactKind = Field(
+        default="cache",
+        description="What the build ships: 'cache', the compiler's cache (a server traces and loads); "
+        "'package', an AOTInductor package per listed component and input signature (a server loads it "
+        "without tracing or compiling; static shapes, inductor only).",
+    )
     components: dict[str, ComponentRecipe] = Field(
         default_factory=dict, max_length=32, description="Overrides per listed component ('transformer', 'vae.decode')."
     )
@@ -180,6 +189,8 @@ class Recipe(ComponentRecipe):
     def _duck_needs_dynamic(self) -> Recipe:
         if not self.duck_shape and not self.dynamic:
             raise ValueError("duck_shape = false has no effect without dynamic = true; remove it or set dynamic")
+        if self.artifact != "cache" and self.dynamic:
+            raise ValueError("artifact = 'package' exports one static graph per shape; remove dynamic")
         for where, recipe in [("", self), *((f"components.{k}.", v) for k, v in self.components.items())]:
             filters = recipe.quantize_skip is not None or recipe.quantize_min_features is not None
             if filters and recipe.quantize is None and self.quantize is None:
@@ -202,6 +213,7 @@ class ResolvedRecipe:
     matmul_precision: str | None = None
     quantize_skip: tuple[str, ...] = ()
     quantize_min_features: int | None = None
+    artifact: str = "cache"
 
     @property
     def compile_dynamic(self) -> bool | None:
@@ -222,6 +234,8 @@ class ResolvedRecipe:
         for name in _LATER_FIELDS:
             if not document[name]:
                 del document[name]
+        if document["artifact"] == "cache":  # the default keys as before artifacts existed
+            del document["artifact"]
         return document
 
 
@@ -250,6 +264,7 @@ def resolve_recipe(recipe: Recipe, spec: str) -> ResolvedRecipe:
         dynamic=recipe.dynamic,
         duck_shape=recipe.duck_shape,
         matmul_precision=recipe.matmul_precision,
+        artifact=recipe.artifact,
     )
 
 
@@ -369,6 +384,11 @@ class ModelEntry(_Strict):
                 f"components: {methods[0]!r} names a method, but mode 'regional' compiles a component's repeated "
                 f"blocks; list the component alone, use mode 'full', or add a second [[model]] entry (same model, "
                 f"another id) with mode = 'full' and components = [{methods[0]!r}]"
+            )
+        if self.compile.artifact != "cache" and self.mode != "full":
+            raise ValueError(
+                f"compile.artifact {self.compile.artifact!r} exports whole components: it needs mode 'full' "
+                f"(one package per repeated-block class is not built yet); use artifact = 'cache' for mode {self.mode!r}"
             )
         problem = self._call_size_problem() or self._recipe_problem()
         if problem:

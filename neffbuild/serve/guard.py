@@ -18,19 +18,17 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.backends.components import ComponentCall, add_refusal_hook, current_call, remove_refusal_hook
+from neffbuild.backends.components import ComponentCall, add_refusal_hook, call_size, current_call, remove_refusal_hook
 from neffbuild.documents.manifest import LoadedManifest, ModelEntry, load_manifest
 from neffbuild.errors import DiskError, InputError, UnlistedShape
 from neffbuild.serve.prepare import select_entry
@@ -211,22 +209,6 @@ def append_line(path: Path, line: bytes) -> None:
             os.write(fd, line)
     finally:
         os.close(fd)
-
-
-def call_size(entry: ModelEntry) -> dict[str, int]:
-    """The pipeline call's resolved height, width and images per prompt, read from the frame of
-    the pipeline's __call__ this compile happens under (diffusers resolves defaults into locals)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__call__" else None
-        if owner is not None and type(owner).__name__ == entry.pipeline:
-            found = {k: frame.f_locals.get(k) for k in ("height", "width", "num_images_per_prompt")}
-            size = {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
-            if "num_images_per_prompt" in size:
-                size["batch"] = size.pop("num_images_per_prompt")
-            return size
-        frame = frame.f_back
-    return {}
 
 
 def describe(event: Mapping[str, Any], entry: ModelEntry) -> str:

@@ -17,18 +17,39 @@ from neffbuild.documents.manifest import LoadedManifest, ModelEntry, load_manife
 from neffbuild.errors import InputError, PipelineMismatch
 
 
-def prepare(pipe: Any, manifest: str | os.PathLike[str] | LoadedManifest, entry: str | None = None) -> Any:
+def prepare(
+    pipe: Any,
+    manifest: str | os.PathLike[str] | LoadedManifest,
+    entry: str | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Any:
     """Apply the manifest entry's recipe to `pipe` and compile its components; return the pipeline.
 
     entry: the entry's id; None picks the one entry whose pipeline class is `pipe`'s. Refuses
     (PipelineMismatch, exit 2) a pipeline whose class, dtype or components differ from the entry.
+    An entry with artifact 'package' loads its packages from `cache_dir` (default: the backend's
+    cache variable, as the pulled release's exports set it) and compiles nothing.
     """
     loaded = manifest if isinstance(manifest, LoadedManifest) else load_manifest(_path(manifest))
     chosen = select_entry(loaded, type(pipe).__name__, entry)
     check_pipeline_matches(pipe, chosen)
     backend = get_backend(chosen.backend)
     backend.prepare_process(len(chosen.expanded_shapes()))
-    return backend.apply_mode(pipe, chosen)
+    return backend.apply_mode(pipe, chosen, _artifacts(backend.cache_env, chosen, cache_dir))
+
+
+def _artifacts(cache_env: str, entry: ModelEntry, cache_dir: str | os.PathLike[str] | None) -> Path | None:
+    """Where an artifact entry's packages are: only an entry that ships some needs the dir."""
+    if not any(entry.recipe_for(c).artifact != "cache" for c in entry.components) or entry.mode == "eager":
+        return None
+    where = cache_dir if cache_dir is not None else os.environ.get(cache_env)
+    if not where:
+        raise InputError(
+            f"model[{entry.id}] ships AOTInductor packages, and neither cache_dir= nor {cache_env} says where",
+            hint="apply the pulled release's exports (neffbuild.apply_exports) or pass cache_dir=",
+        )
+    return Path(where)
 
 
 def select_entry(loaded: LoadedManifest, pipeline: str, entry: str | None) -> ModelEntry:

@@ -187,6 +187,7 @@ NEURON_REFUSALS = {
     "dynamic": ("[model.compile]\ndynamic = true\n", "compile.dynamic: the neuron backend compiles static shapes only"),
     "inductor settings": ("[model.compile]\ninductor = { conv_1x1_as_mm = true }\n", "compile.inductor"),
     "mode": ('[model.compile]\nmode = "max-autotune"\n', "compile.mode"),
+    "package artifact": ('[model.compile]\nartifact = "package"\n', "compile.artifact: 'package'"),
 }
 
 
