@@ -337,7 +337,12 @@ class Forecast:
     answered. Told how many requests are to come (expect: a pull's downloads, once planned), it
     times their successes; the first time the requests left, at the rate of the last few, would
     end past the deadline, it says so in one log line with the estimate: a host that will not come
-    up in time is known minutes before its deadline, not at it."""
+    up in time is known minutes before its deadline, not at it.
+
+    A store that throttles most requests may answer too few successes for a rate before the
+    deadline: then, from LEAST answers of any kind, the rate is taken as at most one success more
+    than it has had since the downloads were planned (an upper bound, so only a pull late even at
+    that rate is told)."""
 
     SEEN = 8  # the rate is taken over this many successes at most
     LEAST = 4  # and spoken of from this many
@@ -349,11 +354,15 @@ class Forecast:
         self._expected = 0
         self._done = 0
         self._times: deque[float] = deque(maxlen=self.SEEN)
+        self._answers = 0  # since the first expect, successes and throttled answers alike
+        self._since: float | None = None  # when the first expect came
         self.told: str | None = None  # the line logged, once
 
     def expect(self, requests: int) -> None:
         with self._lock:
             self._expected += requests
+            if self._since is None:
+                self._since = self._clock()
 
     def answered(self, deadline: Deadline | None, *, ok: bool) -> None:
         """A request was answered (ok: it succeeded; else throttled): log if the rest will be late."""
@@ -361,12 +370,13 @@ class Forecast:
         with self._lock:
             if not self._expected or self.told is not None or deadline is None:
                 return
+            self._answers += 1
             if ok:
                 self._done += 1
                 self._times.append(now)
-            if len(self._times) < self.LEAST or now <= self._times[0]:
+            rate = self._rate(now)
+            if rate is None:
                 return
-            rate = (len(self._times) - 1) / (now - self._times[0])
             left = max(self._expected - self._done, 0)
             need, remaining = left / rate, deadline.left()
             if need <= remaining:
@@ -377,6 +387,14 @@ class Forecast:
                 "out of time (the files it fetched stay in the cache dir for the next try)"
             )
         log.warning("%s", self.told)
+
+    def _rate(self, now: float) -> float | None:
+        """Requests/s answered with success lately; None: too few answers yet (the lock held)."""
+        if len(self._times) >= self.LEAST and now > self._times[0]:
+            return (len(self._times) - 1) / (now - self._times[0])
+        if self._answers >= self.LEAST and self._since is not None and now > self._since:
+            return (self._done + 1) / (now - self._since)  # mostly throttled: at best one more success now
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -655,8 +673,23 @@ def expect(requests: int) -> None:
         op.forecast.expect(requests)
 
 
+_RETRYING: contextvars.ContextVar[bool] = contextvars.ContextVar("neffbuild_retrying", default=False)
+
+
 def retried(where: str, attempt: Callable[[], _T]) -> _T:
     """attempt() until it returns, retrying Transient failures under the policy."""
+    if _RETRYING.get():
+        # One request would take two turns of the pacer and count as two answers: a throttled
+        # store served at half its rate, and a forecast that thinks the pull done halfway.
+        raise RuntimeError(f"{where}: retried inside a retried attempt (call the inner request's one try)")
+    token = _RETRYING.set(True)
+    try:
+        return _retried(where, attempt)
+    finally:
+        _RETRYING.reset(token)
+
+
+def _retried(where: str, attempt: Callable[[], _T]) -> _T:
     check(where)
     tries = Tries()
     op = _OPERATION.get()

@@ -393,6 +393,29 @@ def test_a_pull_that_will_not_make_its_deadline_says_so_once_with_the_estimate(
     assert "deadline in 100 s" in said[0] and "stay in the cache dir for the next try" in said[0]
 
 
+@pytest.mark.parametrize(("expected", "late"), [(16, True), (4, False)])
+def test_a_pull_throttled_too_often_for_a_rate_of_successes_still_says_so_before_its_deadline(
+    expected: int, late: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store answering 503 to most requests: one success among the first four answers, over 8 s,
+    is too few successes for a rate; but even at one more success then (0.25 requests/s) the 15
+    requests left need about 60 s, past a 20 s deadline: said, once. 3 left fit: nothing said."""
+    clock = Clock()
+    forecast = retry.Forecast("pulling prod", clock)
+    deadline = retry.Deadline(20, "pulling prod")
+    forecast.expect(expected)
+    with caplog.at_level(logging.WARNING, logger="neffbuild.retry"):
+        for ok in (False, True, False, False, False, False):
+            clock.now += 2.0
+            forecast.answered(deadline, ok=ok)
+    said = [r.getMessage() for r in caplog.records if "out of time" in r.getMessage()]
+    if not late:
+        assert said == [] and forecast.told is None
+        return
+    assert said == [forecast.told], said
+    assert "the 15 requests left need about 60 s" in said[0] and "0.25 requests/s" in said[0], said[0]
+
+
 def test_a_request_whose_turn_looks_past_the_deadline_still_goes_when_it_comes_sooner() -> None:
     """At the current rate a request's turn, behind 20 others, lies past the deadline; but those
     ahead leave (or the rate grows): it goes then. It does not sleep to the deadline holding up the
@@ -848,3 +871,12 @@ def test_a_server_killed_mid_pull_fails_within_the_deadline_and_the_next_pull_fe
         _assert_cache_holds(cache, files)
     finally:
         server.stop()
+
+
+def test_a_retried_call_inside_a_retried_attempt_is_refused() -> None:
+    """One request retried at two levels would take two turns of the pacer and count as two
+    answers (a pull's forecast then thought itself done halfway, and a throttled store was sent
+    half its rate): the inner call must be the request's one try."""
+    with retry.operation(retry.Policy()), pytest.raises(RuntimeError, match="retried inside a retried"):
+        retry.retried("s3://b/outer", lambda: retry.retried("s3://b/inner", lambda: 1))
+    assert retry.retried("s3://b/after", lambda: 2) == 2  # the flag does not outlive the call

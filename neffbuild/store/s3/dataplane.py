@@ -224,16 +224,19 @@ class DataPlane:
     ) -> urllib3.BaseHTTPResponse:
         """An open response for [start, end) (the whole object if end is None); the caller reads
         what it expects of it and no more, then finish()es it."""
+        return self.retried(rel, partial(self.opened, rel, start, end, needed=needed))
 
-        def attempt() -> urllib3.BaseHTTPResponse:
-            response = self._get(rel, start, end, needed)
-            length = content_length(response)
-            if end is not None and length is not None and length != end - start:
-                finish(response)
-                raise short_range(self.where(rel), length, end - start, needed)
-            return response
-
-        return self.retried(rel, attempt)
+    def opened(
+        self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None
+    ) -> urllib3.BaseHTTPResponse:
+        """stream's one try, for a caller whose own retried attempt opens it (a retried inside a
+        retried would pace and count one request twice)."""
+        response = self._get(rel, start, end, needed)
+        length = content_length(response)
+        if end is not None and length is not None and length != end - start:
+            finish(response)
+            raise short_range(self.where(rel), length, end - start, needed)
+        return response
 
     def resumed(self, rel: str, size: int, buf: Buffer, *, needed: str | None = None) -> Iterator[memoryview]:
         """An object's `size` bytes in order, as views of buf (see received). A body cut short

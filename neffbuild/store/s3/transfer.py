@@ -177,7 +177,7 @@ class Transfers:
             nonlocal landed
             pieces = fetch.pieces[landed:]
             pos = fetch.start + pieces[0].start
-            response = self._reader.stream(key, pos, fetch.end, needed=str(pieces[0].target.dest))
+            response = self._reader.opened(key, pos, fetch.end, needed=str(pieces[0].target.dest))
             try:
                 with chunks.lend() as buf:
                     body = dataplane.Body(response, buf)
