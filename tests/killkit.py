@@ -201,11 +201,12 @@ class Scenario:
         assert report.files_fetched == 0 and report.files_rehashed == len(self.new), report
         return code, left
 
-    def pull_seconds(self, cache: Path, runs: int = 3) -> float:
-        """The median wall time of a whole pull process into an empty cache dir."""
+    def pull_seconds(self, cache: Path, runs: int = 3, *, from_old: bool = False) -> float:
+        """The median wall time of a whole pull process into an empty cache dir (or, from_old,
+        one holding the old release: an upgrade, which fetches less and ends sooner)."""
         times = []
         for i in range(runs):
-            fresh_cache(cache / str(i), None)
+            fresh_cache(cache / str(i), self.template if from_old else None)
             times.append(timed_run(self.command(cache / str(i)), self.env))
         return sorted(times)[runs // 2]
 

@@ -59,12 +59,16 @@ def scenario(s3_server: S3Settings, s3_bucket: str, tmp_path_factory: pytest.Tem
 def test_a_pull_killed_anywhere_leaves_only_whole_files_and_a_rerun_completes(
     scenario: Scenario, tmp_path: Path
 ) -> None:
-    duration = scenario.pull_seconds(tmp_path / "measured")
+    # Every other point upgrades the old release, which ends sooner than a pull into an empty dir:
+    # each kind's points are spread over its own duration, so neither kind's kills land after it.
+    durations = {old: scenario.pull_seconds(tmp_path / f"measured-{old}", from_old=old) for old in (False, True)}
     results = [
-        scenario.point(tmp_path / f"cache-{i}", delay, from_old=i % 2 == 1)  # every other one upgrades the old release
-        for i, delay in enumerate(kill_delays(duration, POINTS, seed=12))
+        scenario.point(tmp_path / f"cache-{i}", delay * durations[i % 2 == 1], from_old=i % 2 == 1)
+        for i, delay in enumerate(kill_delays(1.0, POINTS, seed=12))
     ]
-    print(f"pull {duration:.2f} s; {POINTS} kills: {phases(results, len(scenario.new))}")
+    print(
+        f"pulls {durations[False]:.2f} s, upgrades {durations[True]:.2f} s; {POINTS} kills: {phases(results, len(scenario.new))}"
+    )
     assert sum(code == -9 for code, _ in results) >= POINTS // 2, results  # most died mid-pull, not after it
 
 

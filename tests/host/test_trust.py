@@ -405,12 +405,17 @@ def test_a_stale_boot_refuses_an_expired_tag_statement_unless_allowed(fleet: Fle
     the signer set: the state records it, and a stale boot under trusted keys checks it."""
     import time
 
-    soon = datetime.now(UTC) + timedelta(seconds=2)
+    # Before its expiry a stale boot goes on: shown on a second host whose statement lasts an
+    # hour, so no step of this test races the short expiry below (a CLI start under load is seconds).
+    lasting = fleet.tmp / "lasting"
+    move_tag(fleet.store, "prod", fleet.one, signing=Signing(fleet.key, datetime.now(UTC) + timedelta(hours=1)))
+    pull(fleet.store, "prod", lasting, trust=fleet.trust)
+    soon = datetime.now(UTC) + timedelta(seconds=3)
     move_tag(fleet.store, "prod", fleet.one, signing=Signing(fleet.key, soon))
     report = pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
-    boot = ["pull", "prod", "--store", str(fleet.tmp / "unreachable"), "--cache-dir", str(fleet.cache)]
-    boot += ["--allow-stale", "--no-host-check", "--json"]
-    fresh_boot = _cli(*boot, "--trusted-key", str(fleet.pub))
+    stale = ["--store", str(fleet.tmp / "unreachable"), "--allow-stale", "--no-host-check", "--json"]
+    boot = ["pull", "prod", "--cache-dir", str(fleet.cache), *stale]
+    fresh_boot = _cli("pull", "prod", "--cache-dir", str(lasting), *stale, "--trusted-key", str(fleet.pub))
     assert fresh_boot.returncode == 0 and json.loads(fresh_boot.stdout)["stale"], fresh_boot.stderr
     time.sleep(max(0.0, (datetime.fromisoformat(report.tag_expires) - datetime.now(UTC)).total_seconds()) + 0.2)
     before = snapshot(fleet.cache)
