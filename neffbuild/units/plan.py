@@ -24,6 +24,7 @@ from neffbuild.documents.records import unit_key
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.units.plancache import CheckedFacts, EntryFacts, cached_facts, key_inputs
+from neffbuild.units.weights import bakes_weights, weights_digest
 
 if TYPE_CHECKING:
     from neffbuild.backends.pipecode import CallFacts
@@ -90,7 +91,7 @@ def make_plan(
         probed = _probe(loaded, backend, env, facts_provider)
     else:
         probed = _probe(loaded, backend, env, facts_provider)
-        inputs = key_inputs({e.id: _model_input(loaded, e) for e in models}, probed, loaded.source_digest, env)
+        inputs = key_inputs({e.id: _model_input(loaded, e, cache) for e in models}, probed, loaded.source_digest, env)
         checked = cached_facts(cache, inputs, env, lambda observed: checked_facts(loaded, backend, observed))
     declared = dict(loaded.manifest.toolchain or {})
     other_host = {k: (v, p.get(k, "")) for p in probed.values() for k, v in declared.items() if p.get(k) != v}
@@ -105,7 +106,7 @@ def make_plan(
         scope = backend.scope(entry)
         unit_env = dict(scope.env)
         fingerprint = backend.fingerprint(usable[entry.device], {**env, **unit_env}, scope)
-        identity = model_identity(loaded, entry)
+        identity = model_identity(loaded, entry, cache)
         facts = checked.entries[entry.id]
         doubles = facts.doubles
         for shape in entry.expanded_shapes():
@@ -178,10 +179,10 @@ def _first_on(loaded: LoadedManifest, device: str) -> ModelEntry:
     return next(e for e in loaded.manifest.models if e.device == device)
 
 
-def _model_input(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, Any]:
+def _model_input(loaded: LoadedManifest, entry: ModelEntry, memo: Path) -> dict[str, Any]:
     """What of a model the checks read: a local model's config files; a hub model's cached
     model_index.json (the components checked against it)."""
-    identity = model_identity(loaded, entry)
+    identity = model_identity(loaded, entry, memo)
     if is_local_model(entry.model):
         return identity
     from neffbuild.backends.pipelines import model_index
@@ -347,27 +348,33 @@ def normalize_unit(
     return normalized
 
 
-def model_identity(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, str]:
+def model_identity(loaded: LoadedManifest, entry: ModelEntry, memo: Path | None = None) -> dict[str, str]:
     """Hub models by id and revision; local models by the digest of their config files (not
-    their path, so the same model in another directory keys the same)."""
+    their path, so the same model in another directory keys the same), and of their weights too
+    where the entry's compiled result holds them (units/weights.py; memo: where their digests
+    are remembered, the plan cache dir)."""
     if not is_local_model(entry.model):
         return {"hub": entry.model, "revision": entry.revision or ""}
     root = Path(loaded.resolve_model(entry))
-    parts = []
     try:
-        for path in sorted(root.rglob("*")):
-            if (
-                path.suffix in _MODEL_CONFIG_SUFFIXES
-                and path.is_file()
-                and path.stat().st_size <= _MODEL_CONFIG_MAX_BYTES
-            ):
-                parts.append({"path": path.relative_to(root).as_posix(), "digest": hash_bytes(path.read_bytes())})
+        parts = [
+            {"path": path.relative_to(root).as_posix(), "digest": hash_bytes(path.read_bytes())}
+            for path in sorted(root.rglob("*"))
+            if _is_model_config(path)
+        ]
+        identity = {"local_config": hash_bytes(canonical_json(parts))}
+        if entry.mode != "eager" and bakes_weights([entry.recipe_for(spec) for spec in entry.components]):
+            identity["local_weights"] = weights_digest(root, _is_model_config, memo)
     except OSError as exc:
         raise ManifestError(
             f"{loaded.path}: model[{entry.id}].model: cannot read {exc.filename or root}: {exc.strerror or exc}",
             hint="the model directory must be readable by the user who plans and builds",
         ) from None
-    return {"local_config": hash_bytes(canonical_json(parts))}
+    return identity
+
+
+def _is_model_config(path: Path) -> bool:
+    return path.suffix in _MODEL_CONFIG_SUFFIXES and path.is_file() and path.stat().st_size <= _MODEL_CONFIG_MAX_BYTES
 
 
 def plan_document(plan: Plan) -> dict[str, Any]:
