@@ -29,9 +29,50 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 # scripts/test.sh runs the suite on 2 xdist workers with --dist loadgroup. A module whose tests use
 # one of these builds (minutes of real compiling) is one group, kept on one worker with its module
-# fixtures. `built` is made once per run for both workers (`once`), so its modules (the oracle,
-# the serve loop, e2e) spread over both; the others are each used by one module.
-SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built", "packaged")
+# fixtures. `built`, `built_with_decode` and `packaged_build` are made once per run for both workers
+# (`once`), so the modules that use them spread over both. A test with a group of its own (the
+# recipe entries, the oracle's halves, Ray) keeps it.
+SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "packaged_build")
+# What each group costs, roughly, in seconds on CI's 2 busy cores (from its --durations): only the
+# order the groups start in depends on it, never a verdict. Longest first, so that the two workers
+# end together instead of one starting a long group while the other runs out of work.
+GROUP_SECONDS = {
+    "oracle-host": 300,
+    "oracle-call": 250,
+    "recipe-auto": 260,
+    "recipe-autotune": 240,
+    "packaged_build:test_artifacts.py": 230,
+    "built_sdxl:test_sdxl.py": 230,
+    "recipe-dynamic": 200,
+    "oracle-ci": 150,
+    "built_with_decode:test_inductor.py": 150,
+    "recipe-layout": 150,
+    "recipe-int8": 130,
+    "built:test_e2e.py": 200,
+    "built:test_e2e_s3.py": 200,
+    "built:test_serve_loop.py": 180,
+    "tests/test_bench.py::test_bench_runs_in_smoke_mode[build]": 110,
+    # Serves what built_with_decode and packaged_build built: after them, or it waits for them.
+    "tests/test_bench.py::test_bench_runs_in_smoke_mode[firstcall]": 1,
+}
+SLOW_SECONDS = 60  # any other real-compile test (or group)
+
+
+def _group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return str(marker.args[0]) if marker and marker.args else None
+
+
+def _seconds(item: pytest.Item) -> int:
+    slow = SLOW_SECONDS if item.get_closest_marker("slow") else 0
+    return GROUP_SECONDS.get(_group(item) or item.nodeid, slow)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist would otherwise reorder the groups by their number of tests, which says nothing of their
+    # time: the order below is the one they start in.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -39,12 +80,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         used = getattr(item, "fixturenames", ())
         group = next((name for name in SHARED_BUILDS if name in used), None)
-        if group is not None:
+        if group is not None and _group(item) is None:
             item.add_marker(pytest.mark.xdist_group(f"{group}:{item.path.name}"))
-    # Real compiles first (xdist hands out groups, then single tests, in this order): the minutes-long
-    # tests start early on both workers and the many short ones fill in at the end, instead of a
-    # long test picked up last keeping one worker busy while the other idles.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # Real compiles first, the longest groups first (xdist hands out groups in this order, each to
+    # the next worker that runs low): the minutes-long work starts early on both workers and the
+    # many short tests fill in at the end, instead of a long group picked up last keeping one
+    # worker busy while the other idles. The sort is stable: a group's tests keep their order.
+    items.sort(key=lambda item: -_seconds(item))
 
 
 def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> object:
@@ -170,6 +212,57 @@ def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_manif
 @pytest.fixture(scope="session")
 def built_store(built: BuiltStore) -> Path:
     return built.path
+
+
+# ---- the tiny pipeline with vae.decode, compiled (cache) and packaged: bench/firstcall.py's units ---
+
+PACKAGE = '\n[model.compile]\nartifact = "package"\n'
+DECODE = ('components = ["transformer"]', 'components = ["transformer", "vae.decode"]')
+
+
+def write_decode_manifest(path: Path, model: Path, *, widths: tuple[int, ...] = (128, 256), extra: str = "") -> Path:
+    """The tiny manifest with the transformer and vae.decode listed (extra: e.g. PACKAGE)."""
+    text = write_manifest(path, model, widths=widths, extra=extra).read_text()
+    assert DECODE[0] in text, "the repo manifest's layout changed; update write_decode_manifest"
+    path.write_text(text.replace(*DECODE))
+    return path
+
+
+@dataclass(frozen=True)
+class SharedBuild:
+    manifest: Path
+    store: Path
+    report: dict  # `build --json`
+
+
+def _shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, write: Callable[[Path], Path], *flags: str) -> SharedBuild:  # fmt: skip
+    def make(root: Path) -> dict:
+        manifest = write(root)
+        result = run_cli("build", str(manifest), "--store", str(root / "store"), "--json", *flags)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return {"manifest": str(manifest), "store": str(root / "store"), "report": json.loads(result.stdout)}
+
+    made = once(tmp_path_factory, name, make)
+    assert isinstance(made, dict)
+    return SharedBuild(Path(made["manifest"]), Path(made["store"]), made["report"])
+
+
+@pytest.fixture(scope="session")
+def built_with_decode(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> SharedBuild:
+    """The transformer and vae.decode compiled at one shape (128x128), built once per run: the
+    method-component tests' build (tests/backends/test_inductor.py), and bench/firstcall.py's `cache`
+    release is these very units (the same keys), so its smoke run looks them up instead of compiling."""
+    write = lambda root: write_decode_manifest(root / "decode.toml", tiny_model, widths=(128,))  # noqa: E731
+    return _shared_build(tmp_path_factory, "built-with-decode", write)
+
+
+@pytest.fixture(scope="session")
+def packaged_build(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> SharedBuild:
+    """The transformer and vae.decode as AOTInductor packages at two shapes (128 and 256 wide),
+    built once per run: tests/backends/test_artifacts.py's release; its 128 unit is bench/firstcall.py's
+    `package` unit (the same key)."""
+    write = lambda root: write_decode_manifest(root / "package.toml", tiny_model, extra=PACKAGE)  # noqa: E731
+    return _shared_build(tmp_path_factory, "packaged", write, "--jobs", "2")
 
 
 # ---- a second pipeline family: tiny StableDiffusionXL (tests/test_sdxl.py) ------------------------

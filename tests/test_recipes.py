@@ -1,10 +1,12 @@
-"""Compile recipes end to end on the tiny pipeline: one manifest of five recipe entries, built
-once, pulled into another path, replayed with 0 compiles, and served by fresh processes that call
+"""Compile recipes end to end on the tiny pipeline: five recipe entries, each built, pulled into
+another path, replayed with 0 compiles, and served by fresh processes that call
 neffbuild.serve.prepare (or paste `neffbuild recipe`'s plain Python, or are written by hand from
 the diffusers guide) and count 0 compiler-cache misses; a server compiling with the default
-recipe misses against the same cache.
+recipe misses against the autotune entry's cache.
 
-The entries share one build: (a) max-autotune-no-cudagraphs with the diffusers guide's Inductor
+Each entry is its own release (built once per test run, by the first of its tests), and its tests
+are one xdist group: the five builds spread over both workers instead of one build of all five
+holding one worker for most of the suite. The entries: (a) max-autotune-no-cudagraphs with the diffusers guide's Inductor
 flags, (b) channels_last on vae.decode and fused QKV on the transformer, (c) dynamic shapes
 (duck_shape = false) over two sizes, served by one graph, (d) torch's default dynamic ("auto")
 with the guide's mode and flags over two sizes, (e) torchao int8 dynamic quantization with a
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +26,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-# Five real builds (eight units: a dynamic entry's units each compile its graphs) in one fixture.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+# Five real builds (eight units: a dynamic entry's units each compile its graphs), one per entry.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # 64 and 128 image tokens (64 text tokens: distinct symbols). Two sizes show one graph serving
 # another size; a third was one more unit compiled and asserted nothing new.
@@ -46,28 +49,39 @@ OMP_NUM_THREADS = "2"
 """
 
 
-def recipe_entries(model: Path) -> str:
-    def entry(entry_id: str, components: str, shapes: str, recipe: str) -> str:
-        return (
-            f'\n[[model]]\nid = "{entry_id}"\nmodel = "{model}"\npipeline = "Flux2KleinPipeline"\ndtype = "float32"\n'
-            f"components = {components}\nshapes = {shapes}\n{CALL}\n{recipe}"
-        )
+def recipe_entry(model: Path, entry_id: str) -> str:
+    components, shapes, recipe = {
+        "autotune": ('["transformer"]', "{ height = 128, width = 128 }",
+                     f'[model.compile]\nmode = "max-autotune-no-cudagraphs"\ninductor = {GUIDE_FLAGS}\n'),
+        "layout": ('["transformer", "vae.decode"]', "{ height = 128, width = 128 }",
+                   '[model.compile.components.transformer]\nfuse_qkv = true\n'
+                   '[model.compile.components."vae.decode"]\nmemory_format = "channels_last"\n'),
+        "dynamic": ('["transformer"]', f"{{ height = 128, width = {DYNAMIC_WIDTHS} }}",
+                    "[model.compile]\ndynamic = true\nduck_shape = false\n"),
+        "auto": ('["transformer"]', f"{{ height = 128, width = {AUTO_WIDTHS} }}",
+                 f'[model.compile]\nmode = "max-autotune"\ninductor = {GUIDE_FLAGS}\ndynamic = "auto"\n'),
+        "int8": ('["transformer"]', "{ height = 128, width = 128 }",
+                 '[model.compile]\nquantize = "int8-dynamic"\nquantize_skip = ["proj_out"]\n'),
+    }[entry_id]  # fmt: skip
+    return (
+        f'\n[[model]]\nid = "{entry_id}"\nmodel = "{model}"\npipeline = "Flux2KleinPipeline"\ndtype = "float32"\n'
+        f"components = {components}\nshapes = {shapes}\n{CALL}\n{recipe}"
+    )
 
-    return "".join(
-        [
-            entry("autotune", '["transformer"]', "{ height = 128, width = 128 }",
-                  f'[model.compile]\nmode = "max-autotune-no-cudagraphs"\ninductor = {GUIDE_FLAGS}\n'),
-            entry("layout", '["transformer", "vae.decode"]', "{ height = 128, width = 128 }",
-                  '[model.compile.components.transformer]\nfuse_qkv = true\n'
-                  '[model.compile.components."vae.decode"]\nmemory_format = "channels_last"\n'),
-            entry("dynamic", '["transformer"]', f"{{ height = 128, width = {DYNAMIC_WIDTHS} }}",
-                  "[model.compile]\ndynamic = true\nduck_shape = false\n"),
-            entry("auto", '["transformer"]', f"{{ height = 128, width = {AUTO_WIDTHS} }}",
-                  f'[model.compile]\nmode = "max-autotune"\ninductor = {GUIDE_FLAGS}\ndynamic = "auto"\n'),
-            entry("int8", '["transformer"]', "{ height = 128, width = 128 }",
-                  '[model.compile]\nquantize = "int8-dynamic"\nquantize_skip = ["proj_out"]\n'),
-        ]
-    )  # fmt: skip
+
+# The units each entry's build must report, in the manifest's order.
+UNITS = {
+    "autotune": ["autotune/128x128x1"],
+    "layout": ["layout/128x128x1"],
+    "dynamic": [f"dynamic/128x{w}x1" for w in DYNAMIC_WIDTHS],
+    "auto": [f"auto/128x{w}x1" for w in AUTO_WIDTHS],
+    "int8": ["int8/128x128x1"],
+}
+
+
+def grouped(entry: str) -> pytest.MarkDecorator:
+    """The entry's tests share its build: one xdist group (scripts/test.sh runs --dist loadgroup)."""
+    return pytest.mark.xdist_group(f"recipe-{entry}")
 
 
 @dataclass(frozen=True)
@@ -80,16 +94,26 @@ class Release:
 
 
 @pytest.fixture(scope="module")
-def recipes_built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, cli) -> Release:
-    root = tmp_path_factory.mktemp("recipes")
-    manifest = root / "recipes.toml"
-    manifest.write_text(f'name = "tiny-recipes"\n{recipe_entries(tiny_model)}')
-    built = cli("build", str(manifest), "--store", str(root / "store"), "--json")
-    assert built.returncode == 0, built.stderr
-    cache = root / "host-b" / "cache"
-    pulled = cli("pull", "tiny-recipes", "--store", str(root / "store"), "--cache-dir", str(cache), "--json")
-    assert pulled.returncode == 0, pulled.stderr
-    return Release(manifest, root / "store", json.loads(built.stdout), cache, json.loads(pulled.stdout)["exports"])
+def release_of(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, cli) -> Callable[[str], Release]:
+    """`release_of(entry)`: the entry built into a store of its own and pulled into another path,
+    once per worker (its tests are one xdist group, so once per run)."""
+    made: dict[str, Release] = {}
+
+    def release(entry: str) -> Release:
+        if entry not in made:
+            root = tmp_path_factory.mktemp(f"recipe-{entry}")
+            manifest = root / "recipes.toml"
+            manifest.write_text(f'name = "tiny-recipes"\n{recipe_entry(tiny_model, entry)}')
+            built = cli("build", str(manifest), "--store", str(root / "store"), "--json")
+            assert built.returncode == 0, built.stderr
+            cache = root / "host-b" / "cache"
+            pulled = cli("pull", "tiny-recipes", "--store", str(root / "store"), "--cache-dir", str(cache), "--json")
+            assert pulled.returncode == 0, pulled.stderr
+            exports = json.loads(pulled.stdout)["exports"]
+            made[entry] = Release(manifest, root / "store", json.loads(built.stdout), cache, exports)
+        return made[entry]
+
+    return release
 
 
 # A serving process: load the pipeline, apply a recipe (prepare, pasted code, or a hand-written
@@ -134,41 +158,45 @@ def serve(release: Release, model: Path, how: str, arg: str, sizes: list[tuple[i
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_each_recipe_entry_builds_and_replays_from_another_path_with_zero_compiles(recipes_built: Release, cli) -> None:
-    outcomes = {o["unit_id"]: o for o in recipes_built.build["outcomes"]}
-    dynamic = [f"dynamic/128x{w}x1" for w in DYNAMIC_WIDTHS]
-    auto = [f"auto/128x{w}x1" for w in AUTO_WIDTHS]
-    assert sorted(outcomes) == sorted(["autotune/128x128x1", *auto, *dynamic, "int8/128x128x1", "layout/128x128x1"])
+@pytest.mark.parametrize("entry", [pytest.param(e, marks=grouped(e)) for e in UNITS])
+def test_each_recipe_entry_builds_and_replays_from_another_path_with_zero_compiles(
+    release_of: Callable[[str], Release], entry: str, cli
+) -> None:
+    release = release_of(entry)
+    outcomes = {o["unit_id"]: o for o in release.build["outcomes"]}
+    assert sorted(outcomes) == sorted(UNITS[entry])
     assert all(o["status"] == "built" and o["compiles"] > 0 for o in outcomes.values())
-    result = cli("verify", str(recipes_built.manifest), "--cache-dir", str(recipes_built.cache), "--replay", "--json")
+    result = cli("verify", str(release.manifest), "--cache-dir", str(release.cache), "--replay", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["misses"] == 0
+    assert report["misses"] == 0 and sorted(u["unit_id"] for u in report["units"]) == sorted(UNITS[entry])
     for unit in report["units"]:
         assert unit["compiles"] == 0 and unit["written"] == [], unit
         # No benchmark on a hit (Inductor's own select_algorithm_autotune cannot say: a hit adds the
         # deltas its compile recorded). That a build which autotunes counts here: test_autotuning.py.
         assert unit["counters"].get("neffbuild.autotune.selections", 0) == 0, unit
-    # (c): replayed in one process in the manifest's order, the first size loads the symbolic
-    # graph from the cache and the other size runs it without tracing another.
-    graphs = {u["unit_id"]: u["counters"].get("stats.unique_graphs", 0) for u in report["units"]}
-    assert [graphs[u] for u in dynamic] == [1, 0], graphs
+    if entry == "dynamic":
+        # (c): replayed in one process in the manifest's order, the first size loads the symbolic
+        # graph from the cache and the other size runs it without tracing another.
+        graphs = {u["unit_id"]: u["counters"].get("stats.unique_graphs", 0) for u in report["units"]}
+        assert [graphs[u] for u in UNITS[entry]] == [1, 0], graphs
 
 
 @pytest.mark.parametrize(
     ("entry", "sizes"),
     [
-        ("autotune", [(128, 128)]),
-        ("layout", [(128, 128)]),
-        ("dynamic", [(128, w) for w in DYNAMIC_WIDTHS]),
-        ("auto", [(128, w) for w in AUTO_WIDTHS]),
-        ("int8", [(128, 128)]),
+        pytest.param("autotune", [(128, 128)], marks=grouped("autotune")),
+        pytest.param("layout", [(128, 128)], marks=grouped("layout")),
+        pytest.param("dynamic", [(128, w) for w in DYNAMIC_WIDTHS], marks=grouped("dynamic")),
+        pytest.param("auto", [(128, w) for w in AUTO_WIDTHS], marks=grouped("auto")),
+        pytest.param("int8", [(128, 128)], marks=grouped("int8")),
     ],
 )
 def test_a_fresh_server_that_calls_prepare_hits_every_graph(
-    recipes_built: Release, tiny_model: Path, entry: str, sizes: list[tuple[int, int]]
+    release_of: Callable[[str], Release], tiny_model: Path, entry: str, sizes: list[tuple[int, int]]
 ) -> None:
-    counters = serve(recipes_built, tiny_model, "prepare", f"{recipes_built.manifest}#{entry}", sizes)
+    release = release_of(entry)
+    counters = serve(release, tiny_model, "prepare", f"{release.manifest}#{entry}", sizes)
     assert sum(counters.get(name, 0) for name in MISSES) == 0, counters
     assert counters.get("inductor.fxgraph_cache_hit", 0) > 0 and counters.get("neffbuild.graphs.transformer", 0) > 0
     if entry == "layout":
@@ -179,33 +207,37 @@ def test_a_fresh_server_that_calls_prepare_hits_every_graph(
         )
 
 
+@grouped("auto")
 def test_a_server_written_from_the_guide_hits_both_shapes_of_a_dynamic_auto_release(
-    recipes_built: Release, tiny_model: Path
+    release_of: Callable[[str], Release], tiny_model: Path
 ) -> None:
     # Global flags, torch.compile(..., mode=, fullgraph=True) and no dynamic, the shapes called in
     # the manifest's order: a static graph, then the automatic-dynamic one, both from the cache.
-    counters = serve(recipes_built, tiny_model, "guide", "max-autotune", [(128, w) for w in AUTO_WIDTHS])
+    counters = serve(release_of("auto"), tiny_model, "guide", "max-autotune", [(128, w) for w in AUTO_WIDTHS])
     assert sum(counters.get(name, 0) for name in MISSES) == 0, counters
     assert counters.get("inductor.fxgraph_cache_hit", 0) >= 2, counters
 
 
+@grouped("autotune")
 def test_a_server_compiling_with_the_default_recipe_misses_the_autotune_release(
-    recipes_built: Release, tiny_model: Path
+    release_of: Callable[[str], Release], tiny_model: Path
 ) -> None:
-    counters = serve(recipes_built, tiny_model, "default", "", [(128, 128)])
+    counters = serve(release_of("autotune"), tiny_model, "default", "", [(128, 128)])
     assert counters.get("inductor.fxgraph_cache_miss", 0) > 0, counters
 
 
+@grouped("autotune")
 def test_the_printed_recipe_serves_with_zero_compiles_in_a_fresh_process(
-    recipes_built: Release, tiny_model: Path, tmp_path: Path, cli
+    release_of: Callable[[str], Release], tiny_model: Path, tmp_path: Path, cli
 ) -> None:
-    printed = cli("recipe", str(recipes_built.manifest), "--entry", "autotune")
+    release = release_of("autotune")
+    printed = cli("recipe", str(release.manifest), "--entry", "autotune")
     assert printed.returncode == 0, printed.stderr
     assert "neffbuild" not in printed.stdout.replace("# neffbuild recipe", "").replace("`neffbuild pull`", "")
     assert "list_mode_options('max-autotune-no-cudagraphs', False)" in printed.stdout
     assert "'conv_1x1_as_mm': True" in printed.stdout
     code = tmp_path / "recipe.py"
     code.write_text(printed.stdout)
-    counters = serve(recipes_built, tiny_model, "code", str(code), [(128, 128)])
+    counters = serve(release, tiny_model, "code", str(code), [(128, 128)])
     assert sum(counters.get(name, 0) for name in MISSES) == 0, counters
     assert counters.get("inductor.fxgraph_cache_hit", 0) > 0

@@ -3,7 +3,8 @@ built as AOTInductor packages for two static shapes, pulled into another path an
 a fresh process prepares and warms up from it, and serves both shapes with no Dynamo frame and no
 C++ kernel compiled, images equal to eager's; a third shape is refused naming it.
 
-The slow tests share one build (module fixture): one entry, two shapes."""
+The slow tests share one build (`packaged_build`, made once per run in tests/conftest.py, which
+bench/firstcall.py's smoke run looks up too): one entry, two shapes."""
 
 from __future__ import annotations
 
@@ -18,9 +19,7 @@ import pytest
 
 from neffbuild.backends.inductor import InductorBackend
 from neffbuild.documents.manifest import load_manifest
-from tests.conftest import ROOT, write_manifest, write_model_index
-
-PACKAGE = '\n[model.compile]\nartifact = "package"\n'
+from tests.conftest import PACKAGE, ROOT, SharedBuild, write_manifest, write_model_index
 
 # A server as docs/serving.md writes one, counting every Dynamo frame and C++ build it starts.
 SERVER = r"""
@@ -62,13 +61,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def package_manifest(path: Path, model: Path) -> Path:
-    manifest = write_manifest(path, model, extra=PACKAGE)
-    text = manifest.read_text().replace('components = ["transformer"]', 'components = ["transformer", "vae.decode"]')
-    manifest.write_text(text)
-    return manifest
-
-
 def _read_only(root: Path) -> None:
     """As a host mounts a pulled cache: all read-only but `locks/` (docs/hosts.md)."""
     for path in sorted(root.rglob("*"), reverse=True):
@@ -78,13 +70,11 @@ def _read_only(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def packaged(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, cli) -> dict:
-    root = tmp_path_factory.mktemp("packages")
-    manifest = package_manifest(root / "package.toml", tiny_model)
-    store, cache = root / "store", root / "pulled" / "cache"
-    build = cli("build", str(manifest), "--store", str(store), "--jobs", "2", "--json")
-    assert build.returncode == 0, build.stderr[-4000:]
-    pull = cli("pull", json.loads(build.stdout)["release_id"], "--store", str(store), "--cache-dir", str(cache))
+def packaged(packaged_build: SharedBuild, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, cli) -> dict:
+    """The shared package build (tests/conftest.py) pulled into another path, read-only, served."""
+    manifest, store = packaged_build.manifest, packaged_build.store
+    cache = tmp_path_factory.mktemp("packages") / "pulled" / "cache"
+    pull = cli("pull", packaged_build.report["release_id"], "--store", str(store), "--cache-dir", str(cache))
     assert pull.returncode == 0, pull.stderr
     exports = cli("env", "--cache-dir", str(cache), "--json")
     assert exports.returncode == 0, exports.stderr

@@ -1,18 +1,18 @@
 """The inductor backend on real compiles: every listed component is proven compiled, and what
-the key leaves out really changes no graph. One shape, one build, shared by the slow tests here.
+the key leaves out really changes no graph. One shape, one build (`built_with_decode`, made once
+per run in tests/conftest.py), shared by the slow tests here and bench/firstcall.py's smoke run.
 Which files of a cache dir a bundle takes is tested fast, on a layout Inductor writes."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.units.plan import make_plan
-from tests.conftest import write_manifest
+from tests.conftest import SharedBuild, write_manifest
 
 COMPONENTS = 'components = ["transformer"]'
 
@@ -29,22 +29,6 @@ def manifest_with(path: Path, model: Path, components: str, *, call: tuple[str, 
     return written
 
 
-@dataclass(frozen=True)
-class Built:
-    manifest: Path
-    store: Path
-    report: dict
-
-
-@pytest.fixture(scope="module")
-def built_with_decode(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, cli) -> Built:
-    root = tmp_path_factory.mktemp("decode")
-    manifest = manifest_with(root / "decode.toml", tiny_model, '["transformer", "vae.decode"]')
-    result = cli("build", str(manifest), "--store", str(root / "store"), "--json")
-    assert result.returncode == 0, result.stderr
-    return Built(manifest, root / "store", json.loads(result.stdout))
-
-
 def replay(cli, manifest: Path, store: Path, cache: Path) -> tuple[int, dict]:
     if not cache.exists():
         pulled = cli("pull", "tiny-flux2-klein", "--store", str(store), "--cache-dir", str(cache))
@@ -56,7 +40,7 @@ def replay(cli, manifest: Path, store: Path, cache: Path) -> tuple[int, dict]:
 
 @pytest.mark.slow
 def test_a_method_component_records_graphs_and_replays_with_zero_compiles(
-    built_with_decode: Built, tmp_path: Path, cli
+    built_with_decode: SharedBuild, tmp_path: Path, cli
 ) -> None:
     (outcome,) = built_with_decode.report["outcomes"]
     assert outcome["status"] == "built" and outcome["compiles"] >= 2
@@ -96,7 +80,7 @@ def test_a_component_the_warmup_never_runs_fails_the_build_and_its_row_counts_wh
 
 @pytest.mark.slow
 def test_other_steps_and_prompt_text_keep_the_keys_and_replay_with_zero_compiles(
-    built_with_decode: Built, tiny_model: Path, tmp_path: Path, cli
+    built_with_decode: SharedBuild, tiny_model: Path, tmp_path: Path, cli
 ) -> None:
     changed = manifest_with(
         tmp_path / "changed.toml",

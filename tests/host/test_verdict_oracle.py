@@ -3,7 +3,8 @@ that differs from the build's, checked against what a real replay does (0 compil
 
 One real build is shared (the `built` fixture: the tiny FLUX manifest); each perturbation pulls
 nothing new, it runs `status` and `verify --replay` (a private copy of the cache dir per replay,
-two at a time) in a changed environment, or plans and replays a changed manifest. Every
+two at a time) in a changed environment (the host half), or plans and replays a changed manifest
+(the call half: two tests, so two workers share the minutes of replays). Every
 disagreement fails naming the perturbation. A second, one-shape build, made with `CI` and a
 variable neffbuild has no list for set, shows the reverse direction.
 """
@@ -188,20 +189,14 @@ def pulled(built: BuiltStore, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
-def test_status_and_keys_agree_with_real_replays(pulled: Path, tiny_model: Path, tmp_path: Path) -> None:
-    started = time.monotonic()
-    # Replays run one of the release's two units (the same key either way): half the time.
-    one_shape = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,))
-    jobs = [lambda p=p: judge_host(p, one_shape, pulled) for p in HOST]
-    jobs += [lambda p=p: judge_call(p, one_shape, pulled, tmp_path) for p in CALL]
-    assert len(jobs) >= 25
-    jobs += [lambda p=p: judge_call(p, one_shape, pulled, tmp_path) for p in CONSERVATIVE]
+def judged(jobs: list[Callable[[], Outcome]]) -> list[Outcome]:
     with ThreadPoolExecutor(2) as pool:  # two replays at a time
-        outcomes = list(pool.map(lambda job: job(), jobs))
-    outcomes, conservative = outcomes[: -len(CONSERVATIVE)], outcomes[-len(CONSERVATIVE) :]
-    for o in conservative:
-        print(f"conservative: {o.name}: predicted miss={not o.predicted_hit}, replay hit={o.replay_hit} ({o.detail})")
-        assert not o.predicted_hit, f"{o.name}: the verdict says hit where it was meant to stay conservative"
+        return list(pool.map(lambda job: job(), jobs))
+
+
+def agree(outcomes: list[Outcome], started: float) -> None:
+    """Every verdict agrees with its replay (else fail naming each disagreement), and both answers
+    occur: the corpus holds real misses, not only hits."""
     lines = [
         f"{o.name}: predicted {'hit' if o.predicted_hit else 'miss'}, replay {'hit' if o.replay_hit else 'miss'} "
         f"({o.detail}; {o.seconds:.0f} s)"
@@ -210,10 +205,35 @@ def test_status_and_keys_agree_with_real_replays(pulled: Path, tiny_model: Path,
     print(f"oracle: {len(outcomes)} perturbations in {time.monotonic() - started:.0f} s\n" + "\n".join(lines))
     disagreements = [line for o, line in zip(outcomes, lines, strict=True) if o.predicted_hit != o.replay_hit]
     assert not disagreements, "the verdict disagrees with a real replay:\n" + "\n".join(disagreements)
-    # Both answers occur: the corpus holds real misses, not only hits.
     assert {o.replay_hit for o in outcomes} == {True, False}
+
+
+def test_the_corpus_holds_at_least_25_perturbations() -> None:
+    assert len(HOST) + len(CALL) >= 25
+
+
+# The two halves of the corpus are two xdist groups (minutes of replays each): they run on both
+# workers at once. Replays run one of the release's two units (the same key either way): half the time.
+@pytest.mark.xdist_group("oracle-host")
+def test_status_agrees_with_real_replays_on_changed_hosts(pulled: Path, tiny_model: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    one_shape = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,))
+    outcomes = judged([lambda p=p: judge_host(p, one_shape, pulled) for p in HOST])
+    agree(outcomes, started)
     # The build ran without CI (or with it): status names the variable itself on the flipped host.
     assert outcomes[0].extra["names"] == ["env.CI"], outcomes[0].detail
+
+
+@pytest.mark.xdist_group("oracle-call")
+def test_keys_agree_with_real_replays_of_changed_calls(pulled: Path, tiny_model: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    one_shape = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,))
+    outcomes = judged([lambda p=p: judge_call(p, one_shape, pulled, tmp_path) for p in CALL + CONSERVATIVE])
+    outcomes, conservative = outcomes[: -len(CONSERVATIVE)], outcomes[-len(CONSERVATIVE) :]
+    for o in conservative:
+        print(f"conservative: {o.name}: predicted miss={not o.predicted_hit}, replay hit={o.replay_hit} ({o.detail})")
+        assert not o.predicted_hit, f"{o.name}: the verdict says hit where it was meant to stay conservative"
+    agree(outcomes, started)
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +254,7 @@ def built_with_ci(
     return manifest, root / "store", root / "cache", env
 
 
+@pytest.mark.xdist_group("oracle-ci")
 def test_built_with_ci_and_an_unlisted_variable_a_host_without_either_is_told_and_misses(built_with_ci) -> None:
     manifest, store, cache, env = built_with_ci
     without = {name: {k: v for k, v in env.items() if k != name} for name in ("CI", UNLISTED)}
