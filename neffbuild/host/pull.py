@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neffbuild import retry
 from neffbuild.documents.records import FileEntry, Release, trusted_release
@@ -75,10 +75,12 @@ from neffbuild.host.state import (
     release_in,
     release_units,
 )
-from neffbuild.host.trust import Trust, Verified, verify_release
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
 from neffbuild.store.base import Store
+
+if TYPE_CHECKING:  # host/trust.py is imported only where trusted keys are given
+    from neffbuild.host.trust import Trust, Verified
 
 HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
 # Files this large on average are hashed by several threads (their reads and hashes run without
@@ -296,6 +298,8 @@ def _resolved(
     state. Without, where the state holds the release exactly as the store serves it under REF
     (the bytes a pull parsed strictly and recorded), neither is decoded entry by entry again."""
     if trust is not None:
+        from neffbuild.host.trust import verify_release
+
         old = data if isinstance(data, CacheState) else parse_state(data)
         verified = verify_release(store, ref, trust, old.accepted)
         return verified.resolved, verified, old
