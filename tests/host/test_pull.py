@@ -678,6 +678,20 @@ def test_a_no_op_pull_keeps_the_install_time_and_a_new_release_records_its_own(
     )
 
 
+def test_a_state_recording_a_file_the_release_lacks_is_rewritten_without_it(store: LocalStore, tmp_path: Path) -> None:
+    """Every file found as recorded, yet the table holds one more: not what this pull records."""
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    doc = read_state_doc(cache)
+    recorded = dict(doc["files"])
+    doc["files"] = {**recorded, "zz/gone.so": next(iter(recorded.values()))}
+    (cache / STATE_DIR / "state.json").write_text(json.dumps(doc))
+    report = pull(store, "t", cache)
+    assert report.files_fetched == 0 and report.files_rehashed == 0
+    assert read_state_doc(cache)["files"] == recorded
+
+
 def test_env_reads_the_installed_release_without_the_store_even_after_the_tag_moved(
     store: LocalStore, tmp_path: Path, cli
 ) -> None:
