@@ -17,6 +17,7 @@ TAG_MAX = 128
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 STATE_DIR = ".neffbuild"  # inside the cache dir: pull's state and lock (compilers ignore it)
+TRUSTED_KEYS_ENV = "NEFFBUILD_TRUSTED_KEYS"  # a host's trusted public keys (host/trust.py)
 INCOMPLETE_SUFFIX = ".incomplete"  # named temp files are `.<name>.<pid>.<random>.incomplete`
 
 

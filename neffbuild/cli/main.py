@@ -1,10 +1,12 @@
 """The command line's group and its one exit point: `neffbuild --help` by sections, logging on
-stderr, the commands (cli/commands/, one module per section) registered, and typed errors turned
-into one line plus a hint and their exit code."""
+stderr, the commands (cli/commands/, one module per section) registered by name and imported only
+when one runs or help lists them, and typed errors turned into one line plus a hint and their exit
+code."""
 
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import logging
 import sys
@@ -13,7 +15,6 @@ from typing import Any
 
 import click
 
-from neffbuild.cli.commands import ci, host, store
 from neffbuild.cli.terminal import DEBUG, print_error, sanitised_lines
 from neffbuild.cli.views import printed_document
 from neffbuild.errors import NeffbuildError
@@ -25,17 +26,38 @@ SECTIONS = (
     ("A serving host", ("pull", "env", "status", "doctor", "verify", "warmup")),
     ("The store", ("ls", "show", "diff", "du", "gc")),
 )
+# Where each command lives (its module's COMMANDS): a call imports its own section's module
+# only, so `pull` on a host's boot pays for no CI view or store listing.
+MODULES = {
+    "neffbuild.cli.commands.ci": SECTIONS[0][1],
+    "neffbuild.cli.commands.host": SECTIONS[1][1],
+    "neffbuild.cli.commands.store": SECTIONS[2][1],
+}
 
 
 class _ByUser(click.Group):
-    """A group whose help lists commands in SECTIONS (any other command last, under "Other")."""
+    """A group whose help lists commands in SECTIONS (any other command last, under "Other"), each
+    section's module imported when one of its commands is first asked for (MODULES)."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            module = next((m for m, names in MODULES.items() if cmd_name in names), None)
+            if module is not None:
+                _register(self, module)
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        for module in MODULES:
+            _register(self, module)
+        return super().list_commands(ctx)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        commands = {name: self.commands[name] for name in self.list_commands(ctx)}
         listed = {name for _, names in SECTIONS for name in names}
-        sections = [*SECTIONS, ("Other", tuple(sorted(set(self.commands) - listed)))]
-        width = formatter.width - 6 - max(map(len, self.commands), default=0)
+        sections = [*SECTIONS, ("Other", tuple(sorted(set(commands) - listed)))]
+        width = formatter.width - 6 - max(map(len, commands), default=0)
         for title, names in sections:
-            rows = [(n, self.commands[n].get_short_help_str(width)) for n in names if n in self.commands]
+            rows = [(n, commands[n].get_short_help_str(width)) for n in names if n in commands]
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
@@ -60,8 +82,10 @@ def cli(debug: bool, verbose: int, quiet: bool, log_format: str) -> None:
     _log_to_stderr(level, log_format)
 
 
-for command in (*ci.COMMANDS, *host.COMMANDS, *store.COMMANDS):
-    cli.add_command(command)
+def _register(group: click.Group, module: str) -> None:
+    """Add a section module's COMMANDS to the group (once: a second import is a dict lookup)."""
+    for command in importlib.import_module(module).COMMANDS:
+        group.commands.setdefault(command.name or "", command)
 
 
 class _PrintableFormatter(logging.Formatter):

@@ -85,6 +85,10 @@ def trust_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def trust(paths: tuple[Path, ...], pin: str | None = None) -> Trust | None:
+    from neffbuild.names import TRUSTED_KEYS_ENV
+
+    if not paths and pin is None and TRUSTED_KEYS_ENV not in os.environ:
+        return None  # trust_from's answer then, without importing host/trust.py on every pull's start
     from neffbuild.host.trust import trust_from
 
     return trust_from(paths, os.environ, pin)

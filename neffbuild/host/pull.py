@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neffbuild import retry
 from neffbuild.documents.records import FileEntry, Release, trusted_release
@@ -75,10 +75,12 @@ from neffbuild.host.state import (
     release_in,
     release_units,
 )
-from neffbuild.host.trust import Trust, Verified, verify_release
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
 from neffbuild.store.base import Store
+
+if TYPE_CHECKING:  # host/trust.py is imported only where trusted keys are given
+    from neffbuild.host.trust import Trust, Verified
 
 HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
 # Files this large on average are hashed by several threads (their reads and hashes run without
@@ -256,7 +258,7 @@ def pull(
         installed, warnings = _host_checked(store, resolved, installed, old, o, exports)
         scan, missing = _missing_that_fits(cache, installed, old.files, o)
         cache.make()
-        if missing or not _recorded(old, installed, scan.found) or (accepted, expires) != (old.accepted, old.expires):
+        if missing or not _recorded(old, installed, scan) or (accepted, expires) != (old.accepted, old.expires):
             retry.check(store.url)
             files = len(installed.release.files)
             retry.doing(f"fetching {len(missing)} of {files} files ({sum(f.size for f in missing)} bytes)")
@@ -296,6 +298,8 @@ def _resolved(
     state. Without, where the state holds the release exactly as the store serves it under REF
     (the bytes a pull parsed strictly and recorded), neither is decoded entry by entry again."""
     if trust is not None:
+        from neffbuild.host.trust import verify_release
+
         old = data if isinstance(data, CacheState) else parse_state(data)
         verified = verify_release(store, ref, trust, old.accepted)
         return verified.resolved, verified, old
@@ -470,6 +474,7 @@ class Scan:
     found: dict[str, os.stat_result | None]  # path -> status of a file holding its bytes, else None
     hashed: int = 0  # files read back and hashed (the state did not vouch for them)
     damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
+    recorded: State | None = None  # the state scanned, where it vouched for every file and no other
 
 
 def _scan(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
@@ -479,12 +484,14 @@ def _scan(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int
     its fstat stands in for the stat."""
     found: dict[str, os.stat_result | None] = {}
     damaged = set()
+    absent = False
     if state:
         unsure = []
         with cache.beneath() as tree:
             for f in files:
                 st = found[f.path] = _stat(tree, f.path, cache.path)
                 if st is None:
+                    absent = True
                     continue
                 if st.st_size != f.size:
                     found[f.path] = None
@@ -504,7 +511,10 @@ def _scan(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int
             found[f.path] = st
         else:
             damaged.add(f.path)
-    return Scan(found, hashed, frozenset(damaged))
+    # Every file found as the state recorded it, and the state holds no other: it is what this
+    # pull would record (_recorded then needs no second table of 10,000 entries to compare).
+    whole = bool(state) and not (absent or unsure or damaged) and len(state) == len(found)
+    return Scan(found, hashed, frozenset(damaged), state if whole else None)
 
 
 def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, Hashed | None] | None]:
@@ -630,10 +640,13 @@ def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None
     return files
 
 
-def _recorded(old: CacheState, installed: Installed, found: Mapping[str, os.stat_result | None]) -> bool:
+def _recorded(old: CacheState, installed: Installed, scan: Scan) -> bool:
     """Whether the state file already says what this pull would write: compared as data, not
-    encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes."""
-    return old.version == 2 and old.installed == installed and old.files == _state_files(installed, found)
+    encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes. A scan that
+    found every file as the state's table says (scan.recorded) is that table."""
+    if old.version != 2 or old.installed != installed:
+        return False
+    return scan.recorded is old.files or old.files == _state_files(installed, scan.found)
 
 
 def _state_size(installed: Installed) -> int:

@@ -29,13 +29,11 @@ from neffbuild.documents.records import BundleRecord, Release, TagRecord
 from neffbuild.documents.refs import ResolvedRelease, checked_doc, doc_where, parse_ref, read_tag
 from neffbuild.errors import InputError, NotFoundError, TrustError
 from neffbuild.hashing import blake3_bytes, is_digest
-from neffbuild.names import check_digest
+from neffbuild.names import TRUSTED_KEYS_ENV, check_digest
 from neffbuild.store.base import Store
 
 if TYPE_CHECKING:  # signing is read only where keys are trusted: a pull without keys never imports it
     from neffbuild.documents.signing import PublicKey, ReleaseClaim, TagClaim
-
-TRUSTED_KEYS_ENV = "NEFFBUILD_TRUSTED_KEYS"
 
 
 @dataclass(frozen=True, slots=True)
