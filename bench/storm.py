@@ -11,7 +11,15 @@ per run: pulls completed (exit 0) and verified (every file whole), 503s per forw
 p50 / p90 / max of each pull's time from the common start, the utilisation of the throttled
 capacity (requests forwarded / (limit x the time to the last pull's end)), and where a pull's
 requests spent their time (medians over pulls of its --json paced_s, backoff_s, in_flight_s:
-seconds summed over its requests, waiting in the pacer, in backoff, in flight).
+seconds summed over its requests, waiting in the pacer, in backoff, in flight). "first s" is when
+the store saw the storm's first request: 64 processes starting at once on a busy machine of two
+cores take tens of seconds to import and set up, while the store idles; "from first" are p90 /
+storm and the utilisation counted from then (the storm as the store saw it, as a fleet of hosts
+that each start on their own CPUs would make it).
+
+--trace DIR writes, per throttled run, a JSON file of each pull's time and --json counts and of
+when each request reached the proxy and whether it went through (seconds from the storm's start):
+where in a storm the store sat idle, and which hosts were left behind.
 
 --code DIR runs the pulls with another checkout's neffbuild (PYTHONPATH=DIR), e.g. main's code
 for the old policy: `git archive main | tar -x -C /tmp/neffbuild-main`.
@@ -33,6 +41,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import _smoke as smoke
@@ -47,6 +56,7 @@ from tests.tcpproxy import TcpProxy  # noqa: E402
 
 WORK = ROOT / "bench" / ".work" / "storm"
 SPENT = ("paced_s", "backoff_s", "in_flight_s")  # a pull's --json seconds, each a column (median over pulls)
+TRACED = (*SPENT, "throttled", "retries", "paced_to")  # a pull's --json counts in a --trace
 BUCKET = "storm"
 
 
@@ -65,6 +75,7 @@ def main() -> None:
         "--no-unthrottled", action="store_true", help="skip the unthrottled run (requests per pull: --per-pull)"
     )
     p.add_argument("--per-pull", type=float, default=None)
+    p.add_argument("--trace", type=Path, default=None, help="a dir for a JSON trace of each throttled run")
     p.add_argument(
         "--client", choices=("neffbuild", "adaptive", "both"), default="neffbuild",
         help="adaptive: each host sends a recorded pull's requests with botocore's adaptive retry mode (bench/_adaptive.py)",
@@ -85,24 +96,28 @@ def main() -> None:
               f"{os.cpu_count()} CPUs; {uptime()}", flush=True)  # fmt: skip
         print(
             "| client | hosts | limit (req/s) | storm (s) | completed | verified | 503s / forwarded | p50 s | p90 s | max s | p90 / storm "
-            "| utilisation | paced s | backoff s | in flight s |"
+            "| utilisation | first s | p90 / storm from first | utilisation from first | paced s | backoff s | in flight s |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
         port = int(server.endpoint.rsplit(":", 1)[1])
         for hosts in [int(h) for h in args.hosts.split(",")]:
             per_pull = args.per_pull
             if not args.no_unthrottled:
                 with TcpProxy(port, mode="limit", limit=None) as proxy:
+                    started = time.monotonic()
                     ran = run(proxy, url, env, hosts, args.timeout)
                 per_pull = ran[0].forwarded / hosts
-                row(hosts, None, None, ran)
+                row(hosts, None, None, ran, first=first_request(proxy, started))
             limit = args.limit or round(hosts * per_pull / args.storm, 2)
             storm_s = hosts * per_pull / limit if per_pull else None
             for client in ("neffbuild", "adaptive") if args.client == "both" else (args.client,):
                 command = adaptive_command(port, url, env, args.timeout) if client == "adaptive" else None
                 with TcpProxy(port, mode="limit", limit=limit) as proxy:
+                    started = time.monotonic()
                     ran = run(proxy, url, env, hosts, args.timeout, command)
-                row(hosts, limit, storm_s, ran, client)
+                row(hosts, limit, storm_s, ran, client, first=first_request(proxy, started))
+                if args.trace:
+                    trace(args.trace / f"{client}-{hosts}-{limit:g}.json", ran[0], proxy, started)
     print(f"# {uptime()}")
 
 
@@ -142,8 +157,9 @@ def run(
 
 
 def row(
-    hosts: int, limit: float | None, storm_s: float | None, ran: tuple[Storm, int], client: str = "neffbuild"
-) -> None:
+    hosts: int, limit: float | None, storm_s: float | None, ran: tuple[Storm, int], client: str = "neffbuild", *,
+    first: float = 0.0,
+) -> None:  # fmt: skip
     done, verified = ran
     storm_text = f"{storm_s:.0f}" if storm_s else "-"
     ratio = f"{done.ratio:.2f}" if limit else "-"
@@ -151,9 +167,25 @@ def row(
     against = f"{p90 / storm_s:.2f}" if storm_s else "-"
     last = max(p.seconds for p in done.pulls)
     used = f"{done.forwarded / (limit * last):.2f}" if limit else "-"
+    since = f"{first:.1f} | " + (f"{(p90 - first) / storm_s:.2f}" if storm_s else "-")
+    since += f" | {done.forwarded / (limit * (last - first)):.2f}" if limit and last > first else " | -"
     spent = " | ".join(f"{statistics.median(p.report.get(k, 0.0) for p in done.pulls):.1f}" for k in SPENT)
     print(f"| {client} | {hosts} | {limit if limit else 'none'} | {storm_text} | {done.completed}/{hosts} | {verified}/{hosts} | {ratio} | "
-          f"{done.median:.1f} | {p90:.1f} | {last:.1f} | {against} | {used} | {spent} |", flush=True)  # fmt: skip
+          f"{done.median:.1f} | {p90:.1f} | {last:.1f} | {against} | {used} | {since} | {spent} |", flush=True)  # fmt: skip
+
+
+def first_request(proxy: TcpProxy, started: float) -> float:
+    """Seconds from the storm's start to the first request the store saw."""
+    return proxy.decided[0][0] - started if proxy.decided else 0.0
+
+
+def trace(path: Path, done: Storm, proxy: TcpProxy, started: float) -> None:
+    pulls = [
+        {"seconds": round(p.seconds, 2), "code": p.code} | {k: p.report.get(k) for k in TRACED} for p in done.pulls
+    ]
+    decided = [(round(at - started, 3), admitted) for at, admitted in proxy.decided]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pulls": pulls, "decided": decided}))
 
 
 def uptime() -> str:

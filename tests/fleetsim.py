@@ -1,7 +1,11 @@
 """A fleet of pacers (neffbuild/retry.py's Pacer, the real class) against a store that serves
 `limit` requests a second (a token bucket holding one second's worth, as tests/tcpproxy.py's
-"limit" mode), simulated on a virtual clock: each host has `requests` to send, `parallel` at a
-time, and each answer comes `latency` seconds after its request. What the pacer's constants do to a
+"limit" mode), simulated on a virtual clock: each host has `requests` to send, the first
+`sequential` one after another (a pull's marker, tag, release, bundle, locator and pack index),
+the rest `parallel` at a time (its download threads); hosts start within `spread` seconds of each
+other (processes starting together on a busy machine), and each answer comes `latency` seconds
+after its request. Each try of a request takes one turn of its host's pacer, as
+retry.retried does (a 503 asks again at once: the cut pacer spaces it). What the pacer's constants do to a
 fleet, in seconds of CPU instead of minutes of storm (bench/storm.py measures the real one).
 """
 
@@ -26,9 +30,11 @@ class Clock:
 class Fleet:
     hosts: int
     limit: float  # requests/s the store serves
-    requests: int = 29  # per host
-    parallel: int = 4
+    requests: int = 29  # per host (bench/storm.py's release: 6 one after another, then 23 ranges and blobs)
+    parallel: int = 16  # a pull's download threads
     latency: float = 0.02
+    sequential: int = 6
+    spread: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,16 @@ def simulate(fleet: Fleet, policy: retry.Policy, seed: int = 1) -> Outcome:
         heapq.heappush(events, (at, order, host, what, value))
         order += 1
 
+    def starts(done: int) -> int:
+        """Requests to start once a host has `done` answered: the next sequential one, or all its
+        threads once the last of those is in, then one per answer (each frees a thread)."""
+        return fleet.parallel if done == fleet.sequential else 1
+
     for host in range(fleet.hosts):
-        for _ in range(min(fleet.parallel, fleet.requests)):
+        at = rng.random() * fleet.spread
+        for _ in range(min(starts(0), fleet.requests)):
             to_send[host] -= 1
-            push(rng.random() * 0.05, host, "ask", pacers[host].join())
+            push(at, host, "ask", pacers[host].join())
     while events:
         clock.now, _, host, what, value = heapq.heappop(events)
         pacer = pacers[host]
@@ -87,7 +99,7 @@ def simulate(fleet: Fleet, policy: retry.Policy, seed: int = 1) -> Outcome:
             pacer.succeeded()
             to_answer[host] -= 1
             ends[host] = clock.now
-            if to_send[host]:
+            for _ in range(min(starts(fleet.requests - to_answer[host]), to_send[host])):
                 to_send[host] -= 1
                 push(clock.now, host, "ask", pacer.join())
     return Outcome(ends, forwarded, slowed)

@@ -15,8 +15,9 @@ Modes:
   S3's 503 SlowDown (an XML error body), without forwarding them (a throttling server).
 - "limit": a store with a request rate: let `limit` requests a second through (a token bucket
   holding one second's worth, refilled continuously) and answer the rest 503 SlowDown, as S3
-  answers a burst. `forwarded` counts the requests let through, `slowed` the others; `limit`
-  may be changed while it serves (None: no limit).
+  answers a burst. `forwarded` counts the requests let through, `slowed` the others, `decided`
+  holds when each came and whether it went through; `limit` may be changed while it serves
+  (None: no limit).
 - "trickle": successful GET responses for `paths` forward their headers, then the body
   `trickle[0]` bytes every `trickle[1]` seconds (a server that never stops, never finishes).
 - "stall": successful GET responses for `paths` forward their headers, then nothing until the
@@ -66,6 +67,7 @@ class TcpProxy:
         self.trickle = trickle
         self.limit = limit
         self.forwarded = 0
+        self.decided: list[tuple[float, bool]] = []  # "limit": (time.monotonic(), let through) of each request
         self._tokens = 0.0 if limit is None else max(1.0, limit)
         self._filled = time.monotonic()
         self.seen: list[tuple[str, str, dict[str, str]]] = []
@@ -295,7 +297,9 @@ class TcpProxy:
             if self.limit is not None:
                 self._tokens = min(max(1.0, self.limit), self._tokens + (now - self._filled) * self.limit)
             self._filled = now
-            if self.limit is None or self._tokens >= 1:
+            admitted = self.limit is None or self._tokens >= 1
+            self.decided.append((now, admitted))
+            if admitted:
                 self._tokens -= self.limit is not None
                 self.forwarded += 1
                 return True
