@@ -149,9 +149,10 @@ def measure(open_store, args: argparse.Namespace, dropping: bool) -> dict[str, d
 
 
 def report_files(dest: Path):
-    from neffbuild.host.state import read_cache_state
+    from neffbuild.host.cachedir import CacheDir
 
-    return read_cache_state(dest)[1].installed.release.files
+    with CacheDir.opened(dest) as cache:
+        return cache.read_state()[1].installed.release.files
 
 
 def fresh_dest(dropping: bool) -> Path:

@@ -126,7 +126,7 @@ def test_a_failed_pull_is_retried_after_a_jittered_bounded_delay_and_exit_3_is_r
 
 
 def test_the_server_reads_the_pulled_cache_read_only_but_for_the_dirs_its_compiler_writes_on_a_hit() -> None:
-    from neffbuild.backends.serving import INDUCTOR
+    from neffbuild.servingenv import INDUCTOR
 
     service = unit("image-server.service")["Service"]
     example = dict(

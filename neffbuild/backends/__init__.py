@@ -1,33 +1,22 @@
-"""Backend registry: the manifest's `backend = "..."` names one of these."""
+"""The backends: the manifest's `backend = "..."` names one of neffbuild/descriptors.py's BACKENDS,
+whose `implementation` is the class here that compiles for it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from typing import TYPE_CHECKING
 
+from neffbuild import descriptors
 from neffbuild.errors import InputError
 
-if TYPE_CHECKING:  # importing base costs pydantic; pull imports backends.serving only
+if TYPE_CHECKING:  # importing base costs pydantic; pull reads the descriptors only
     from neffbuild.backends.base import Backend
 
 
-def _inductor() -> Backend:
-    from neffbuild.backends.inductor import InductorBackend
-
-    return InductorBackend()
-
-
-def _neuron() -> Backend:
-    from neffbuild.backends.neuron import NeuronBackend
-
-    return NeuronBackend()
-
-
-_FACTORIES: dict[str, Callable[[], Backend]] = {"inductor": _inductor, "neuron": _neuron}
-
-
 def get_backend(name: str) -> Backend:
-    try:
-        return _FACTORIES[name]()
-    except KeyError:
-        raise InputError(f"unknown backend {name!r}", hint=f"use one of {', '.join(sorted(_FACTORIES))}") from None
+    described = descriptors.find(name)
+    if described is None:
+        raise InputError(f"unknown backend {name!r}", hint=f"use one of {', '.join(sorted(descriptors.names()))}")
+    module, _, cls = described.implementation.partition(":")
+    backend: Backend = getattr(importlib.import_module(module), cls)()
+    return backend

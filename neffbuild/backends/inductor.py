@@ -28,7 +28,7 @@ from neffbuild.backends.base import (
     relevant_env,
 )
 from neffbuild.backends.envreads import NOT_KEYED
-from neffbuild.backends.serving import INDUCTOR
+from neffbuild.servingenv import INDUCTOR
 from neffbuild.version import installed_version
 
 if TYPE_CHECKING:

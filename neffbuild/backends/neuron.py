@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters, load_arguments, pipeline_class
-from neffbuild.backends.serving import NEURON, NEURON_COMPILER
 from neffbuild.names import STATE_DIR
+from neffbuild.servingenv import NEURON, NEURON_COMPILER
 
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry

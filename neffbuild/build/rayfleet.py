@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from neffbuild import descriptors
 from neffbuild.build.compile import BuildOptions, build
 from neffbuild.build.fanin import ReleaseResult, release_manifest
 from neffbuild.build.fleet import checked_document, recorded_durations
@@ -135,8 +136,9 @@ def unit_resources(unit: BuildUnit, backend: str, unit_memory: int | None) -> di
     resources: dict[str, Any] = {"num_cpus": int(threads) if threads.isdigit() and int(threads) > 0 else 1}
     if unit_memory is not None:
         resources["memory"] = unit_memory
-    if backend == "neuron":
-        resources["resources"] = {"neuron_cores": int(unit.normalized.get("tensor_parallel") or 1)}
+    described = descriptors.find(backend)
+    if described is not None and described.fleet_resource:  # one per tensor-parallel rank
+        resources["resources"] = {described.fleet_resource: int(unit.normalized.get("tensor_parallel") or 1)}
     return resources
 
 

@@ -16,14 +16,20 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
+from neffbuild import descriptors
 from neffbuild.errors import ManifestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-BackendName = Literal["inductor", "neuron"]
+if TYPE_CHECKING:
+    BackendName = str
+    Device = str
+else:  # the registry's, as literals: pydantic checks them and the schema lists them (enum)
+    BackendName = Literal[descriptors.names()]
+    Device = Literal[descriptors.devices()]
 Mode = Literal["eager", "full", "regional"]
 
 # Limits (docs/manifest.md, "Types and limits"): far above any real manifest, low enough that a typo such as an extra
@@ -53,9 +59,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _COMPONENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _S3_URL = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
-Device = Literal["cpu", "cuda", "neuron"]
-_VALID_DEVICES: dict[str, tuple[Device, ...]] = {"inductor": ("cpu", "cuda"), "neuron": ("neuron",)}
-_CACHE_VARS_OWNED = {"TORCHINDUCTOR_CACHE_DIR", "TORCH_NEURONX_NEFF_CACHE_DIR", "TRITON_CACHE_DIR"}
+_CACHE_VARS_OWNED = {name for b in descriptors.BACKENDS for name in b.owned_env}
 PROMPT_ARGS = re.compile(r"^(negative_)?prompt(_\d)?$")
 DEFAULT_PROMPT = "a photo of a cat"  # the warmup prompt when a manifest's call gives none
 
@@ -269,7 +273,16 @@ def resolve_recipe(recipe: Recipe, spec: str) -> ResolvedRecipe:
 
 
 def _default_device(data: dict[str, Any]) -> Device:
-    return _VALID_DEVICES.get(data.get("backend", "inductor"), ("cpu",))[0]
+    backend = descriptors.find(data.get("backend", _DEFAULT_BACKEND)) or descriptors.portable()
+    return backend.devices[0]
+
+
+_DEFAULT_BACKEND = descriptors.portable().name
+# "cpu for the inductor backend, neuron for neuron."
+_DEVICE_DEFAULTS = ", ".join(
+    f"{b.devices[0]} for {'the ' if i == 0 else ''}{b.name}{' backend' if i == 0 else ''}"
+    for i, b in enumerate(descriptors.BACKENDS)
+)
 
 
 class ModelEntry(_Strict):
@@ -291,10 +304,8 @@ class ModelEntry(_Strict):
         max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="diffusers pipeline class name."
     )
     dtype: Dtype = "bfloat16"
-    backend: BackendName = "inductor"
-    device: Device = Field(
-        default_factory=_default_device, description="Default: cpu for the inductor backend, neuron for neuron."
-    )
+    backend: BackendName = _DEFAULT_BACKEND
+    device: Device = Field(default_factory=_default_device, description=f"Default: {_DEVICE_DEFAULTS}.")
     mode: Mode = "full"
     components: Annotated[tuple[str, ...], Field(max_length=32)] = Field(
         default=("transformer",),
@@ -369,11 +380,14 @@ class ModelEntry(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelEntry:
-        if self.device not in _VALID_DEVICES[self.backend]:
-            allowed = ", ".join(_VALID_DEVICES[self.backend])
+        backend = descriptors.find(self.backend)
+        assert backend is not None  # the literal let only a known name through
+        if self.device not in backend.devices:
+            allowed = ", ".join(backend.devices)
             raise ValueError(f"device {self.device!r} does not suit backend {self.backend!r} (use {allowed})")
-        if self.tensor_parallel > 1 and self.backend != "neuron":
-            raise ValueError("tensor_parallel > 1 needs backend = 'neuron'")
+        if self.tensor_parallel > 1 and not backend.tensor_parallel:
+            sharding = " or ".join(repr(b.name) for b in descriptors.BACKENDS if b.tensor_parallel)
+            raise ValueError(f"tensor_parallel > 1 needs backend = {sharding}")
         if self.mode == "eager" and self.components != ("transformer",):
             raise ValueError("components has no effect in mode 'eager'; remove it")
         if len(set(self.components)) != len(self.components) or not self.components:

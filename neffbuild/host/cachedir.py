@@ -10,15 +10,20 @@ and its lock is pull's flock under `.neffbuild/`, which saves duplicate work whe
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.confined import Beneath, disk_error
 from neffbuild.fs.locks import acquire
 from neffbuild.host.state import (
+    STATE_FILE,
     CacheState,
+    load_state,
     open_existing,
     open_state_dir,
     read_state,
@@ -105,16 +110,38 @@ class CacheDir:
         return Beneath(self.make(), self.path)
 
     @contextmanager
-    def locked(self, timeout: float | None = None) -> Iterator[int]:
+    def locked(self, timeout: float | None = None) -> Iterator[Held]:
         """Hold pull's lock while the block runs (ConflictError after timeout seconds); yields
-        the open state dir. The kernel drops the lock if this process dies."""
+        the state as the holder reads and writes it. The kernel drops the lock if this process dies."""
         state_dir = self.state_dir(create=True)
         assert state_dir is not None
         try:
             with lock_in(state_dir, self.lock_path, timeout):
-                yield state_dir
+                yield Held(state_dir, self.state_path)
         finally:
             os.close(state_dir)
+
+    def wait_for_other_pull(self, timeout: float | None) -> bool:
+        """Whether another pull held the lock (then it has finished: waited for up to timeout
+        seconds, else ConflictError); opens only what exists, takes the lock only to wait."""
+        state_dir = self.state_dir(create=False)
+        if state_dir is None:
+            return False
+        try:
+            fd = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
+        except OSError:
+            return False  # no lock file: no pull at work (a link there is refused when one takes it)
+        finally:
+            os.close(state_dir)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                acquire(fd, self.lock_path, timeout, "pull lock", LOCK_HINT)
+                return True
+        finally:
+            os.close(fd)
 
     def writable_dirs(self, allowed: Collection[str]) -> list[Path]:
         """Dirs this process could write, outside allowed (read-only detection)."""
@@ -128,6 +155,22 @@ class CacheDir:
         from neffbuild.fs.readonly import require_read_only
 
         require_read_only(self.path, backend, writable)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The state dir of a cache dir whose lock this process holds: its state, read and replaced."""
+
+    fd: int  # `.neffbuild/`, open
+    shown: Path  # the state file, for messages
+
+    def state(self) -> tuple[bytes | None, CacheState]:
+        """(the state file's bytes, what it says); a missing, foreign or broken file reads as empty."""
+        return load_state(self.fd)
+
+    def write_state(self, data: bytes) -> None:
+        """Replace the state file with data, atomically (a reader sees the old or the new one)."""
+        write_atomic_at(self.fd, STATE_FILE, data, shown=self.shown)
 
 
 @contextmanager

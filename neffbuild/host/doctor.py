@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from neffbuild.backends import get_backend
+from neffbuild import descriptors
+from neffbuild.descriptors import BackendDescriptor, HostRuntime
 from neffbuild.documents.records import Release, parse
 from neffbuild.errors import HostNotReady, InputError
 from neffbuild.fs.room import nearest_existing, room_for
+from neffbuild.host.exports import serving_env
 from neffbuild.host.hostcheck import Facts, check_host, read_facts
 from neffbuild.store import StoreChoice
 
@@ -48,52 +50,6 @@ class DoctorReport:
     @property
     def ok(self) -> bool:
         return all(c.status != "fail" for c in self.checks)
-
-
-@dataclass(frozen=True, slots=True)
-class BackendHost:
-    """What doctor needs to know about a backend's runtime on a host."""
-
-    module: str  # must be importable by the serving Python
-    install_hint: str
-    device_pattern: str | None  # device nodes under /dev that must exist, as a regex
-    device_label: str  # the same, for people
-    default_cache_dir: str  # where the compiler caches when its variable is unset ({user} filled in)
-    # A dir outside the cache dir that the runtime creates at start-up, hit or miss, and fails
-    # without: its variable and default. None: the backend has none.
-    lock_dir_env: str | None = None
-    default_lock_dir: str = ""
-    # Variables that turn the runtime's cache off, and the values that do: a host with one set
-    # compiles every graph whatever it pulled.
-    cache_switches: tuple[tuple[str, frozenset[str]], ...] = ()
-
-
-BACKEND_HOSTS = {
-    "neuron": BackendHost(
-        module="torch_neuronx",
-        install_hint="install torch-neuronx from the Neuron SDK into the serving Python (see docs/trainium.md)",
-        device_pattern=r"neuron\d+",
-        device_label="Neuron device nodes (neuron0, neuron1, ...)",
-        default_cache_dir="/tmp/neff_cache",
-        # torch_neuronx 0.1.0 creates it when its compilation cache starts (CompilationCache.cpp:40-58).
-        lock_dir_env="TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
-        default_lock_dir="/tmp/local_cache",
-        # The disk cache: "1" on the C++ path (PersistentCacheBackend.cpp:18, 57), also "true" or
-        # "yes" on the Python path (kernels/cache_utils.py:18-20); the Python in-memory caches
-        # (utils.py:190-198). Case-insensitive where Python reads it.
-        cache_switches=(
-            ("TORCH_NEURONX_NEFF_DISABLE_CACHE", frozenset({"1", "true", "yes"})),
-            ("TORCH_NEURONX_DISABLE_NEFF_CACHE", frozenset({"1", "true", "yes"})),
-        ),
-    ),
-    "inductor": BackendHost(
-        module="torch",
-        install_hint="install torch into the serving Python",
-        device_pattern=None,
-        device_label="",
-        default_cache_dir="/tmp/torchinductor_{user}",
-    ),
-}
 
 
 def _module_available(name: str) -> bool:
@@ -123,9 +79,8 @@ def run_doctor(
     release: Release | None = None,
     host: HostView = HostView(),
 ) -> DoctorReport:
-    name = _backend_name(backend, release, host)
-    info = BACKEND_HOSTS[name]
-    cache_env = get_backend(name).cache_env
+    described = _backend(backend, release, host)
+    name, info, cache_env = described.name, described.host, described.cache_env
     where = _cache_dir(cache_dir, env, cache_env, info)
     checks = (
         check_module(info, host),
@@ -135,8 +90,8 @@ def run_doctor(
         check_persistent(where, host, cache_env),
         check_writable(where),
         check_free_space(where, release, host),
-        check_lock_dir(info, {**env, **(release.env if release else {})}),
-        check_cache_on(info, {**env, **(release.env if release else {})}),
+        check_lock_dir(info, serving_env(env, release.env if release else {})),
+        check_cache_on(info, serving_env(env, release.env if release else {})),
     )
     return DoctorReport(backend=name, cache_dir=where, checks=checks)
 
@@ -160,30 +115,32 @@ def not_ready(report: DoctorReport) -> HostNotReady | None:
     )
 
 
-def _backend_name(backend: str | None, release: Release | None, host: HostView) -> str:
-    """--backend, else the release's, else the one this host has: neuron where torch_neuronx is."""
-    here = "neuron" if host.module_available(BACKEND_HOSTS["neuron"].module) else "inductor"
-    name = backend or (release.backend if release else here)
+def _backend(backend: str | None, release: Release | None, host: HostView) -> BackendDescriptor:
+    """--backend, else the release's, else the one this host has: the first whose runtime is
+    installed (neuron where torch_neuronx is), else the portable one (inductor)."""
+    here = next(b for b in descriptors.by_specificity() if b.portable or host.module_available(b.host.module))
+    name = backend or (release.backend if release else here.name)
     if release is not None and release.backend != name:
         raise InputError(f"--backend {name} but the release was built with {release.backend}", hint="drop --backend")
-    if name not in BACKEND_HOSTS:
-        raise InputError(f"unknown backend {name!r}", hint=f"use one of {', '.join(sorted(BACKEND_HOSTS))}")
-    return name
+    described = descriptors.find(name)
+    if described is None:
+        raise InputError(f"unknown backend {name!r}", hint=f"use one of {', '.join(sorted(descriptors.names()))}")
+    return described
 
 
-def _cache_dir(given: Path | None, env: Mapping[str, str], cache_env: str, info: BackendHost) -> Path:
+def _cache_dir(given: Path | None, env: Mapping[str, str], cache_env: str, info: HostRuntime) -> Path:
     # Unset means the compiler's own default, which is exactly what a misconfigured host uses.
     raw = given or env.get(cache_env) or info.default_cache_dir.format(user=env.get("USER", "root"))
     return Path(os.path.abspath(Path(raw).expanduser()))
 
 
-def check_module(info: BackendHost, host: HostView) -> Check:
+def check_module(info: HostRuntime, host: HostView) -> Check:
     if host.module_available(info.module):
         return Check("backend", "pass", f"{info.module} is importable")
     return Check("backend", "fail", f"{info.module} is not importable in this Python", info.install_hint)
 
 
-def check_devices(info: BackendHost, host: HostView) -> Check:
+def check_devices(info: HostRuntime, host: HostView) -> Check:
     if info.device_pattern is None:
         return Check("devices", "skip", "this backend needs no device nodes")
     pattern = re.compile(info.device_pattern)
@@ -246,7 +203,7 @@ def check_compiler_config(release: Release | None, env: Mapping[str, str], host:
         return Check("compiler config", "skip", "torch is not importable here (the backend check says so)")
     # As the server runs: this environment, the release's exports, the variables the units set.
     unit_env = {k.removeprefix("env."): v for k, v in release.fingerprint.items() if k.startswith("env.")}
-    here = host.config_hashes({**env, **release.env, **unit_env})
+    here = host.config_hashes({**serving_env(env, release.env), **unit_env})
     if not here:
         return Check(
             "compiler config",
@@ -302,7 +259,7 @@ def check_writable(cache_dir: Path) -> Check:
     return Check("writable", "pass", f"{cache_dir} is writable{made}")
 
 
-def check_cache_on(info: BackendHost, env: Mapping[str, str]) -> Check:
+def check_cache_on(info: HostRuntime, env: Mapping[str, str]) -> Check:
     """No variable in the server's environment turns the runtime's cache off."""
     if not info.cache_switches:
         return Check("cache on", "skip", "this backend has no cache switch")
@@ -317,7 +274,7 @@ def check_cache_on(info: BackendHost, env: Mapping[str, str]) -> Check:
     return Check("cache on", "pass", f"neither {' nor '.join(n for n, _ in info.cache_switches)} turns the cache off")
 
 
-def check_lock_dir(info: BackendHost, env: Mapping[str, str]) -> Check:
+def check_lock_dir(info: HostRuntime, env: Mapping[str, str]) -> Check:
     """The runtime's lock dir can be made by the serving user: without it the server fails to
     start even when every lookup would hit, also with a read-only cache dir."""
     if info.lock_dir_env is None:

@@ -1,7 +1,7 @@
 """The environment a release gives its serving process, checked, and written for a shell or systemd.
 
 A release comes from a store; what `pull` prints is `eval`ed by a shell and what it writes is read
-by systemd, so a release may export only (see backends/serving.py):
+by systemd, so a release may export only (see servingenv.py):
 - its backend's cache variable, always set to the pulled dir (a release cannot point it elsewhere),
 - the compiler settings its backend declares, and
 - what the host accepts by name with `--allow-env NAME` or `NEFFBUILD_ALLOW_ENV` (host_allow).
@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffbuild.backends.serving import BY_BACKEND
+from neffbuild import descriptors
 from neffbuild.errors import InputError, IntegrityError
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.printable import UNSAFE, printable
@@ -102,12 +102,13 @@ def exports_for(release: Release, cache_dir: Path, where: str, allow: Collection
     release document (where) and the variable for anything a release may not set."""
     check_allowed_names(allow)
     backend, cache_env, env = release.backend, release.cache_env, release.env
-    serving = BY_BACKEND.get(backend)
-    if serving is None:
+    described = descriptors.find(backend)
+    if described is None:
         raise IntegrityError(
             f"{where}: backend {backend!r} is not one this neffbuild knows",
-            hint=f"known: {', '.join(sorted(BY_BACKEND))}; upgrade neffbuild?",
+            hint=f"known: {', '.join(sorted(descriptors.names()))}; upgrade neffbuild?",
         )
+    serving = described.serving
     if cache_env != serving.cache_env:
         raise IntegrityError(
             f"{where}: cache_env {cache_env!r} is not the {backend} backend's cache variable {serving.cache_env}",
@@ -176,10 +177,15 @@ def check_exports(exports: Mapping[str, str], allowed: Collection[str]) -> dict[
     return dict(exports)
 
 
+def serving_env(env: Mapping[str, str], exports: Mapping[str, str]) -> dict[str, str]:
+    """The environment the server runs with: env (this host's), with the release's exports over it."""
+    return {**env, **exports}
+
+
 def serving_dirs(backend: str) -> tuple[str, ...]:
-    """Dirs inside the cache dir that the backend's server writes even on a hit (see serving.py)."""
-    serving = BY_BACKEND.get(backend)
-    return serving.writable if serving else ()
+    """Dirs inside the cache dir that the backend's server writes even on a hit (see servingenv.py)."""
+    described = descriptors.find(backend)
+    return described.serving.writable if described else ()
 
 
 def shell_lines(exports: Mapping[str, str]) -> str:

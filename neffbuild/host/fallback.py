@@ -21,7 +21,7 @@ from neffbuild.documents.records import FileEntry
 from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError, TrustError
 from neffbuild.fs.confined import Beneath
 from neffbuild.host.cachedir import CacheDir
-from neffbuild.host.exports import env_file_text, exports_for, write_env_file
+from neffbuild.host.exports import env_file_text, exports_for, serving_env, write_env_file
 from neffbuild.host.pull import PullOptions, PullReport, preflight, pull
 from neffbuild.host.state import CacheState, Installed
 from neffbuild.retry import bounded, operation
@@ -69,7 +69,7 @@ def pull_or_stale(
     exports = exports_for(installed.release, cache.path, str(cache.state_path), options.allow_env)
     # The host check needs no store: a mismatch is never booted, stale or not.
     host_env = options.host_env
-    warnings = preflight(installed, {**host_env, **exports}) if host_env is not None else ()
+    warnings = preflight(installed, serving_env(host_env, exports)) if host_env is not None else ()
     if options.env_file is not None:
         write_env_file(options.env_file, env_file_text(exports))
     release = installed.release

@@ -1,7 +1,7 @@
 """Will this host hit, and why not? Its fingerprint, as the server will run, against a build's.
 
 A host is judged as it will serve: this environment with the release's exports applied over it
-(`serving_env`). Its facts come from files (versions, CPU flags, core topology; see each
+(`host/exports.py`'s `serving_env`). Its facts come from files (versions, CPU flags, core topology; see each
 backend's collect_facts), so a check costs milliseconds and starts no device; the facts no file
 holds are named there. Each differing field is classified by the backend's own lists
 (`breaking_fields`, `informational_fields`): breaking means kernels or the compiler's keys
@@ -24,6 +24,7 @@ from neffbuild.backends.base import Backend, Scope
 from neffbuild.backends.envreads import UNSET, host_differences
 from neffbuild.documents.records import BundleRecord, Release, unit_key
 from neffbuild.errors import InputError
+from neffbuild.host.exports import serving_env
 
 Facts = Callable[[Backend, Mapping[str, str], str], Mapping[str, str]]
 FLAG_LISTS = frozenset({"cpu.isa"})  # comma-separated flags: say which ones differ
@@ -87,11 +88,6 @@ class HostReport:
     @property
     def ok(self) -> bool:
         return not self.breaking
-
-
-def serving_env(release: Release, env: Mapping[str, str]) -> dict[str, str]:
-    """The environment the server runs with: this one, with the release's exports over it."""
-    return {**env, **release.env}
 
 
 def host_fingerprint(
@@ -183,9 +179,9 @@ def _check_release(release: Release, env: Mapping[str, str], facts: Facts) -> Ho
     scope = Scope(
         built.get("device") or backend.default_device, int(tp) if tp.isdigit() else 1, names, "torchao" in built
     )
-    here = host_fingerprint(backend, scope, serving_env(release, env), facts)
+    here = host_fingerprint(backend, scope, serving_env(env, release.env), facts)
     diffs = _diffs(backend, built, here, complete=False)
-    diffs += read_diffs(release.env_reads, serving_env(release, env), {d.name for d in diffs} | set(built))
+    diffs += read_diffs(release.env_reads, serving_env(env, release.env), {d.name for d in diffs} | set(built))
     return HostReport(backend.name, tuple(UnitCheck(u.unit_id, u.key, "", diffs) for u in release.units), diffs)
 
 

@@ -19,7 +19,6 @@ from neffbuild.documents.refs import resolve
 from neffbuild.errors import NotFoundError
 from neffbuild.fs.confined import disk_error
 from neffbuild.host.cachedir import CacheDir
-from neffbuild.host.state import load_state
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.store.base import Store
 
@@ -44,8 +43,8 @@ def prune_cache_dir(cache_dir: Path, *, store: Store | None = None, dry_run: boo
     with CacheDir.opened(cache_dir) as cache:
         if not cache.has_state_dir():
             raise not_pulled
-        with cache.locked() as state_dir:
-            state = load_state(state_dir)[1].trusted(cache.state_path)
+        with cache.locked() as held:
+            state = held.state()[1].trusted(cache.state_path)
             if state.release_id is None:
                 raise not_pulled
             keep = set(state.files)

@@ -33,7 +33,6 @@ commit point: it vouches only for bytes already flushed, so "the next pull" belo
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import stat
@@ -50,7 +49,6 @@ from neffbuild import retry
 from neffbuild.documents.records import FileEntry, Release, trusted_release
 from neffbuild.documents.refs import ResolvedRelease, resolve
 from neffbuild.errors import DiskError, EnvironmentMismatch, IntegrityError, NotFoundError, StateCorrupt
-from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.confined import (
     Beneath,
     BlobTarget,
@@ -58,19 +56,16 @@ from neffbuild.fs.confined import (
     disk_error,
     sync_filesystem,
 )
-from neffbuild.fs.locks import acquire
 from neffbuild.fs.room import require_room, room_for
-from neffbuild.host.cachedir import LOCK_FILE, LOCK_HINT, CacheDir
-from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, write_env_file
+from neffbuild.host.cachedir import CacheDir, Held
+from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, serving_env, write_env_file
 from neffbuild.host.state import (
-    STATE_FILE,
     CacheState,
     Installed,
     Vouched,
     encode_state,
     find_target,
     installed_unit,
-    load_state,
     parse_state,
     release_in,
     release_units,
@@ -145,7 +140,7 @@ def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Colle
     return exports_for(resolved.release, cache_dir, resolved.where, allow_env)
 
 
-def serving_env(
+def installed_exports(
     cache_dir: Path,
     ref: str | None = None,
     *,
@@ -365,12 +360,7 @@ def _missing_that_fits(
     DiskError, with nothing written. Short of room while another pull holds the lock, whatever
     that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
     scan, missing, sizes = _missing(cache, installed, _trusted(state, o.verify), o.jobs)
-    if (
-        missing
-        and cache.exists
-        and not room_for(cache.path, sizes).fits
-        and _wait_for_other_pull(cache, o.lock_timeout)
-    ):
+    if missing and cache.exists and not room_for(cache.path, sizes).fits and cache.wait_for_other_pull(o.lock_timeout):
         fresh = cache.read_state()[1].files
         scan, missing, sizes = _missing(cache, installed, _trusted(fresh, o.verify), o.jobs)
     if missing:
@@ -385,28 +375,6 @@ def _missing(cache: CacheDir, installed: Installed, state: State, jobs: int) -> 
     missing = [f for f in files if scan.found[f.path] is None]
     sizes = [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
     return scan, missing, sizes
-
-
-def _wait_for_other_pull(cache: CacheDir, timeout: float | None) -> bool:
-    """Whether another pull held the cache dir's lock (then it has finished); only opens what exists."""
-    state_dir = cache.state_dir(create=False)
-    if state_dir is None:
-        return False
-    try:
-        fd = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
-    except OSError:
-        return False  # no lock file: no pull at work (a link there is refused when we take it)
-    finally:
-        os.close(state_dir)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            acquire(fd, cache.lock_path, timeout, "pull lock", LOCK_HINT)
-            return True
-    finally:
-        os.close(fd)
 
 
 def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ...]:
@@ -438,8 +406,8 @@ def _complete(
 ) -> list[FileEntry]:
     """Fetch what is missing and record the state, under the lock; the files fetched."""
     # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
-    with cache.locked(o.lock_timeout) as state_dir:
-        old_state, state = load_state(state_dir)
+    with cache.locked(o.lock_timeout) as held:
+        old_state, state = held.state()
         found = scan.found
         # Another pull may have landed some while we waited for the lock.
         missing = [f for f in resolved.release.files if found[f.path] is None]
@@ -463,7 +431,7 @@ def _complete(
             with cache.beneath() as tree:
                 found.update({f.path: _stat(tree, f.path, root) for f in missing})
         # The tag versions accepted go in with the files: only a pull that passed every check records them.
-        _save_state(state_dir, cache.path, _state_bytes(installed, found, *trusted), old_state)
+        _save_state(held, cache.path, _state_bytes(installed, found, *trusted), old_state)
     return missing
 
 
@@ -668,7 +636,7 @@ def _host_checked(
     for good; the store's bundles are what the release's keys name."""
     if o.host_env is None:
         return installed, ()
-    serving = {**o.host_env, **exports}
+    serving = serving_env(o.host_env, exports)
     try:
         return installed, preflight(installed, serving)
     except EnvironmentMismatch:
@@ -709,7 +677,7 @@ def _installed(
     )
 
 
-def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None) -> None:
+def _save_state(held: Held, cache_dir: Path, data: bytes, old: bytes | None) -> None:
     """Replace the state file with data, unless it already holds exactly that; first flush the
     filesystem (one syncfs for all files), as the state is the commit point: it may vouch only
     for durable bytes. Also for files this pull only re-hashed: a killed pull may have landed
@@ -718,4 +686,4 @@ def _save_state(state_dir: int, cache_dir: Path, data: bytes, old: bytes | None)
     if data == old:
         return
     sync_filesystem(cache_dir)
-    write_atomic_at(state_dir, STATE_FILE, data, shown=cache_dir / STATE_DIR / STATE_FILE)
+    held.write_state(data)

@@ -20,12 +20,14 @@ from pathlib import Path
 
 from neffbuild.backends.base import Scope
 from neffbuild.backends.neuron import BUILD_FACT, IMPORT_DEFAULTS, TARGET_ENV, NeuronBackend, sync_mode
+from neffbuild.descriptors import NEURON
 from neffbuild.host.doctor import Check, DoctorReport
 from neffbuild.printable import printable
 
 log = logging.getLogger(__name__)
 
 PROBE = "neffbuild.backends.neuron_probe"
+DEVICE = NEURON.devices[0]  # the one it probes
 PROBE_TIMEOUT_S = 3600  # a first compile of the probe model; neuronx-cc alone starts in seconds
 # What `import torch_neuronx` 0.1.0 writes when unset (__init__.py:41-65); another wheel may differ.
 WATCHED = (
@@ -52,7 +54,7 @@ def neuron_selfcheck(
     if backend.package_dir_of("torch_neuronx") is None:
         why = f"torch_neuronx is not importable in {sys.executable}: run this on a Trainium host (docs/trainium.md)"
         return DoctorReport(
-            "neuron", Path(work_dir or tempfile.gettempdir()), tuple(Check(n, "skip", why) for n in NAMES)
+            NEURON.name, Path(work_dir or tempfile.gettempdir()), tuple(Check(n, "skip", why) for n in NAMES)
         )
     root = Path(tempfile.mkdtemp(prefix="neffbuild-selfcheck-", dir=work_dir))
     try:
@@ -68,7 +70,7 @@ def neuron_selfcheck(
     finally:
         _make_writable(root)
         shutil.rmtree(root, ignore_errors=True)
-    return DoctorReport("neuron", root, checks)
+    return DoctorReport(NEURON.name, root, checks)
 
 
 def check_import_defaults(backend: NeuronBackend, env: Mapping[str, str], run: Run) -> Check:
@@ -79,7 +81,7 @@ def check_import_defaults(backend: NeuronBackend, env: Mapping[str, str], run: R
     found = _json_line(done)
     if not isinstance(found, dict):
         return _broken("import defaults", done)
-    facts = backend.collect_facts(clean, "neuron")
+    facts = backend.collect_facts(clean, DEVICE)
     expected = sync_mode(facts, clean)
     got = "1" if found.get("NEURON_LAUNCH_BLOCKING") == "1" else "0"
     written = ", ".join(f"{k}={v}" for k, v in sorted(found.items()) if v is not None)
@@ -135,7 +137,7 @@ def check_tp_keys(backend: NeuronBackend, env: Mapping[str, str], run: Run, tens
     """A TP unit's planned fingerprint (before the import) against each rank's (after it)."""
     planned_env = {k: v for k, v in env.items() if k not in WATCHED}
     planned = backend.fingerprint(
-        backend.collect_facts(planned_env, "neuron"), planned_env, Scope("neuron", tensor_parallel)
+        backend.collect_facts(planned_env, DEVICE), planned_env, Scope(DEVICE, tensor_parallel)
     )
     command = [
         sys.executable,
@@ -175,7 +177,7 @@ def check_platform(backend: NeuronBackend, env: Mapping[str, str], run: Run) -> 
     found = _json_line(done)
     if not isinstance(found, dict):
         return _broken("platform", done)
-    planned = backend.fingerprint(backend.collect_facts(clean, "neuron"), clean, Scope("neuron"))
+    planned = backend.fingerprint(backend.collect_facts(clean, DEVICE), clean, Scope(DEVICE))
     wrong = [
         f"{field} {planned[field]!r} (DMI), runtime {found.get(name)!r}"
         for field, name in (("neuron.target", "target"), ("neuron.lnc", "lnc"))
@@ -275,7 +277,7 @@ def check_lock_dir(root: Path, env: Mapping[str, str], run: Run) -> Check:
     unset = run([sys.executable, "-m", PROBE, "compile", str(source)], base)
     if not isinstance(_json_line(unset), dict):
         return _broken("lock dir", unset)
-    fix = "update doctor's lock dir check (neffbuild/host/doctor.py, BACKEND_HOSTS) to this wheel"
+    fix = "update the neuron backend's lock dir (neffbuild/descriptors.py, NEURON.host) to this wheel"
     if (tmpdir / "local_cache").exists():
         return Check(
             "lock dir", "fail", "with it unset the runtime made $TMPDIR/local_cache, not /tmp/local_cache", fix

@@ -433,17 +433,6 @@ def open_existing(cache_dir: Path) -> int | None:
         raise disk_error(exc, cache_dir) from None
 
 
-def read_cache_state(cache_dir: Path) -> tuple[bytes | None, CacheState]:
-    """The state of cache_dir (resolved), or an empty state if the dir does not exist; makes nothing."""
-    root = open_existing(cache_dir)
-    if root is None:
-        return None, CacheState()
-    try:
-        return read_state(root, cache_dir)
-    finally:
-        os.close(root)
-
-
 def state_path(cache_dir: Path) -> Path:
     return cache_dir / STATE_DIR / STATE_FILE
 

@@ -13,7 +13,6 @@ verify. A prediction: `verify --replay` is the proof (it runs each unit and coun
 
 from __future__ import annotations
 
-import os
 import stat
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -21,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from neffbuild.errors import StatusMiss
-from neffbuild.fs.confined import Beneath, disk_error
+from neffbuild.fs.confined import disk_error
 from neffbuild.host.cachedir import CacheDir
-from neffbuild.host.exports import exports_for
+from neffbuild.host.exports import exports_for, serving_env
 from neffbuild.host.hostcheck import FieldDiff, check_host
 from neffbuild.host.state import CacheState, Files, Target, find_target
 
@@ -95,9 +94,14 @@ def status(
     judged where it points now if a store is named (store_named), else as it was installed.
     With a manifest's plan, REF is its tag, and units the manifest declares that the release
     lacks (by id, or with another normalised unit) are reported too."""
-    q = query or StatusQuery()
     with CacheDir.opened(cache_dir) as cache:
-        state = cache.state()
+        return _status(cache, ref, env, open_store, query or StatusQuery())
+
+
+def _status(
+    cache: CacheDir, ref: str | None, env: Mapping[str, str], open_store: Callable[[], Store] | None, q: StatusQuery
+) -> StatusReport:
+    state = cache.state()
     cache_dir = cache.path
     plan = q.plan
     if plan is not None:
@@ -105,11 +109,11 @@ def status(
     target = find_target(state, cache_dir, ref, open_store, store_named=q.store_named)
     # The host as the server will run: this environment with the release's exports applied.
     exports = exports_for(target.release, cache_dir, target.source, q.allow_env)
-    checked = check_host(target.units, {**env, **exports}).units if target.units else ()
+    checked = check_host(target.units, serving_env(env, exports)).units if target.units else ()
     changes: dict[str, Sequence[FieldDiff]] = {u.unit_id: u.diffs for u in checked}
     if plan is not None:
         changes = _manifest_changes(plan, target, changes)
-    report = judge(cache_dir, state, target, changes, {u.unit_id: u.host_key for u in checked}, verify=q.verify)
+    report = judge(cache, state, target, changes, {u.unit_id: u.host_key for u in checked}, verify=q.verify)
     if plan is None:
         return report
     have = {u.unit_id for u in target.units}
@@ -144,29 +148,27 @@ def status_of(
     named = bool(store.url or env.get("NEFFBUILD_STORE"))  # then a tag is judged where it points now
     query = StatusQuery(store_named=named, verify=verify, plan=plan, allow_env=tuple(allow_env))
     signed = None
-    if trust is not None:
-        signed = _signatures(
-            ref if plan is None else plan.loaded.manifest.name,
-            cache_dir,
-            store.open(env, manifest_default=manifest_store),
-            trust,
-        )
-    report = status(
-        cache_dir, ref, env=env, open_store=lambda: store.open(env, manifest_default=manifest_store), query=query
-    )
+    with CacheDir.opened(cache_dir) as cache:
+        if trust is not None:
+            signed = _signatures(
+                ref if plan is None else plan.loaded.manifest.name,
+                cache,
+                store.open(env, manifest_default=manifest_store),
+                trust,
+            )
+        report = _status(cache, ref, env, lambda: store.open(env, manifest_default=manifest_store), query)
     return replace(report, signed=signed)
 
 
-def _signatures(ref: str | None, cache_dir: Path, store: Store, trust: Trust) -> Signed:
+def _signatures(ref: str | None, cache: CacheDir, store: Store, trust: Trust) -> Signed:
     """REF's (else the installed tag's, else the installed release's) signatures, checked."""
     from neffbuild.errors import NotFoundError
-    from neffbuild.host.state import read_cache_state
     from neffbuild.host.trust import verify_release
 
-    state = read_cache_state(cache_dir.expanduser())[1]
+    state = cache.read_state()[1]
     name = ref or state.tag or state.release_id
     if name is None:
-        raise NotFoundError(f"{cache_dir}: no installed release recorded", hint="name the tag or release to check")
+        raise NotFoundError(f"{cache.path}: no installed release recorded", hint="name the tag or release to check")
     return verify_release(store, name, trust, state.accepted).summary()
 
 
@@ -211,7 +213,7 @@ def _shown(value: object) -> str | None:
 
 
 def judge(
-    cache_dir: Path,
+    cache: CacheDir,
     state: CacheState,
     target: Target,
     changes: Mapping[str, Sequence[FieldDiff]],
@@ -220,7 +222,7 @@ def judge(
     verify: bool,
 ) -> StatusReport:
     by_path = {f.path: f for f in target.release.files}
-    found = presence(cache_dir, target.release.files, state.files, verify=verify)
+    found = presence(cache, target.release.files, state.files, verify=verify)
     current = state.release_id == target.release_id
     units = []
     for unit in target.units:
@@ -250,7 +252,7 @@ def judge(
         )
     installed = state.installed
     return StatusReport(
-        cache_dir=cache_dir,
+        cache_dir=cache.path,
         release_id=target.release_id,
         release_name=target.release.name,
         tag=target.tag,
@@ -265,36 +267,29 @@ def judge(
 Presence = Literal["ok", "absent", "corrupt"]
 
 
-def presence(cache_dir: Path, files: Sequence[FileEntry], written: Files, *, verify: bool) -> dict[str, Presence]:
+def presence(cache: CacheDir, files: Sequence[FileEntry], written: Files, *, verify: bool) -> dict[str, Presence]:
     """Each release file: a regular file with its size ("ok"; with verify, also its digest), or not.
     A file pull wrote for another release (the state has its size and mtime, another digest) is
     not this one's, hashing or not. Read the way pull lands files (no link below the cache dir
     followed), in path order."""
-    try:
-        root = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    if not cache.exists:
         return {f.path: "absent" for f in files}
-    except OSError as exc:
-        raise disk_error(exc, cache_dir) from None
     found: dict[str, Presence] = {}
-    try:
-        with Beneath(root, cache_dir) as tree:
-            for entry in sorted(files, key=lambda f: f.path):
-                try:
-                    st = tree.lstat(entry.path)
-                    other = written.get(entry.path)
-                    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
-                        found[entry.path] = "absent"
-                    elif other is not None and other[:2] == (st.st_size, st.st_mtime_ns) and other[2] != entry.digest:
-                        found[entry.path] = "absent"
-                    elif verify and tree.hash_file(entry.path, entry.size) != entry.digest:
-                        found[entry.path] = "corrupt"
-                    else:
-                        found[entry.path] = "ok"
-                except OSError as exc:
-                    raise disk_error(exc, cache_dir / entry.path) from None
-    finally:
-        os.close(root)
+    with cache.beneath() as tree:
+        for entry in sorted(files, key=lambda f: f.path):
+            try:
+                st = tree.lstat(entry.path)
+                other = written.get(entry.path)
+                if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+                    found[entry.path] = "absent"
+                elif other is not None and other[:2] == (st.st_size, st.st_mtime_ns) and other[2] != entry.digest:
+                    found[entry.path] = "absent"
+                elif verify and tree.hash_file(entry.path, entry.size) != entry.digest:
+                    found[entry.path] = "corrupt"
+                else:
+                    found[entry.path] = "ok"
+            except OSError as exc:
+                raise disk_error(exc, cache.path / entry.path) from None
     return found
 
 

@@ -11,7 +11,7 @@ what the replay would have written.
 
 In place (`--in-place`), a replay runs against the checked dir itself, as a server that reads it
 read-only does: refused unless this process cannot write the dir, but for the dirs the backend's
-server writes even on a hit (backends/serving.py), which it must be able to write. A miss then
+server writes even on a hit (servingenv.py), which it must be able to write. A miss then
 fails as the server's would, naming the file the compiler could not write.
 """
 

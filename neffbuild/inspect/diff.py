@@ -27,7 +27,8 @@ from neffbuild.documents.records import BundleRecord, FileEntry, Release
 from neffbuild.documents.refs import ResolvedBundle, ResolvedRelease, resolve, resolve_any
 from neffbuild.errors import InputError
 from neffbuild.hashing import canonical_json
-from neffbuild.host.hostcheck import Facts, HostReport, check_host, read_facts, serving_env
+from neffbuild.host.exports import serving_env
+from neffbuild.host.hostcheck import Facts, HostReport, check_host, read_facts
 from neffbuild.inspect.read import DOC_JOBS
 from neffbuild.inspect.show import release_bundles
 from neffbuild.store.base import Store
@@ -116,7 +117,7 @@ def diff_host(
         return HostDiff(
             resolved.release_id, resolved.release.name, resolved.tag, HostReport(resolved.release.backend, (), ())
         )
-    report = check_host(units, serving_env(resolved.release, env), facts=facts)
+    report = check_host(units, serving_env(env, resolved.release.env), facts=facts)
     return HostDiff(resolved.release_id, resolved.release.name, resolved.tag, report)
 
 

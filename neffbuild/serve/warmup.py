@@ -23,7 +23,7 @@ from neffbuild.backends.calls import measured_call
 from neffbuild.documents.manifest import LoadedManifest, ModelEntry, load_manifest
 from neffbuild.errors import DiskError, NotFoundError, WarmupMiss
 from neffbuild.fs.atomic import write_atomic
-from neffbuild.host.pull import serving_env
+from neffbuild.host.pull import installed_exports
 from neffbuild.serve.prepare import prepare, select_entry
 
 READINESS_FORMAT = 1
@@ -142,7 +142,7 @@ def warmup_cache_dir(
     if readiness_file is not None:
         _remove(readiness_file)
     try:
-        exports = serving_env(cache_dir, allow_env=allow_env)
+        exports = installed_exports(cache_dir, allow_env=allow_env)
     except NotFoundError as exc:  # its hint names `env`'s own way out (TAG --store), which warmup has not
         hint = f"pull a release into it first: neffbuild pull TAG --cache-dir {cache_dir}"
         raise NotFoundError(exc.message, hint=hint) from None

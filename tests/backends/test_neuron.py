@@ -919,7 +919,7 @@ def variable_table() -> list[tuple[str, str, str]]:
 
 
 def test_the_docs_table_of_torchneuron_variables_is_what_the_code_does(tmp_path):
-    from neffbuild.backends.serving import NEURON, NEURON_COMPILER, NEURON_OTHER_STACKS
+    from neffbuild.servingenv import NEURON, NEURON_COMPILER, NEURON_OTHER_STACKS
 
     rows = variable_table()
     names = [n for n, _, _ in rows]
@@ -943,7 +943,7 @@ def test_the_docs_table_of_torchneuron_variables_is_what_the_code_does(tmp_path)
 
 
 def test_a_release_exports_only_what_shapes_the_artifact():
-    from neffbuild.backends.serving import NEURON
+    from neffbuild.servingenv import NEURON
 
     assert not any(NEURON.declares(n) for n in ISSUE_RUNTIME_ONLY)
     assert not NEURON.declares("TORCH_NEURONX_SOMETHING_NEW")  # exact, not a prefix

@@ -1,7 +1,7 @@
 """Serving from a read-only cache dir, for real: permissions enforced on root (tests here run as
 root) by dropping the capabilities that bypass them (setpriv), as a server run as another user
 or on a read-only mount meets them. What Inductor writes on a hit is measured in
-neffbuild/backends/serving.py: only `locks/` in the cache dir."""
+neffbuild/servingenv.py: only `locks/` in the cache dir."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.backends import get_backend
-from neffbuild.backends.serving import BY_BACKEND
+from neffbuild.descriptors import BACKENDS, INDUCTOR, NEURON, BackendDescriptor
 from neffbuild.host.pull import pull
 from neffbuild.host.verify import tree_state
 from neffbuild.store import open_store
@@ -62,13 +62,13 @@ def test_pull_makes_the_dir_inductor_writes_on_a_hit_and_a_no_op_pull_makes_it_a
     assert (cache / "locks").is_dir()
 
 
-@pytest.mark.parametrize("name", sorted(BY_BACKEND))
-def test_what_a_server_writes_on_a_hit_is_never_bundled(name: str, tmp_path: Path) -> None:
-    for rel in BY_BACKEND[name].writable:
+@pytest.mark.parametrize("described", BACKENDS, ids=lambda b: b.name)
+def test_what_a_server_writes_on_a_hit_is_never_bundled(described: BackendDescriptor, tmp_path: Path) -> None:
+    for rel in described.serving.writable:
         (tmp_path / rel).mkdir()
         (tmp_path / rel / "c0ffee.lock").write_bytes(b"")
-    assert get_backend(name).select_files(tmp_path) == []
-    assert BY_BACKEND["inductor"].writable == ("locks",) and BY_BACKEND["neuron"].writable == ()  # locks: elsewhere
+    assert get_backend(described.name).select_files(tmp_path) == []
+    assert INDUCTOR.serving.writable == ("locks",) and NEURON.serving.writable == ()  # locks: elsewhere
 
 
 def test_in_place_refuses_a_cache_dir_the_replay_could_write(tiny_model: Path, tmp_path: Path) -> None:

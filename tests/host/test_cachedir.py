@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
@@ -75,3 +76,83 @@ def test_a_link_where_the_state_dir_belongs_is_refused(tmp_path: Path) -> None:
         with pytest.raises(NeffbuildError, match=STATE_DIR), cache.locked(timeout=0):
             pytest.fail("locked through a link")
     assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing written where the link points
+
+
+def test_the_state_is_read_and_replaced_under_the_lock_through_what_locked_yields(tmp_path: Path) -> None:
+    with CacheDir.opened(tmp_path / "cache") as cache, cache.locked(timeout=0) as held:
+        assert held.state() == (None, CacheState())
+        held.write_state(b"{not json")  # bytes as given: the codec is host/state.py's
+        data, state = held.state()
+        assert data == cache.state_path.read_bytes() == b"{not json" and state.problem == "not valid JSON"
+        assert cache.read_state() == (data, state)  # what a reader without the lock sees
+        assert sorted(p.name for p in cache.state_path.parent.iterdir()) == sorted([LOCK_FILE, "state.json"])
+
+
+def test_waiting_for_another_pull_returns_at_once_when_none_holds_the_lock(tmp_path: Path) -> None:
+    with CacheDir.opened(tmp_path / "cache") as cache:
+        assert not cache.wait_for_other_pull(timeout=0)  # no dir: nothing made
+        assert not (tmp_path / "cache").exists()
+        with cache.locked(timeout=0):
+            pass
+        assert not cache.wait_for_other_pull(timeout=0)  # a lock file no one holds
+
+
+def test_waiting_for_another_pull_gives_up_after_its_timeout_while_the_holder_holds_on(tmp_path: Path) -> None:
+    with CacheDir.opened(tmp_path / "cache") as first, first.locked(timeout=0):
+        with CacheDir.opened(tmp_path / "cache") as second:
+            with pytest.raises(ConflictError, match="pull lock still held"):
+                second.wait_for_other_pull(timeout=0)
+    with CacheDir.opened(tmp_path / "cache") as second:
+        assert not second.wait_for_other_pull(timeout=0)  # released: nothing to wait for
+
+
+# What opens a cache dir's state or lock, or the dir itself: CacheDir (host/cachedir.py) over
+# host/state.py's codec, and fs/ below them. Anything else goes through CacheDir.
+_OWNERS = {"neffbuild/host/cachedir.py", "neffbuild/host/state.py"}
+_INTERNALS = {
+    "open_existing", "open_state_dir", "read_state", "read_state_data", "load_state", "load_state_data",
+    "lock_in", "LOCK_FILE", "STATE_FILE", "state_path",
+}  # fmt: skip
+
+
+def cache_dir_openers(root: Path) -> list[str]:
+    """Each place outside CacheDir that reaches a cache dir's state or lock, or opens a
+    directory itself: `module:line what`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        if rel in _OWNERS or rel.startswith("neffbuild/fs/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.ImportFrom) and node.module in ("neffbuild.host.state", "neffbuild.host.cachedir"):
+                found += [f"{rel}:{node.lineno} imports {a.name}" for a in node.names if a.name in _INTERNALS]
+            elif isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name == "Beneath":
+                    found.append(f"{rel}:{node.lineno} opens a Beneath of its own")
+                # In host/ (the stage that owns cache dirs) a path is opened only below an open dir.
+                elif (
+                    name == "os.open"
+                    and rel.startswith("neffbuild/host/")
+                    and not any(k.arg == "dir_fd" for k in node.keywords)
+                ):
+                    found.append(f"{rel}:{node.lineno} os.open of a path")
+    return found
+
+
+def test_cachedir_is_the_only_opener_of_a_cache_dir() -> None:
+    assert cache_dir_openers(Path(__file__).resolve().parents[2] / "neffbuild") == []
+
+
+def test_the_opener_check_finds_a_planted_opener(tmp_path: Path) -> None:
+    (tmp_path / "neffbuild" / "host").mkdir(parents=True)
+    (tmp_path / "neffbuild" / "host" / "status.py").write_text(
+        "import os\nfrom neffbuild.host.state import STATE_FILE, CacheState\n"
+        "from neffbuild.fs.confined import Beneath\n"
+        "def look(p):\n    root = os.open(p, os.O_RDONLY)\n    return Beneath(root, p)\n"
+    )
+    assert cache_dir_openers(tmp_path / "neffbuild") == [
+        "neffbuild/host/status.py:2 imports STATE_FILE",
+        "neffbuild/host/status.py:5 os.open of a path",
+        "neffbuild/host/status.py:6 opens a Beneath of its own",
+    ]

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neffbuild.backends.serving import BY_BACKEND
+from neffbuild.descriptors import BACKENDS, INDUCTOR, NEURON
 from neffbuild.documents.records import FileEntry, Release, ReleaseUnit
 from neffbuild.errors import InputError, IntegrityError
 from neffbuild.hashing import hash_bytes
@@ -173,7 +173,7 @@ def test_variables_the_backend_does_not_declare_are_refused_unless_allowed(
 
 
 def test_each_backend_declares_its_compiler_settings() -> None:
-    inductor, neuron = BY_BACKEND["inductor"], BY_BACKEND["neuron"]
+    inductor, neuron = INDUCTOR.serving, NEURON.serving
     assert all(
         inductor.declares(n) for n in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "OMP_NUM_THREADS", "TORCHDYNAMO_X")
     )
@@ -216,7 +216,7 @@ def test_a_neuron_release_needs_the_hosts_allow_for_paths_switches_and_runtime_s
 def test_the_backends_use_the_declared_cache_variables() -> None:
     from neffbuild.backends import get_backend
 
-    assert {name: get_backend(name).cache_env for name in BY_BACKEND} == {n: s.cache_env for n, s in BY_BACKEND.items()}
+    assert {b.name: get_backend(b.name).cache_env for b in BACKENDS} == {b.name: b.serving.cache_env for b in BACKENDS}
 
 
 @pytest.mark.parametrize(

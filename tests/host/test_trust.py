@@ -26,8 +26,9 @@ from neffbuild.documents.signing import (
 )
 from neffbuild.errors import IntegrityError, TrustError
 from neffbuild.hashing import blake3_bytes, hash_bytes
+from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.pull import pull
-from neffbuild.host.state import read_cache_state
+from neffbuild.host.state import CacheState
 from neffbuild.host.trust import Trust, trust_from
 from neffbuild.store.local import LocalStore
 from tests.storekit import publish_release_of, write_files
@@ -91,6 +92,12 @@ class Fleet:
         assert snapshot(self.cache) == self.before, "a refused pull changed the cache dir"
 
 
+def _state(cache: Path) -> CacheState:
+    """What the cache dir's state records, read as a command reads it."""
+    with CacheDir.opened(cache) as opened:
+        return opened.read_state()[1]
+
+
 def _fields(doc: Release) -> dict:
     return {name: getattr(doc, name) for name in doc.__slots__}
 
@@ -125,7 +132,7 @@ def test_the_release_signature_is_an_in_toto_statement_in_dsse(fleet: Fleet) -> 
 
 
 def test_state_records_the_accepted_version_and_a_no_op_pull_stays_a_no_op(fleet: Fleet) -> None:
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}
+    assert _state(fleet.cache).accepted == {"prod": fleet.v1}
     pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
     assert snapshot(fleet.cache) == fleet.before
 
@@ -165,7 +172,7 @@ def test_a_blob_whose_xxh3_matches_but_blake3_does_not_is_refused_while_written(
     move_tag(fleet.store, "prod", two, signing=fresh(fleet.key))
     fleet.refused(IntegrityError, f"has the release's xxh3 {hash_bytes(forged)} but blake3 {blake3_bytes(forged)}")
     # Nothing was recorded: the tag's version 2 was not accepted.
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}
+    assert _state(fleet.cache).accepted == {"prod": fleet.v1}
 
 
 def test_a_tampered_signature_is_refused(fleet: Fleet) -> None:
@@ -228,7 +235,7 @@ def test_a_lower_version_after_a_higher_one_is_refused(fleet: Fleet) -> None:
     report = pull(fleet.store, "prod", fleet.cache, trust=fleet.trust)
     v2 = report.tag_version
     assert report.release_id == two and v2 is not None and v2 > fleet.v1
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": v2}
+    assert _state(fleet.cache).accepted == {"prod": v2}
     fleet.before = snapshot(fleet.cache)
     # The tag writer restores the old, validly signed and unexpired, statement: a rollback.
     now = fleet.store.read_tag("prod")
@@ -263,7 +270,7 @@ def test_a_pinned_release_skips_the_tag(fleet: Fleet) -> None:
     sign_release(fleet.store, two, fleet.key)
     report = pull(fleet.store, None, fleet.cache, trust=_pinned(fleet, two))
     assert (report.release_id, report.tag, report.tag_version, report.signed_by) == (two, None, None, "ci.example-1")
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}  # no tag read, none recorded
+    assert _state(fleet.cache).accepted == {"prod": fleet.v1}  # no tag read, none recorded
 
 
 def test_without_trusted_keys_nothing_changes(fleet: Fleet) -> None:
@@ -376,7 +383,7 @@ def test_ensure_cache_takes_trusted_keys_from_its_argument_or_the_environment(fl
         host_check=False,
     )
     assert (pinned.release_id, pinned.tag) == (fleet.one, None)
-    assert read_cache_state(fleet.cache)[1].accepted == {"prod": fleet.v1}
+    assert _state(fleet.cache).accepted == {"prod": fleet.v1}
 
 
 @pytest.mark.parametrize("value", ["", " , "])
@@ -428,7 +435,7 @@ def test_a_stale_boot_refuses_an_expired_tag_statement_unless_allowed(fleet: Fle
     assert allowed.returncode == 0 and json.loads(allowed.stdout)["stale"], allowed.stderr
     # Without trusted keys there is no statement to expire: a stale boot is as before.
     assert _cli(*boot).returncode == 0
-    state = read_cache_state(fleet.cache)[1]  # what the stale boot read
+    state = _state(fleet.cache)  # what the stale boot read
     assert state.expires == {"prod": report.tag_expires} and report.tag_expires == soon.isoformat(timespec="seconds")
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from neffbuild import descriptors
 from neffbuild.cli.options import (
     allow_env_option,
     env_file_option,
@@ -253,13 +254,15 @@ def env_command(
     """Print the environment a serving process needs for the release installed in --cache-dir
     (shell `export` lines), read from the cache dir: no store needed. REF, if given, must be it."""
     from neffbuild.host.exports import host_allow
-    from neffbuild.host.pull import serving_env
+    from neffbuild.host.pull import installed_exports
 
     # The store is opened only for a cache dir that recorded no release (older pulls).
     allowed = host_allow(allow_env, os.environ)
     views.exports(
         Console(as_json),
-        serving_env(cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file),
+        installed_exports(
+            cache_dir, ref, open_store=lambda: store.open(os.environ), allow_env=allowed, env_file=env_file
+        ),
     )
 
 
@@ -271,7 +274,7 @@ def env_command(
 )
 @click.option(
     "--backend",
-    type=click.Choice(["neuron", "inductor"]),
+    type=click.Choice([b.name for b in descriptors.by_specificity()]),
     help="Backend to check for [default: the release's, else neuron where torch_neuronx is installed, else inductor].",
 )
 @click.option(

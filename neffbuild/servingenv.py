@@ -6,7 +6,8 @@ pulled dir, and the variables the backend declares here as compiler settings. An
 (LD_PRELOAD, PATH, ...) needs the host's consent (`--allow-env NAME`), and so do the names a
 backend marks `host_only` inside its own prefixes: paths its runtime writes into or deletes,
 switches that turn its cache off, and runtime-only settings that belong to the host. Pull reads this on every
-boot, so the module imports nothing: the backends import it, not the other way round.
+boot, so the module imports nothing. Each backend's descriptor (descriptors.py) holds its table,
+which every stage reads from there.
 """
 
 from __future__ import annotations
@@ -105,4 +106,3 @@ NEURON = ServingEnv(
     host_only=NEURON_PATHS | NEURON_OTHER_STACKS | NEURON_SWITCHES | NEURON_RUNTIME,
     host_only_prefixes=("NEURON_RT_",),  # runtime placement: the host's own business
 )
-BY_BACKEND: dict[str, ServingEnv] = {"inductor": INDUCTOR, "neuron": NEURON}
