@@ -31,7 +31,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 # one of these builds (minutes of real compiling) is one group, kept on one worker with its module
 # fixtures. `built` is made once per run for both workers (`once`), so its modules (the oracle,
 # the serve loop, e2e) spread over both; the others are each used by one module.
-SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built", "packaged")
+SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "recipes_built", "package_release")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -170,6 +170,47 @@ def built(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_manif
 @pytest.fixture(scope="session")
 def built_store(built: BuiltStore) -> Path:
     return built.path
+
+
+# ---- artifact "package" (backends/artifacts.py): one release, built once per run ----------------
+
+PACKAGE = '\n[model.compile]\nartifact = "package"\n'
+
+
+def package_manifest(path: Path, model: Path) -> Path:
+    """The tiny manifest with transformer and vae.decode shipped as AOTInductor packages."""
+    manifest = write_manifest(path, model, extra=PACKAGE)
+    text = manifest.read_text().replace('components = ["transformer"]', 'components = ["transformer", "vae.decode"]')
+    manifest.write_text(text)
+    return manifest
+
+
+@dataclass(frozen=True)
+class PackageRelease:
+    manifest: Path
+    store: Path
+    cache: Path  # the release pulled into another path; shared: a test that writes into it copies it
+    build: dict  # `build --json`
+
+
+@pytest.fixture(scope="session")
+def package_release(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> PackageRelease:
+    """The tiny manifest's two shapes built with artifact 'package' and pulled (minutes of compiling
+    and packaging): made once per run for both workers (`once`)."""
+
+    def make(root: Path) -> dict:
+        manifest = package_manifest(root / "package.toml", tiny_model)
+        store, cache = root / "store", root / "pulled" / "cache"
+        build = run_cli("build", str(manifest), "--store", str(store), "--jobs", "2", "--json")
+        assert build.returncode == 0, build.stderr[-4000:]
+        release = json.loads(build.stdout)
+        pull = run_cli("pull", release["release_id"], "--store", str(store), "--cache-dir", str(cache))
+        assert pull.returncode == 0, pull.stderr
+        return {"manifest": str(manifest), "store": str(store), "cache": str(cache), "build": release}
+
+    made = once(tmp_path_factory, "package-release", make)
+    assert isinstance(made, dict)
+    return PackageRelease(Path(made["manifest"]), Path(made["store"]), Path(made["cache"]), made["build"])
 
 
 # ---- a second pipeline family: tiny StableDiffusionXL (tests/test_sdxl.py) ------------------------
