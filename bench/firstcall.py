@@ -11,6 +11,8 @@ and first minus steady per shape: what a request pays for arriving first.
 
 Run (the first run builds both releases: many minutes on 2 cores):
     .venv/bin/python bench/firstcall.py [--processes 5] [--steady 3] [--work /tmp/neffbuild-bench-firstcall]
+--blocks 5,20 makes the larger model: FLUX.2-klein-4B's block counts at the tiny width (use
+another --work: the releases kept there are the model's).
 """
 
 from __future__ import annotations
@@ -127,13 +129,17 @@ def main() -> None:
     parser.add_argument("--widths", default="128,256", help="shapes 128xW, built and measured")
     parser.add_argument("--work", type=Path, default=Path("/tmp/neffbuild-bench-firstcall"))
     parser.add_argument("--model", type=Path, help="the tiny pipeline's dir (default: made in --work)")
+    parser.add_argument(
+        "--blocks", default="2,2", help="the made model's double,single-stream block counts (5,20: FLUX.2-klein-4B's)"
+    )
     parser.add_argument("--store", type=Path, help="the local store to build into (default: in --work)")
     args = smoke.parse(parser, processes=1, steady=1, widths="128", work=Path("/tmp/neffbuild-bench-firstcall-smoke"))
     widths = [int(w) for w in args.widths.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
-    model = args.model or args.work / "tiny-flux2-klein"
+    model = args.model or args.work / f"tiny-flux2-klein-{args.blocks.replace(',', '-')}"
     if not model.exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(model)], check=True)
+        script = str(ROOT / "scripts" / "make_tiny_pipeline.py")
+        subprocess.run([sys.executable, script, str(model), "--blocks", args.blocks], check=True)
     store = args.store or args.work / "store"
     releases = {kind: pulled(kind, args.work, model, widths, store) for kind in KINDS}
     runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}

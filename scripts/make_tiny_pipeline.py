@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Write a tiny, randomly initialised FLUX.2-klein pipeline for tests (no hub access).
 
-Usage: python scripts/make_tiny_pipeline.py OUT_DIR [--seed N] [--force]
+Usage: python scripts/make_tiny_pipeline.py OUT_DIR [--seed N] [--force] [--blocks DOUBLE,SINGLE]
+
+--blocks: the transformer's double- and single-stream block counts (default 2,2); 5,20 are
+FLUX.2-klein-4B's (its transformer config), at this script's tiny width (bench/firstcall.py --blocks).
 
 Standalone on purpose: tests and CI build the fixture without importing neffbuild.
 Recipe: ../shared/design/inductor-cache.md ("A tiny FLUX.2-klein pipeline").
@@ -55,15 +58,15 @@ def _tokenizer() -> Qwen2Tokenizer:
     return tok
 
 
-def _components(seed: int) -> dict[str, object]:
+def _components(seed: int, blocks: tuple[int, int] = (2, 2)) -> dict[str, object]:
     tokenizer = _tokenizer()
     # Reseed before each component so one component's size never shifts another's weights.
     torch.manual_seed(seed)
     transformer = Flux2Transformer2DModel(
         patch_size=1,
         in_channels=4,  # = 4 * vae latent_channels (2x2 packed latents)
-        num_layers=2,
-        num_single_layers=2,
+        num_layers=blocks[0],
+        num_single_layers=blocks[1],
         attention_head_dim=16,
         num_attention_heads=2,
         joint_attention_dim=HIDDEN,
@@ -117,9 +120,9 @@ def is_complete(out_dir: Path) -> bool:
     return bool(names) and all((out_dir / n).is_dir() for n in names)
 
 
-def make_tiny_pipeline(out_dir: Path, seed: int = 0) -> Path:
+def make_tiny_pipeline(out_dir: Path, seed: int = 0, blocks: tuple[int, int] = (2, 2)) -> Path:
     """Build the pipeline and move it into out_dir atomically (replacing any old one)."""
-    return save_atomically(Flux2KleinPipeline(**_components(seed), is_distilled=True), out_dir)
+    return save_atomically(Flux2KleinPipeline(**_components(seed, blocks), is_distilled=True), out_dir)
 
 
 def save_atomically(pipe: object, out_dir: Path) -> Path:
@@ -146,7 +149,11 @@ def _size(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_script(argv, __doc__.splitlines()[0], make_tiny_pipeline)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--blocks", default="2,2")
+    known, rest = ap.parse_known_args(argv)
+    double, single = (int(n) for n in known.blocks.split(","))
+    return run_script(rest, __doc__.splitlines()[0], lambda out, seed: make_tiny_pipeline(out, seed, (double, single)))
 
 
 def run_script(argv: list[str] | None, description: str, make: Callable[[Path, int], Path]) -> int:

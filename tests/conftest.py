@@ -267,6 +267,29 @@ def packaged_build(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -
     return _shared_build(tmp_path_factory, "packaged", write, "--jobs", "2")
 
 
+@dataclass(frozen=True)
+class PackageRelease:
+    manifest: Path
+    store: Path
+    cache: Path  # the release pulled into another path; shared: a test that writes into it copies it
+    build: dict  # `build --json`
+
+
+@pytest.fixture(scope="session")
+def package_release(tmp_path_factory: pytest.TempPathFactory, packaged_build: SharedBuild) -> PackageRelease:
+    """The shared package build pulled into another path, once per run for both workers (`once`)."""
+
+    def make(root: Path) -> dict:
+        cache = root / "pulled" / "cache"
+        pull = run_cli("pull", packaged_build.report["release_id"], "--store", str(packaged_build.store), "--cache-dir", str(cache))  # fmt: skip
+        assert pull.returncode == 0, pull.stderr
+        return {"cache": str(cache)}
+
+    made = once(tmp_path_factory, "package-release", make)
+    assert isinstance(made, dict)
+    return PackageRelease(packaged_build.manifest, packaged_build.store, Path(made["cache"]), packaged_build.report)
+
+
 # ---- a second pipeline family: tiny StableDiffusionXL (tests/test_sdxl.py) ------------------------
 
 SDXL_MANIFEST = ROOT / "manifests" / "tiny-sdxl.toml"

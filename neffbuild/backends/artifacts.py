@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.components import add_call_hook, remove_call_hook, signature_parts
+from neffbuild.backends.components import (
+    ComponentCall,
+    add_call_hook,
+    recorded,
+    remove_call_hook,
+    signature_parts,
+    unlisted_hooks,
+)
 from neffbuild.errors import NotFoundError, UnlistedShape
 
 if TYPE_CHECKING:
@@ -39,6 +46,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ARTIFACT_DIR = "aoti"
+# torch._dynamo.utils.counters groups: calls each package served (a hit, by component), and what
+# compiled in a process serving packages, where nothing should (count_compiles).
+PACKAGE_GROUP = "neffbuild.packages"
+COMPILES_GROUP = "neffbuild.compiles"
 # Largest absolute difference between a package's outputs and the compiled component's, by dtype.
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
@@ -226,9 +237,14 @@ class PackageLoader:
     runners: dict[str, Any]  # signature digest -> loaded package
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.utils import counters
+
         runner = self.runners.get(signature_digest(args, kwargs))
         if runner is None:
+            for hook in tuple(unlisted_hooks):  # a serving guard records the event
+                hook(ComponentCall(self.spec, args, kwargs))
             raise self._unlisted(args, kwargs)
+        counters[PACKAGE_GROUP][self.spec] += 1
         return runner(*args, **kwargs)
 
     def _unlisted(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> UnlistedShape:
@@ -302,12 +318,44 @@ def packaged(entry: ModelEntry) -> frozenset[str]:
 
 
 def install_loaders(pipe: Any, entry: ModelEntry, cache_dir: Path) -> None:
-    """Replace each packaged component's call with its loader: nothing left for Dynamo to trace."""
+    """Replace each packaged component's call with its loader: nothing left for Dynamo to trace.
+    Recorded as a compiled call is (components.recorded), so a guard names the call in progress."""
+    count_compiles()
     for spec in sorted(packaged(entry), key=entry.components.index):
-        loader = load_packages(entry, spec, cache_dir)
+        loader = recorded(spec, load_packages(entry, spec, cache_dir))
         name, _, method = spec.partition(".")
         component = getattr(pipe, name)
         if method:
             setattr(component, method, loader)
         else:
             component._compiled_call_impl = loader  # nn.Module.__call__ runs it in place of forward
+
+
+def count_compiles() -> None:
+    """Count, from now on in this process, each frame Dynamo starts compiling and each C++ build
+    Inductor starts (kernels, a package loader's runtime kernels): where packages serve, both must
+    stay 0, which `warmup` and `verify --replay` prove with them (package_compiles). Once per process."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor import cpp_builder
+
+    builder = cpp_builder.CppBuilder
+    if getattr(builder, "_neffbuild_counting", False):
+        return
+    build = builder.build
+
+    def counted_build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counters[COMPILES_GROUP]["kernel_builds"] += 1
+        return build(self, *args, **kwargs)
+
+    def frame(*_args: Any) -> None:
+        counters[COMPILES_GROUP]["frames"] += 1
+
+    builder.build = counted_build
+    builder._neffbuild_counting = True
+    torch._dynamo.callback_handler.register_start_callback(frame)
+
+
+def package_compiles(delta: Mapping[str, int]) -> int:
+    """Frames and C++ builds in a counter delta: compiles, in a call that packages serve."""
+    return sum(delta.get(f"{COMPILES_GROUP}.{name}", 0) for name in ("frames", "kernel_builds"))

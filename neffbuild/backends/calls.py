@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from neffbuild.backends.artifacts import package_compiles, uses_packages
 from neffbuild.backends.base import Backend
 from neffbuild.documents.manifest import ModelEntry, Shape
 
@@ -72,4 +73,7 @@ def measured_call(backend: Backend, runner: Any, entry: ModelEntry, shape: Shape
     delta = {k: v for k, v in delta.items() if v}
     compile_s = backend_after - backend_before
     trace_s = max(0.0, dynamo_after - dynamo_before - compile_s)
-    return MeasuredCall(seconds, delta, backend.compiles_in(delta), images, trace_s, compile_s)
+    compiles = backend.compiles_in(delta)
+    if uses_packages(entry):  # nothing may trace or build: each frame or C++ build is a compile
+        compiles += package_compiles(delta)
+    return MeasuredCall(seconds, delta, compiles, images, trace_s, compile_s)

@@ -72,6 +72,11 @@ CallHook = Callable[[str, tuple[Any, ...], Mapping[str, Any]], None]
 _call_hooks: list[CallHook] = []
 
 
+# Told by a package loader (backends/artifacts.py) of a call no package covers, before it raises:
+# a serving guard records it as an event (neffbuild.serve.guard).
+unlisted_hooks: list[Callable[[ComponentCall], None]] = []
+
+
 def add_call_hook(hook: CallHook) -> None:
     _call_hooks.append(hook)
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neffbuild.backends.artifacts import COMPILES_GROUP, PACKAGE_GROUP
 from neffbuild.backends.base import (
     Backend,
     Problem,
@@ -217,7 +218,8 @@ class InductorBackend(Backend):
         return wrapper(recipe.mode, dict(recipe.inductor) or None, recipe.compile_dynamic)
 
     def compiler_counters(self) -> dict[str, int]:
-        return dynamo_counters("inductor", "aot_autograd", "stats", AUTOTUNE_GROUP)
+        # A package's hits and a package process's compiles (artifacts.py) beside the cache's.
+        return dynamo_counters("inductor", "aot_autograd", "stats", AUTOTUNE_GROUP, PACKAGE_GROUP, COMPILES_GROUP)
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         return sum(delta.get(name, 0) for name in _MISS_COUNTERS)

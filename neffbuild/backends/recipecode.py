@@ -3,13 +3,19 @@
 Statement for statement what backends/recipe.py applies (same order, same torch.compile
 arguments on the same callables), except that the two process-wide settings are set for the whole
 process instead of around each compiled call: a server runs one recipe. A test runs the printed
-code in a fresh process against a pulled cache and counts 0 compiles.
+code in a fresh process against a pulled cache and counts 0 compiles. For an entry with artifact
+'package', the printed code loads its AOTInductor packages as `prepare` does (artifacts.py) and
+compiles nothing.
 """
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neffbuild.backends.artifacts import package_dir, packaged
+from neffbuild.backends.components import describe_input
 from neffbuild.backends.recipe import QUANTIZE_CONFIGS
 
 if TYPE_CHECKING:
@@ -22,7 +28,7 @@ def recipe_source(entry: ModelEntry, device: str, recompile_limit: int) -> str:
         f"# neffbuild recipe: model[{entry.id}] ({entry.pipeline}, {entry.dtype}, mode {entry.mode!r}).",
         "# Before torch is imported, export what `neffbuild pull` prints (TORCHINDUCTOR_CACHE_DIR, ...);",
         f"# load the pipeline as `pipe` with torch_dtype=torch.{entry.dtype}, then run this.",
-        f"# Writing it by hand? {MUST_MATCH}.",
+        f"# Writing it by hand? {MUST_MATCH if len(packaged(entry)) < len(entry.components) else PACKAGES_MATCH}.",
         *(
             [f"# dynamic 'auto': make the first calls at {call_order(entry)}, in this order."]
             if entry.compile.dynamic == "auto"
@@ -39,16 +45,79 @@ def recipe_source(entry: ModelEntry, device: str, recompile_limit: int) -> str:
     ]
     if entry.mode == "eager":
         return "\n".join([*lines, "# mode 'eager': nothing is compiled", ""])
-    first = entry.recipe_for(entry.components[0])
-    lines += _process_settings(first)
-    done: set[str] = set()
-    for spec, (name, _method) in zip(entry.components, entry.components_named(), strict=True):
+    loaded = packaged(entry)
+    if loaded:
+        lines += package_lines(entry, loaded)
+    compiled = [(spec, named) for spec, named in zip(entry.components, entry.components_named(), strict=True)]
+    compiled = [(spec, named) for spec, named in compiled if spec not in loaded]
+    if compiled:
+        lines += _process_settings(entry.recipe_for(compiled[0][0]))
+    done: set[str] = {spec.partition(".")[0] for spec in loaded}
+    for spec, (name, _method) in compiled:
         if name not in done:
             done.add(name)
             lines += _module_lines(name, entry.recipe_for(spec))
-    for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
+    for spec, (name, method) in compiled:
         lines.append(_compile_line(entry.mode, name, method, entry.recipe_for(spec)))
     return "\n".join([*lines, ""])
+
+
+PACKAGES_MATCH = (
+    "artifact 'package': nothing is compiled; each component's call is its packages, picked by the "
+    "call's input signature (the inputs recorded beside each package)"
+)
+
+
+# artifact 'package': what artifacts.install_loaders puts on each component, written out. The
+# signature is components.describe_input's, printed from its source, and each package's recorded
+# inputs (the .json beside it) are that signature.
+PACKAGE_LOADER = """
+# artifact 'package': AOTInductor packages, one per input signature; nothing is traced or compiled.
+# A package's first run sets it up (about a second on the tiny pipeline): call each shape once before traffic.
+import json
+import os
+import pathlib
+from typing import Any
+
+from torch._inductor import aoti_load_package
+
+
+{describe_input}
+
+
+class Packages:
+    \"\"\"A component's call: the package whose recorded inputs are the call's.\"\"\"
+
+    def __init__(self, where):
+        found = sorted(pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"], where).glob("*.pt2"))
+        if not found:
+            raise FileNotFoundError(f"no AOTInductor package in $TORCHINDUCTOR_CACHE_DIR/{where}")
+        self.where = where
+        self.runners = {
+            ", ".join(json.loads(p.with_suffix(".json").read_text())["inputs"]): aoti_load_package(str(p))
+            for p in found
+        }
+
+    def __call__(self, *args, **kwargs):
+        parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
+        runner = self.runners.get(", ".join(parts))
+        if runner is None:
+            raise RuntimeError(f"{self.where}: no package for inputs [{', '.join(parts)}]: a shape not built")
+        return runner(*args, **kwargs)
+
+"""
+
+
+def package_lines(entry: ModelEntry, loaded: frozenset[str]) -> list[str]:
+    """Load each packaged component's packages and put the loader where prepare puts it: a
+    module's compiled call (nn.Module.__call__ runs it in place of forward), or the method."""
+    lines = PACKAGE_LOADER.replace("{describe_input}", inspect.getsource(describe_input).rstrip()).splitlines()
+    for spec, (name, method) in zip(entry.components, entry.components_named(), strict=True):
+        if spec in loaded:
+            where = package_dir(Path(), entry, spec).as_posix()
+            target = f"pipe.{name}.{method}" if method else f"pipe.{name}._compiled_call_impl"
+            lines.append(f"{target} = Packages({where!r})")
+    return lines
 
 
 def call_order(entry: ModelEntry) -> str:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from neffbuild.backends import envreads, get_backend
+from neffbuild.backends import artifacts, envreads, get_backend
 from neffbuild.backends.base import Backend
 from neffbuild.backends.calls import measured_call
 from neffbuild.backends.components import input_signatures
@@ -48,13 +48,17 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
         fingerprint = backend.fingerprint(facts, env, backend.scope(job.entry))
         started = time.perf_counter()
         pipe = backend.load_pipeline(job.entry, job.model_ref)
-        runner = backend.apply_mode(pipe, job.entry)
+        before = backend.counters()
+        runner = backend.apply_mode(pipe, job.entry, _served_packages(job, backend, env))
+        loaded = _delta(before, backend.counters())
         load_s = time.perf_counter() - started
     with _packaging(job, backend, env, runner):
         runs = [
             _run_shape(job, backend, runner, unit_id, shape)
             for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)
         ]
+    if runs and artifacts.package_compiles(loaded):
+        runs[0] = _with_load(runs[0], loaded)
     reads = envreads.recorder()
     return WorkerResult(
         fingerprint=fingerprint,
@@ -66,12 +70,30 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
     )
 
 
+def _served_packages(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> Path | None:
+    """A replay of an entry that ships packages serves from them, as `prepare` does on a host:
+    the packages in the replayed cache dir, loaded; nothing traced (a build compiles, to package)."""
+    if job.purpose == "replay" and artifacts.uses_packages(job.entry):
+        return Path(env[backend.cache_env])
+    return None
+
+
+def _delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    changed = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
+    return {k: v for k, v in changed.items() if v}
+
+
+def _with_load(run: ShapeRun, loaded: Mapping[str, int]) -> ShapeRun:
+    """What loading the packages compiled (a loader's runtime kernels the bundle lacked), charged
+    to the entry's first unit: a replay that compiled at load is not a hit."""
+    counters = {**run.counters, **{f"load.{k}": v for k, v in loaded.items()}}
+    return run.model_copy(update={"counters": counters, "compiles": run.compiles + artifacts.package_compiles(loaded)})
+
+
 @contextmanager
 def _packaging(job: WorkerJob, backend: Backend, env: Mapping[str, str], pipe: Any) -> Iterator[None]:
     """For an entry whose artifact is a package (a build, not a replay): the listed components'
     inputs during the block, exported and packaged into the cache dir after it (artifacts.py)."""
-    from neffbuild.backends import artifacts
-
     if job.purpose != "build" or not artifacts.uses_packages(job.entry):
         yield
         return

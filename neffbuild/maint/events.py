@@ -67,6 +67,8 @@ class Event(_Strict):
     ]
     compiles: Count
     refused: bool = False  # mode "fail" refused the compile before it ran (so `compiles` is 0)
+    # "package": a package loader had no package for the call (refused in every mode, no compile)
+    artifact: Literal["package"] | None = None
     fingerprint: Annotated[dict[Annotated[str, Field(max_length=200)], Text], Field(max_length=MAX_FIELDS)]
 
     @field_validator("time")

@@ -10,6 +10,9 @@ Modes: "record" appends the event; "warn" also logs one line; "fail" refuses the
 it starts (torch's `fail_on_recompile` stance, set only after warm-up, when every listed graph has
 compiled once, so a first compile cannot be mistaken for a recompile) and raises UnlistedShape
 naming the call's size and the manifest entry that lacks it.
+
+An entry with artifact 'package' compiles nothing to hook: a call its packages serve is a hit (no
+event), and one they do not cover raises UnlistedShape in every mode, recorded as a refused event.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from typing import Any, Literal
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.backends.components import ComponentCall, add_refusal_hook, call_size, current_call, remove_refusal_hook
+from neffbuild.backends.components import (
+    ComponentCall,
+    add_refusal_hook,
+    call_size,
+    current_call,
+    remove_refusal_hook,
+    unlisted_hooks,
+)
 from neffbuild.documents.manifest import LoadedManifest, ModelEntry, load_manifest
 from neffbuild.errors import DiskError, InputError, UnlistedShape
 from neffbuild.serve.prepare import select_entry
@@ -71,6 +81,7 @@ class Guard:
 
         torch._dynamo.callback_handler.register_start_callback(self._on_start)
         torch._dynamo.callback_handler.register_end_callback(self._on_end)
+        unlisted_hooks.append(self._on_unlisted)
         if self.mode == "fail":
             add_refusal_hook(self._refusal)
             self._prior_stance = _set_stance("fail_on_recompile")
@@ -86,6 +97,8 @@ class Guard:
         for callbacks, hook in ((handler.start_callbacks, self._on_start), (handler.end_callbacks, self._on_end)):
             if hook in callbacks:
                 callbacks.remove(hook)
+        if self._on_unlisted in unlisted_hooks:
+            unlisted_hooks.remove(self._on_unlisted)
         if self.mode == "fail":
             remove_refusal_hook(self._refusal)
             _restore_stance(self._prior_stance)
@@ -115,6 +128,15 @@ class Guard:
         self._append(event)
         if self.mode == "warn":
             log.warning("compiled while serving: %s", describe(event, self.entry))
+
+    def _on_unlisted(self, call: ComponentCall) -> None:
+        """A package loader has no package for this call (artifact 'package'): it raises
+        UnlistedShape in every mode (there is no compiler to fall back to); recorded as a
+        refused event, so `suggest` turns it into a shape as it does a refused compile."""
+        event = {**self._event(call, call_size(self.entry), 0.0, {}), "refused": True, "artifact": "package"}
+        self._append(event)
+        if self.mode == "warn":
+            log.warning("no package for a call while serving: %s", describe(event, self.entry))
 
     def _refusal(self, call: ComponentCall, exc: Exception) -> Exception | None:
         if _REFUSED not in str(exc):

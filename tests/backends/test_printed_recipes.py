@@ -197,3 +197,28 @@ def test_the_printed_recipe_compiles_what_prepare_compiles(
     assert symbolic[: len(expected)] == expected, [g[1] for g in prepared]
     if settings == "all":
         assert "int8" in "".join(g[0] for g in prepared) or "quant" in "".join(g[0] for g in prepared)
+
+
+# -- artifact 'package': the printed loader (run for real against a pulled release in test_artifacts.py)
+
+
+def test_the_printed_package_loader_describes_inputs_as_prepare_dispatches_them() -> None:
+    from neffbuild.backends.components import describe_input
+
+    entry = entry_of("method", "default", 0, False, "plain").model_copy()
+    package = ModelEntry.model_validate(
+        {**entry.model_dump(exclude_none=True), "components": ["transformer", "transformer.decode"],
+         "compile": {"artifact": "package"}}
+    )  # fmt: skip
+    code = recipe_source(package, "cpu", 8)
+    assert "torch.compile(" not in code and ".compile(" not in code
+    namespace: dict[str, Any] = {}
+    exec(code.split("pipe = pipe.to")[0] + code[code.index("# artifact 'package'") :].split("\npipe.")[0], namespace)
+    values = [
+        torch.zeros(1, 64, 16), torch.zeros(2, dtype=torch.int64), None, True, 3, 0.5, "x", [1, (2.0, None)],
+        {"b": torch.ones(1), 1: "a"}, torch.Generator(),
+    ]  # fmt: skip
+    assert [namespace["describe_input"](v) for v in values] == [describe_input(v) for v in values]
+    assert (
+        "Packages('aoti/transformer/" in code and "pipe.transformer.decode = Packages('aoti/transformer.decode/" in code
+    )

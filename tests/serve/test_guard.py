@@ -94,3 +94,26 @@ def test_warn_logs_one_line_per_compile_and_records_it(
     assert record.getMessage().startswith("compiled while serving: transformer of model[klein] at an unrecovered size")
     assert "float32[6, 4]" in record.getMessage()
     assert [e["mode"] for e in _events(events)] == ["warn"]
+
+
+def test_a_call_no_package_covers_is_one_refused_event_in_every_mode(tiny_manifest: Path, tmp_path: Path) -> None:
+    # The real loader prepare installs for artifact 'package' (a Linear stands in for the loaded
+    # package: test_artifacts.py serves real ones under the guard).
+    from neffbuild.backends.artifacts import PackageLoader, signature_digest
+    from neffbuild.documents.manifest import load_manifest
+
+    entry = load_manifest(tiny_manifest).manifest.models[0]
+    served = torch.randn(2, 4)
+    runners = {signature_digest((served,), {}): torch.nn.Linear(4, 4)}
+    loader = recorded("transformer", PackageLoader(entry, "transformer", runners))
+    for mode in ("record", "warn", "fail"):
+        events = tmp_path / f"{mode}.jsonl"
+        with guard(tiny_manifest, mode=mode, events=events):
+            loader(served)  # a package serves it: a hit, no event
+            with pytest.raises(UnlistedShape, match=r"transformer of model\[klein\] .*no AOTInductor package"):
+                loader(torch.randn(3, 4))
+        with pytest.raises(UnlistedShape):
+            loader(torch.randn(3, 4))  # uninstalled: refused all the same, not recorded
+        [event] = _events(events)
+        assert event["refused"] is True and event["artifact"] == "package" and event["mode"] == mode
+        assert event["component"] == "transformer" and event["inputs"] == ["float32[3, 4]"] and event["compiles"] == 0

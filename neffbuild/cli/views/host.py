@@ -298,7 +298,9 @@ def _checked(console: Console, check: StoreCheck) -> None:
 
 
 def _graphs(counters: Mapping[str, int]) -> str:
-    """Graphs the listed components received during a call: loaded from the cache, or compiled."""
+    """Graphs the listed components received during a call: loaded from the cache, or compiled;
+    or, for artifact 'package', the calls their packages served."""
+    from neffbuild.backends.artifacts import PACKAGE_GROUP
     from neffbuild.backends.base import GRAPH_PREFIX
 
-    return str(sum(v for k, v in counters.items() if k.startswith(GRAPH_PREFIX)))
+    return str(sum(v for k, v in counters.items() if k.startswith((GRAPH_PREFIX, PACKAGE_GROUP + "."))))
