@@ -81,6 +81,12 @@ FORMATS: dict[str, Format] = {
         # Hashed into every unit's key, never read back: a new one re-keys (rebuilds) every unit.
         # A cache (units/plancache.py): an unknown or older format is a miss, never an error.
         Format("plan cache", ("neffbuild.plan-cache/1",), ("neffbuild.plan-cache/1",), ("units.plancache.lookup",)),
+        Format(
+            "weights memo",
+            ("neffbuild.weights-memo/1",),
+            ("neffbuild.weights-memo/1",),
+            ("units.weights.weights_digest",),
+        ),
         Format("unit key", ("neffbuild.unit/2",), ("neffbuild.unit/2",), ("documents.records.unit_key",)),
         # Two JSON-lines formats carry an integer version under their own key instead.
         Format("readiness line", ("neffbuild_ready=1",), ("neffbuild_ready=1",), ("serve.warmup",)),

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.documents.manifest import ResolvedRecipe
+from neffbuild.formats import FORMATS, writes
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.hashing import canonical_json, hash_bytes, hash_file
 
 log = logging.getLogger(__name__)
 
 MEMO = "weights.json"
-_FORMAT = "neffbuild.weights-memo/1"
+_KIND = "weights memo"  # a cache: an unknown format is hashed again, never an error
 
 
 def bakes_weights(recipes: list[ResolvedRecipe]) -> bool:
@@ -66,8 +67,12 @@ def _read_memo(memo_dir: Path | None) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         log.warning("weights memo %s unreadable (%s): hashing the weights again", path, exc)
         return {}
-    if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("files"), dict):
-        log.warning("weights memo %s is not a %s document: hashing the weights again", path, _FORMAT)
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") not in FORMATS[_KIND].reads
+        or not isinstance(doc.get("files"), dict)
+    ):
+        log.warning("weights memo %s is not a %s document: hashing the weights again", path, writes(_KIND))
         return {}
     return dict(doc["files"])
 
@@ -75,6 +80,6 @@ def _read_memo(memo_dir: Path | None) -> dict[str, Any]:
 def _write_memo(memo_dir: Path, memo: dict[str, Any]) -> None:
     try:
         memo_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(memo_dir / MEMO, canonical_json({"format": _FORMAT, "files": memo}))
+        write_atomic(memo_dir / MEMO, canonical_json({"format": writes(_KIND), "files": memo}))
     except OSError as exc:  # a memo is a speed-up: planning goes on without it
         log.warning("weights memo: cannot write %s (%s)", memo_dir / MEMO, exc)
