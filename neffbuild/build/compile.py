@@ -34,19 +34,12 @@ from neffbuild.errors import BuildError, Interrupted, NeffbuildError, NotFoundEr
 from neffbuild.fs.room import require_scratch
 from neffbuild.hashing import hash_file
 from neffbuild.printable import printable
-from neffbuild.runner.jobfiles import OnPhase, Progress, ShapeRun, WorkerJob, no_progress
+from neffbuild.runner.jobfiles import Progress, ShapeRun, WorkerJob, no_progress
 from neffbuild.runner.memory import MemoryGate, available_memory
-from neffbuild.runner.scratch import (
-    keep_logs,
-    log_tail,
-    logs_dir_for,
-    make_scratch_root,
-    remove_tree,
-    run_name,
-    unit_dir_name,
-)
+from neffbuild.runner.scratch import logs_dir_for
 from neffbuild.runner.unitdir import unit_scratch, units_root
-from neffbuild.runner.workers import Workers, run_worker, supervised
+from neffbuild.runner.workerrun import WorkerRun, worker_run
+from neffbuild.runner.workers import Workers
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import BlobSource, Store
 from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
@@ -68,10 +61,7 @@ class _Run:
     backend: Backend
     store: Store
     env: Mapping[str, str]
-    work_root: Path
-    logs_dir: Path
-    notify: Notify
-    workers: Workers
+    worker: WorkerRun  # the scratch root, kept logs, workers and notify of this build
     retries: int = 0
     units_root: Path = Path()  # where each unit compiles at a path of its own (unitdir.py)
     keep_work: bool = False
@@ -155,18 +145,17 @@ def build(
     check_buildable(plan)
     chosen = tuple(plan.units if units is None else units)
     backend = get_backend(plan.backend_name)
-    work_root = make_scratch_root(o.work_dir, "neffbuild-work-")
-    run_logs = (o.logs_dir or logs_dir_for(o.work_dir)).expanduser().resolve() / run_name()
-    cleanup = (lambda: None) if o.keep_work else (lambda: remove_tree(work_root))
     name = o.tag or plan.loaded.manifest.name
-    shares = unit_shares(store, plan.units, chosen, name) if o.memory_auto else {}
-    with supervised(cleanup=cleanup) as workers:
-        notify = notify or (lambda unit_id, status: None)
+    logs_dir = o.logs_dir or logs_dir_for(o.work_dir)
+    with worker_run(
+        backend, o.work_dir, "neffbuild-work-", logs_dir=logs_dir, notify=notify, keep=o.keep_work
+    ) as worker:
+        shares = unit_shares(store, plan.units, chosen, name) if o.memory_auto else {}
         run = _Run(
-            backend, store, env, work_root, run_logs, notify, workers, o.retries, units_root(o.work_dir), o.keep_work,
-            _gate(o, len(chosen)), o.unit_memory, {unit_id: s.need for unit_id, s in shares.items()},
+            backend, store, env, worker, o.retries, units_root(o.work_dir), o.keep_work, _gate(o, len(chosen)),
+            o.unit_memory, {unit_id: s.need for unit_id, s in shares.items()},
         )  # fmt: skip
-        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, workers)
+        outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, worker.workers)
     # Built longest first (fleet.select); reported in the manifest's order, as plan lists them.
     order = {u.unit_id: i for i, u in enumerate(plan.units)}
     outcomes = sorted(outcomes, key=lambda outcome: order.get(outcome.unit_id, len(order)))
@@ -198,7 +187,7 @@ def _in_parallel(
 
 def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
     if run.store.get_doc("bundles", unit.key) is not None:
-        run.notify(unit.unit_id, "present")
+        run.worker.notify(unit.unit_id, "present")
         return UnitOutcome(unit.unit_id, unit.key, "present")
     queued = time.monotonic()
     with run.gate.share(run.shares.get(unit.unit_id, run.unit_memory)):
@@ -207,10 +196,10 @@ def _unit_outcome(unit: BuildUnit, run: _Run) -> UnitOutcome:
             outcome = _attempt(unit, run, started)
             if outcome.status != "failed" or attempt > run.retries:
                 if outcome.status == "failed":
-                    run.notify(unit.unit_id, "failed")
+                    run.worker.notify(unit.unit_id, "failed")
                 phases = {"queue": round(started - queued, 3), **outcome.phases}  # the memory gate's wait
                 return replace(outcome, attempts=attempt, phases=phases)
-            run.notify(unit.unit_id, f"retrying ({attempt} of {run.retries} retries) after: {outcome.error}")
+            run.worker.notify(unit.unit_id, f"retrying ({attempt} of {run.retries} retries) after: {outcome.error}")
     raise AssertionError("unreachable: the last attempt returns")
 
 
@@ -245,16 +234,14 @@ def _attempt(unit: BuildUnit, run: _Run, started: float) -> UnitOutcome:
 
     def on_wait() -> None:
         waited.append(True)
-        run.notify(unit.unit_id, "waiting for another build of it on this host")
+        run.worker.notify(unit.unit_id, "waiting for another build of it on this host")
 
     with unit_scratch(run.units_root, unit.key, keep=run.keep_work, on_wait=on_wait) as scratch:
         if waited and run.store.get_doc("bundles", unit.key) is not None:
-            run.notify(unit.unit_id, "present")  # the other build published it meanwhile
+            run.worker.notify(unit.unit_id, "present")  # the other build published it meanwhile
             return UnitOutcome(unit.unit_id, unit.key, "present")
         try:
-            outcome = build_unit(
-                unit, run.backend, run.store, run.env, scratch, workers=run.workers, on_phase=run.notify
-            )
+            outcome = build_unit(unit, run.backend, run.store, run.env, scratch, run.worker)
         except Interrupted:
             raise
         except (
@@ -262,7 +249,7 @@ def _attempt(unit: BuildUnit, run: _Run, started: float) -> UnitOutcome:
             OSError,
         ) as exc:  # an OSError here is this unit's (its scratch, its files), not the build's
             return _failed(unit, run, scratch, exc, started)
-    run.notify(unit.unit_id, "built")
+    run.worker.notify(unit.unit_id, "built")
     return replace(outcome, seconds=time.monotonic() - started)
 
 
@@ -274,11 +261,9 @@ def _failed(unit: BuildUnit, run: _Run, scratch: Path, exc: NeffbuildError | OSE
     else:
         error, debug = f"{exc.filename or scratch}: {exc.strerror or exc}", None
     killed = exc.how if isinstance(exc, WorkerKilled) else None
-    try:
-        log = keep_logs(scratch, run.logs_dir / unit_dir_name(unit.unit_id))
-    except OSError as kept:
-        log = None
-        error += f"; its log could not be kept ({kept.filename or run.logs_dir}: {kept.strerror or kept})"
+    kept = run.worker.keep_log(scratch, unit.unit_id)
+    if kept.failure:
+        error += f"; its log could not be kept ({kept.failure})"
     return UnitOutcome(
         unit.unit_id,
         unit.key,
@@ -286,8 +271,8 @@ def _failed(unit: BuildUnit, run: _Run, scratch: Path, exc: NeffbuildError | OSE
         compiles=getattr(exc, "compiles", 0),  # what the warmup compiled before it failed
         error=error,
         seconds=time.monotonic() - started,
-        log=str(log) if log else None,
-        log_tail=log_tail(log),
+        log=str(kept.path) if kept.path else None,
+        log_tail=kept.tail,
         worker_traceback=debug,
         killed=killed,
     )
@@ -299,14 +284,13 @@ def build_unit(
     store: Store,
     env: Mapping[str, str],
     scratch: Path,
-    *,
-    workers: Workers | None = None,
-    on_phase: OnPhase | None = None,
+    worker: WorkerRun,
 ) -> UnitOutcome:
-    """Compile one unit in a fresh process with an empty cache dir; publish its bundle."""
+    """Compile one unit in a fresh process with an empty cache dir (a worker of `worker`'s run);
+    publish its bundle."""
     cache_dir = scratch / "cache"
     cache_dir.mkdir(parents=True)
-    worker_env = {**env, **unit.env, **backend.worker_env(cache_dir, scratch)}
+    worker_env = worker.env({**env, **unit.env}, cache_dir, scratch)
     require_scratch(backend.scratch_dirs(scratch, worker_env), backend.scratch_min_free)
     shapes = warmup_shapes(unit)
     job = WorkerJob(
@@ -316,11 +300,9 @@ def build_unit(
         unit_ids=tuple(f"{unit.entry.id}/{unit.entry.unit_label(shape)}" for shape in shapes),
         shapes=tuple(shapes),
     )
-    launch = lambda job_file: backend.launch_command(unit.entry, job_file)  # noqa: E731
-    result = run_worker(launch, job, worker_env, scratch, workers=workers, on_phase=on_phase)
+    result = worker.run(job, worker_env, scratch)
     publishing = time.monotonic()
-    if on_phase:
-        on_phase(unit.unit_id, "publishing")
+    worker.notify(unit.unit_id, "publishing")
     _check_fingerprint(unit, result.fingerprint)
     run = _merged(result.runs)
     silent = components_without_graphs(unit.entry, run.counters)

@@ -48,17 +48,8 @@ from neffbuild.host.exports import serving_dirs
 from neffbuild.host.trace import ReplayTrace, TracedFile, UnitTrace, write_trace
 from neffbuild.host.trust import Trust, verify_release
 from neffbuild.runner.jobfiles import OnPhase, Progress, WorkerJob, WrittenFile, no_progress
-from neffbuild.runner.scratch import (
-    DEFAULT_LOGS_DIR,
-    keep_logs,
-    log_tail,
-    logs_dir_for,
-    make_scratch_root,
-    remove_tree,
-    run_name,
-    unit_dir_name,
-)
-from neffbuild.runner.workers import Workers, run_worker, supervised
+from neffbuild.runner.scratch import DEFAULT_LOGS_DIR, logs_dir_for, remove_tree
+from neffbuild.runner.workerrun import KeptLog, WorkerRun, worker_run
 from neffbuild.store import StoreChoice
 from neffbuild.store.base import Store
 from neffbuild.units.plan import BuildUnit, Plan, make_plan
@@ -115,14 +106,10 @@ class ReplayReport:
 class _Replay:
     """What every model entry of one replay shares."""
 
-    backend: Backend
+    worker: WorkerRun  # the scratch root, kept logs, workers and notify of this replay
     view: Path
-    root: Path
     env: Mapping[str, str]  # the caller's environment with the manifest's runtime env
     outputs_dir: Path | None
-    logs_dir: Path
-    workers: Workers
-    notify: OnPhase
     trace: bool
 
 
@@ -232,25 +219,16 @@ def replay(
         if in_place:
             cache.require_read_only(plan.backend_name, serving_dirs(plan.backend_name))
         state = cache.read_state()[1] if trace else None
-    root = make_scratch_root(work_dir, "neffbuild-replay-")
-    if root.resolve().is_relative_to(cache_dir):  # the system's temp dir is
-        root.rmdir()
-        raise InputError(f"replay scratch {root} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE)
     results: list[UnitReplay] = []
     loading: set[str] = set()
     copy = ViewCopy()
-    with supervised(cleanup=lambda: remove_tree(root)) as workers:
-        run = _Replay(
-            backend,
-            cache_dir if in_place else root / "view",
-            root,
-            {**env, **plan.runtime_env},
-            outputs_dir,
-            logs_dir.expanduser().resolve() / run_name(),
-            workers,
-            notify or (lambda unit_id, status: None),
-            trace,
-        )
+    with worker_run(backend, work_dir, "neffbuild-replay-", logs_dir=logs_dir, notify=notify) as worker:
+        if worker.root.resolve().is_relative_to(cache_dir):  # the system's temp dir is (removed on the way out)
+            raise InputError(
+                f"replay scratch {worker.root} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE
+            )
+        view = cache_dir if in_place else worker.root / "view"
+        run = _Replay(worker, view, {**env, **plan.runtime_env}, outputs_dir, trace)
         dirty = not in_place
         for units in plan.by_entry().values():
             if dirty:  # every entry starts from the checked dir's bytes, not another entry's writes
@@ -296,10 +274,10 @@ def trace_of(
 def _replay_entry(units: list[BuildUnit], run: _Replay) -> tuple[list[UnitReplay], tuple[str, ...]]:
     """The entry's replays, and the files its worker opened while loading (with run.trace)."""
     entry = units[0].entry
-    scratch = run.root / entry.id
+    scratch = run.worker.root / entry.id
     # Every variable the compiler writes through points into scratch: its cache at the private
     # copy, locks and debug output beside it.
-    worker_env = {**run.env, **run.backend.worker_env(run.view, scratch)}
+    worker_env = run.worker.env(run.env, run.view, scratch)
     job = WorkerJob(
         purpose="replay",
         entry=entry,
@@ -310,31 +288,28 @@ def _replay_entry(units: list[BuildUnit], run: _Replay) -> tuple[list[UnitReplay
         watch_dir=str(run.view),
         trace=run.trace,
     )
-    launch = lambda job_file: run.backend.launch_command(entry, job_file)  # noqa: E731
     try:
-        result = run_worker(launch, job, worker_env, scratch, workers=run.workers, on_phase=run.notify)
+        result = run.worker.run(job, worker_env, scratch)
     except Interrupted:
         raise
     except NeffbuildError as exc:
         for u in units:
-            run.notify(u.unit_id, "failed")
-        raise _with_kept_log(exc, scratch, run.logs_dir / unit_dir_name(units[0].unit_id)) from None
+            run.worker.notify(u.unit_id, "failed")
+        raise _with_kept_log(exc, run.worker.keep_log(scratch, units[0].unit_id)) from None
     replays = [
         UnitReplay(r.unit_id, r.first_call_s, r.compiles, r.written, r.counters, r.output, r.opened)
         for r in result.runs
     ]
     for r in replays:
-        run.notify(r.unit_id, "hit" if r.hit else "miss")
+        run.worker.notify(r.unit_id, "hit" if r.hit else "miss")
     return replays, result.opened_loading
 
 
-def _with_kept_log(exc: NeffbuildError, scratch: Path, dest: Path) -> BuildError:
-    try:
-        log = keep_logs(scratch, dest)
-    except OSError as kept:  # the replay's error is what matters; say why its log is not there
-        details = [f"  log: not kept ({kept.filename or dest}: {kept.strerror or kept})"]
+def _with_kept_log(exc: NeffbuildError, kept: KeptLog) -> BuildError:
+    if kept.failure:  # the replay's error is what matters; say why its log is not there
+        details = [f"  log: not kept ({kept.failure})"]
     else:
-        details = [f"  log: {log}", *(f"  | {line}" for line in log_tail(log))] if log else []
+        details = [f"  log: {kept.path}", *(f"  | {line}" for line in kept.tail)] if kept.path else []
     return BuildError(
         exc.message, hint="--debug shows the worker's traceback", details=details, debug_detail=exc.debug_detail
     )
