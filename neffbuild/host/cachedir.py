@@ -13,7 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,11 @@ class CacheDir:
             yield cache
         finally:
             cache.close()
+
+    @classmethod
+    def held(cls, cache_dir: Path | CacheDir) -> AbstractContextManager[CacheDir]:
+        """For a block: the caller's own CacheDir (left open: the caller closes it), or the path opened."""
+        return nullcontext(cache_dir) if isinstance(cache_dir, CacheDir) else cls.opened(cache_dir)
 
     def close(self) -> None:
         if self.fd is not None:

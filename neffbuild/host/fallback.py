@@ -50,15 +50,16 @@ def pull_or_stale(
     unreachable freezes the host on it for good (docs/security.md, "Freshness")."""
     started = time.perf_counter()
     wanted = ref or (options.trust.pin if options.trust else None)  # pull --release: the pinned id
-    with operation(options.policy, f"pulling {wanted}") as op:
-        try:
-            with bounded(options.timeout, f"pulling {wanted}"):
-                # The deadline and the operation are this function's: pull runs inside both.
-                return pull(open_store(), ref, cache_dir, replace(options, timeout=None, policy=None))
-        except StoreError as exc:
-            counts = op.counts()
-            failure = exc
+    # One CacheDir for the pull and its fallback: the dir is resolved and opened once.
     with CacheDir.opened(cache_dir) as cache:
+        with operation(options.policy, f"pulling {wanted}") as op:
+            try:
+                with bounded(options.timeout, f"pulling {wanted}"):
+                    # The deadline and the operation are this function's: pull runs inside both.
+                    return pull(open_store(), ref, cache, replace(options, timeout=None, policy=None))
+            except StoreError as exc:
+                counts = op.counts()
+                failure = exc
         installed = fully_installed(cache, wanted) if allow_stale else None
         if installed is not None and options.trust is not None and installed.tag and not allow_expired:
             _check_fresh(installed.tag, cache.state().expires.get(installed.tag), failure)

@@ -189,9 +189,10 @@ class PullOptions:
 
 
 def pull(
-    store: Store, ref: str | None, cache_dir: Path, options: PullOptions | None = None, **changes: Any
+    store: Store, ref: str | None, cache_dir: Path | CacheDir, options: PullOptions | None = None, **changes: Any
 ) -> PullReport:
-    """Bring the release's files into cache_dir; with env_file, write the exports there last.
+    """Bring the release's files into cache_dir (a path, or the caller's open CacheDir); with
+    env_file, write the exports there last.
     options: a PullOptions, its fields replaced by changes (`pull(store, ref, dir, verify="full")`).
 
     Everything that can refuse (the release, its exports, this host, room on the disk, a link in
@@ -231,7 +232,7 @@ def pull(
     with (
         retry.operation(o.policy, f"pulling {label}") as op,
         retry.bounded(o.timeout, f"pulling {label}"),
-        CacheDir.opened(cache_dir) as cache,  # opened, not made: a refused pull leaves no trace
+        CacheDir.held(cache_dir) as cache,  # opened, not made: a refused pull leaves no trace
     ):
         started = time.perf_counter()
         deadline = retry.current()

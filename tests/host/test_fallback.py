@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -78,3 +79,30 @@ def test_a_corrupt_blob_fails_closed_even_with_allow_stale(installed, s3_url: st
     failed = pull(cli, s3_url, cache, s3_env, "--allow-stale", "--json")
     assert failed.returncode == 4, failed.stderr
     assert json.loads(failed.stdout)["kind"] == "IntegrityError" and "warning:" not in failed.stderr
+
+
+def test_the_fallback_reads_the_dir_the_pull_opened_even_if_its_path_moves_meanwhile(tmp_path: Path) -> None:
+    """One CacheDir for the pull and its fallback: the path is resolved once, so a link at it
+    repointed while the store is being reached does not change which dir the fallback reads."""
+    from neffbuild.errors import StoreError
+    from neffbuild.host.fallback import pull_or_stale
+    from neffbuild.host.pull import PullOptions
+    from neffbuild.host.pull import pull as pull_into
+
+    store = open_store(str(tmp_path / "store"), create=True)
+    sources = write_files(tmp_path / "src", {"a/f.bin": 3000, "b/g.bin": 1000})
+    release_id = publish_release_of(store, tmp_path / "src", sources, name="prod", tag="prod")
+    pull_into(store, "prod", tmp_path / "installed")
+    (tmp_path / "empty").mkdir()
+    link = tmp_path / "cache"
+    link.symlink_to(tmp_path / "installed")
+
+    def unreachable() -> NoReturn:
+        link.unlink()
+        link.symlink_to(tmp_path / "empty")  # an operator's change, while the store is being reached
+        raise StoreError("store unreachable: connection refused")
+
+    report = pull_or_stale(unreachable, "prod", link, PullOptions(), allow_stale=True)
+    assert report.stale and report.release_id == release_id
+    assert report.cache_dir == tmp_path / "installed" and report.files_total == 2
+    assert list((tmp_path / "empty").iterdir()) == []
