@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from neffbuild.cli.terminal import DEBUG, print_error, sanitised_lines
+from neffbuild.cli.terminal import DEBUG, JSON_LOGS, json_line, json_logs_asked, print_error, sanitised_lines, say
 from neffbuild.cli.views import printed_document
 from neffbuild.errors import NeffbuildError
 from neffbuild.version import __version__
@@ -78,6 +78,7 @@ def cli(debug: bool, verbose: int, quiet: bool, log_format: str) -> None:
     manifest -> units -> bundles -> release -> tag -> cache dir
     """
     DEBUG["on"] = debug
+    JSON_LOGS["on"] = log_format == "json"
     level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose + 2 * debug, 2)]
     _log_to_stderr(level, log_format)
 
@@ -102,15 +103,9 @@ class _JsonFormatter(logging.Formatter):
     """One JSON object per record and line; the strings exact (JSON escapes what a terminal acts on)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        doc = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            doc["traceback"] = self.formatException(record.exc_info)
-        return json.dumps(doc)
+        trace = self.formatException(record.exc_info) if record.exc_info else None
+        level, message = record.levelname.lower(), record.getMessage()
+        return json_line(level, record.name, message, record.created, traceback=trace)
 
 
 def _log_to_stderr(level: int, log_format: str = "plain") -> None:
@@ -123,6 +118,9 @@ def _log_to_stderr(level: int, log_format: str = "plain") -> None:
         logger.addHandler(handler)
     handler.setFormatter(_JsonFormatter() if log_format == "json" else _PrintableFormatter())
     logger.setLevel(level)
+    # With json, Python's warnings too: they would be plain lines among the objects.
+    logging.captureWarnings(log_format == "json")
+    logging.getLogger("py.warnings").handlers[:] = [handler] if log_format == "json" else []
     # diffusers imports torchao where it is installed (the quantize extra), and that import warns
     # on every plan, through three libraries' own handlers: torchao's CUDA-only kernels did not
     # load on a CPU host, torch deprecates its Enum pytree constant, diffusers 0.42 misses a
@@ -151,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     # collection (those run often while thousands of small files land, and scanned it all).
     gc.freeze()
     args = sys.argv[1:] if argv is None else argv
+    # Before the group parses it: a usage error is said as the command line asked too.
+    JSON_LOGS["on"] = json_logs_asked(args)
     code = _run(lambda: cli.main(args=args, prog_name="neffbuild", standalone_mode=False), as_json="--json" in args)
     sys.exit(code)
 
@@ -160,7 +160,9 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
         invoke()
         return 0
     except NeffbuildError as exc:
-        print_error(exc.message, exc.hint, exc.details, exc.debug_detail)
+        print_error(
+            exc.message, exc.hint, exc.details, exc.debug_detail, kind=type(exc).__name__, exit_code=exc.exit_code
+        )
         if (
             as_json and not printed_document()
         ):  # machines read stdout: the failure as a document too (the lines above stay for logs)
@@ -170,14 +172,22 @@ def _run(invoke: Callable[[], Any], *, as_json: bool = False) -> int:
             sys.stdout.write(json.dumps(error, indent=2) + "\n")
         return exc.exit_code
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+        say("aborted", level="error")
         return 130
     except click.ClickException as exc:
-        exc.show()
+        if JSON_LOGS["on"]:
+            print_error(exc.format_message(), None, kind=type(exc).__name__, exit_code=exc.exit_code)
+        else:
+            exc.show()
         return exc.exit_code
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+        say("interrupted", level="error")
         return 130
     except Exception as exc:  # noqa: BLE001 - the last resort keeps output to one line
-        print_error(f"internal error: {type(exc).__name__}: {exc}", "rerun with --debug for a traceback, and report it")
+        print_error(
+            f"internal error: {type(exc).__name__}: {exc}",
+            "rerun with --debug for a traceback, and report it",
+            kind=type(exc).__name__,
+            exit_code=1,
+        )
         return 1

@@ -1,12 +1,16 @@
 """The terminal beside the views: the one error line (with its hint, and the traceback under
---debug), confirmations, and a report printed after a command changed a store or a cache dir."""
+--debug), the other lines on stderr (each a JSON object with --log-format json), confirmations, and
+a report printed after a command changed a store or a cache dir."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from itertools import pairwise
 
 import click
 
@@ -14,6 +18,37 @@ from neffbuild.errors import InputError
 from neffbuild.printable import printable
 
 DEBUG = {"on": False}  # --debug, set by the group (cli/main.py)
+JSON_LOGS = {"on": False}  # --log-format json (cli/main.py): every line on stderr is a JSON object
+_LEVELS = {"warning": "warning", "note": "info", "error": "error"}  # a plain line's prefix: its level
+
+
+def json_line(level: str, logger: str, message: str, created: float, **fields: object) -> str:
+    """One stderr line as --log-format json writes it (log records too): time, level, logger,
+    message, then fields; the strings exact (JSON escapes what a terminal acts on)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(created)) + f".{int((created % 1) * 1000):03d}"
+    doc = {"time": stamp, "level": level, "logger": logger, "message": message}
+    return json.dumps({**doc, **{k: v for k, v in fields.items() if v is not None}})
+
+
+def json_logs_asked(args: list[str]) -> bool:
+    """Whether a command line asks for --log-format json (read before click parses it, so that
+    a usage error is said as asked too)."""
+    return any(a == "--log-format=json" or (a, b) == ("--log-format", "json") for a, b in pairwise([*args, ""]))
+
+
+def say(text: str, level: str | None = None) -> None:
+    """One line on stderr (a warning, a note, a summary, progress): sanitised, flushed, never
+    styled; with --log-format json, a JSON object whose level is level, else the line's
+    `warning:`/`note:` prefix (else info)."""
+    if JSON_LOGS["on"]:
+        prefix, _, rest = text.partition(": ")
+        known = _LEVELS.get(prefix) if level is None else None
+        sys.stderr.write(
+            json_line(level or known or "info", "neffbuild.cli", rest if known else text, time.time()) + "\n"
+        )
+    else:
+        sys.stderr.write(printable(text) + "\n")
+    sys.stderr.flush()
 
 
 def confirmed(yes: bool, question: str) -> bool:
@@ -72,17 +107,38 @@ def report_after_change(show: Callable[[], None], done: str) -> None:
                 if isinstance(exc, _StdoutClosed)
                 else f"{type(exc).__name__}: {exc}"
             )
-            sys.stderr.write(printable(f"warning: {done}, but its report could not be printed: {why}") + "\n")
+            say(f"warning: {done}, but its report could not be printed: {why}")
         except Exception:  # noqa: BLE001, S110 - stderr is gone too: the exit code is all that is left
             pass
 
 
 def print_traceback() -> None:
     """The traceback being handled, each line sanitised: its messages carry store strings too."""
-    sys.stderr.write(sanitised_lines(traceback.format_exc().rstrip()) + "\n")
+    text = traceback.format_exc().rstrip()
+    if JSON_LOGS["on"]:
+        sys.stderr.write(json_line("debug", "neffbuild.cli", text.splitlines()[-1], time.time(), traceback=text) + "\n")
+    else:
+        sys.stderr.write(sanitised_lines(text) + "\n")
 
 
-def print_error(message: str, hint: str | None, details: tuple[str, ...] = (), debug_detail: str | None = None) -> None:
+def print_error(
+    message: str,
+    hint: str | None,
+    details: tuple[str, ...] = (),
+    debug_detail: str | None = None,
+    *,
+    kind: str | None = None,
+    exit_code: int | None = None,
+) -> None:
+    """The one error line, its details and hint (with --debug: the traceback, and the worker's);
+    with --log-format json, all of that as one JSON object (kind and exit_code added)."""
+    if JSON_LOGS["on"]:
+        fields: dict[str, object] = {"hint": hint, "details": [line.strip() for line in details] or None}
+        fields |= {"kind": kind, "exit_code": exit_code}
+        if DEBUG["on"]:
+            fields |= {"traceback": traceback.format_exc().rstrip(), "worker_traceback": debug_detail}
+        sys.stderr.write(json_line("error", "neffbuild.cli", message, time.time(), **fields) + "\n")
+        return
     if DEBUG["on"]:
         print_traceback()
         if debug_detail:

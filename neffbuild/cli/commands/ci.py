@@ -17,11 +17,10 @@ from neffbuild.cli.options import (
     signing_options,
     store_option,
 )
-from neffbuild.cli.terminal import report_after_change
+from neffbuild.cli.terminal import report_after_change, say
 from neffbuild.cli.views import Console, loop
 from neffbuild.cli.views import ci as views
 from neffbuild.errors import InputError
-from neffbuild.printable import printable
 
 if TYPE_CHECKING:
     from neffbuild.build.compile import BuildOptions
@@ -297,10 +296,7 @@ def keygen(name: str, path: Path) -> None:
     from neffbuild.documents.signing import generate_key, write_key_pair
 
     public = write_key_pair(generate_key(name), path)
-    click.echo(
-        f"wrote {printable(str(path))} (private: give it to CI's --sign-key) and {printable(str(public))} (to hosts' --trusted-key)",
-        err=True,
-    )
+    say(f"wrote {path} (private: give it to CI's --sign-key) and {public} (to hosts' --trusted-key)")
 
 
 @click.command()

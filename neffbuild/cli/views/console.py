@@ -15,6 +15,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TextIO, TypeAlias, TypeVar, cast
 
+from neffbuild.cli.terminal import JSON_LOGS, say
 from neffbuild.cli.views.progress import HEARTBEAT_S, live_progress, plain_progress
 from neffbuild.printable import printable
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from rich.text import Text
 
 # What json.dumps writes: what a view hands to Console.document, once made jsonable.
-Json: TypeAlias = "None | bool | int | float | str | list[Json] | dict[str, Json]"
+Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 
 
 def jsonable(value: object) -> Json:
@@ -91,10 +92,9 @@ def _data_console() -> type[RichConsole]:
     return DataConsole
 
 
-def say_err(text: str) -> None:
-    """One line on stderr (warnings, notes): sanitised, flushed, never styled."""
-    sys.stderr.write(printable(text) + "\n")
-    sys.stderr.flush()
+# One line on stderr (warnings, notes): sanitised, flushed, never styled; a JSON object with
+# --log-format json.
+say_err = say
 
 
 class Console:
@@ -105,7 +105,8 @@ class Console:
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
-        self.interactive = sys.stderr.isatty() and not os.environ.get("CI")
+        # Live lines only on a terminal, and never among --log-format json's objects.
+        self.interactive = sys.stderr.isatty() and not os.environ.get("CI") and not JSON_LOGS["on"]
 
     @functools.cached_property
     def out(self) -> RichConsole:

@@ -34,7 +34,7 @@ def pull(console: Console, report: PullReport) -> None:
             report.retries, report.throttled, report.waited_s, report.paced_to, report.paced_s, report.backoff_s,
             report.in_flight_s,
         )  # fmt: skip
-        print(f"note: the store throttled this pull: {counts.summary()}", file=sys.stderr)
+        say_err(f"note: the store throttled this pull: {counts.summary()}")
     _pulled(console, report)
 
 
