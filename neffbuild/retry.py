@@ -585,7 +585,7 @@ class Tries:
     """One request's failures so far: `failed` (count against the policy's attempts) and
     `throttled` (count only with no deadline); both set the backoff."""
 
-    __slots__ = ("failed", "throttled", "sent_at")
+    __slots__ = ("failed", "sent_at", "throttled")
 
     def __init__(self) -> None:
         self.failed = 0

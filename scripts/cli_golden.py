@@ -176,7 +176,7 @@ PLANNING = ("plan", "build", "release", "recipe", "warmup", "suggest")
 
 
 def light(calls: list[tuple[str, ...]], manifest: str) -> list[tuple[str, ...]]:
-    return [c for c in calls if not (c[:1] and c[0] in PLANNING) and not (c[1:2] == (manifest,))]
+    return [c for c in calls if not (c[:1] and c[0] in PLANNING) and c[1:2] != (manifest,)]
 
 
 def normalised(text: str, root: Path) -> str:

@@ -309,7 +309,7 @@ class TcpProxy:
     def _answer(self, upstream: socket.socket, client: socket.socket, *, slow: bool) -> None:
         """Forward the response; if slow and a 2xx: its head, then the body trickled or stalled."""
         head, body = _head(upstream)
-        status = (head.split(b" ", 2) + [b""])[1]  # b"" if the server answered no head
+        status = [*head.split(b" ", 2), b""][1]  # b"" if the server answered no head
         if not slow or not status.startswith(b"2"):
             client.sendall(head + b"\r\n\r\n" + body if head else body)
             while chunk := upstream.recv(65536):

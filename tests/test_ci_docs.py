@@ -44,8 +44,8 @@ def _index_installs(text: str) -> list[str]:
     for job in yaml.safe_load(text)["jobs"].values():
         for step in job["steps"]:
             for command in re.findall(r"pip install ([^\n;&|]+)", step.get("run", "")):
-                for requirement in command.split():
-                    requirement = requirement.strip("'\"")
+                for word in command.split():
+                    requirement = word.strip("'\"")
                     if requirement.startswith("-"):
                         continue
                     if not (requirement.startswith((".", "/")) or requirement.split("[")[0].endswith(".whl")):

@@ -3,6 +3,7 @@ server with faults made for real by a proxy (tests/tcpproxy.py) or by killing th
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -215,7 +216,7 @@ def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
     for _ in range(8):
         _send(pacer, clock, throttled=True)
         rates.append(pacer.rate)
-    assert all(b < a for a, b in zip(rates, rates[1:], strict=False)) and rates[-1] >= retry.DEFAULT.min_rate
+    assert all(b < a for a, b in itertools.pairwise(rates)) and rates[-1] >= retry.DEFAULT.min_rate
     # No burst: the next request waits 1 / rate.
     assert _take(pacer) == pytest.approx(1 / pacer.rate, rel=0.01)
     low = pacer.rate
@@ -303,8 +304,8 @@ def test_a_pacer_grows_faster_with_each_success_in_a_row() -> None:
     for _ in range(6):
         _send(pacer, clock, throttled=False)
         rates.append(pacer.rate)
-    steps = [b / a for a, b in zip(rates, rates[1:], strict=False)]
-    assert all(later > earlier > 1 for earlier, later in zip(steps, steps[1:], strict=False)), steps
+    steps = [b / a for a, b in itertools.pairwise(rates)]
+    assert all(later > earlier > 1 for earlier, later in itertools.pairwise(steps)), steps
     assert rates[-1] > 2.5 * rates[0]
     _send(pacer, clock, throttled=True)
     cut = pacer.rate
@@ -333,7 +334,7 @@ def test_a_pacer_cut_far_down_climbs_back_while_it_waits() -> None:
             waited += min(delay, policy.window_s)
         waits.append(waited)
         pacer.succeeded()
-    assert waits[0] < floor_gap and all(b < a for a, b in zip(waits, waits[1:], strict=False)), waits
+    assert waits[0] < floor_gap and all(b < a for a, b in itertools.pairwise(waits)), waits
     clock.now += 10_000  # a long silence, then an answer: the rate stops at headroom x what was measured
     pacer.succeeded()
     assert pacer.rate == pytest.approx(policy.headroom * pacer.measured())

@@ -309,11 +309,12 @@ def _parameter(method: ast.AST | None, position: int | str | None) -> str | None
 def _stores(method: ast.AST, param: str) -> bool:
     """Does method assign something holding param to an attribute of self?"""
     for node in ast.walk(method):
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Attribute) for target in node.targets for t in ast.walk(target)
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Attribute) for target in node.targets for t in ast.walk(target))
+            and any(isinstance(n, ast.Name) and n.id == param for n in ast.walk(node.value))
         ):
-            if any(isinstance(n, ast.Name) and n.id == param for n in ast.walk(node.value)):
-                return True
+            return True
     return False
 
 

@@ -300,7 +300,7 @@ def _read(store: Store, kind: type, folder: str, names: Iterable[str], jobs: int
             continue
         where = f"{store.url}/{folder}/{name}.json"
         doc: object = parse(kind, data, where)
-        if isinstance(doc, Release) and doc.release_id != name or isinstance(doc, BundleRecord) and doc.key != name:
+        if (isinstance(doc, Release) and doc.release_id != name) or (isinstance(doc, BundleRecord) and doc.key != name):
             raise IntegrityError(
                 f"{where}: content does not match its name",
                 hint="run `neffbuild verify --store` and repair the store before gc",

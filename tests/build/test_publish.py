@@ -61,7 +61,7 @@ def test_two_processes_moving_one_tag_lose_no_update(target: tuple[str, dict[str
             text=True,
             cwd=ROOT,
             env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
+        )
         for name in ("job-a", "job-b")
     ]
     time.sleep(0.5)  # both import and publish their release, then race
@@ -155,7 +155,7 @@ def test_a_writer_stalled_across_more_moves_than_pruning_keeps_loses_no_told_suc
                 tmp_path / name / str(v),
                 write_files(tmp_path / name / str(v), {"a.bin": 100}, seed=v),
                 name=f"{name}-{v}",
-            )  # fmt: skip
+            )
             for v in range(2)
         ]
     move_tag(store, "ci", releases["w0"][1], by="first")

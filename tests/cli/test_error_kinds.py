@@ -36,7 +36,7 @@ def store_with_release(tmp_path: Path) -> tuple[Path, str]:
 
 
 def test_an_unreadable_store_blob_is_a_store_error(store_with_release: tuple[Path, str], tmp_path: Path) -> None:
-    root, release_id = store_with_release
+    root, _release_id = store_with_release
     blob = next((root / "blobs").glob("*/*"))
     blob.chmod(0o000)
     result = cli_without_override("pull", "t", "--store", str(root), "--cache-dir", str(tmp_path / "cache"))

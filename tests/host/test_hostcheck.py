@@ -43,7 +43,7 @@ def records(manifest: Path) -> list[BundleRecord]:  # noqa: F811
             timings=Timings(),
             created_at="2026-01-01T00:00:00Z",
             neffbuild_version="0",
-        )  # fmt: skip
+        )
         for u in plan.units
     ]
 

@@ -66,9 +66,12 @@ def expected_garbage(store: Store, live: set[str], env: dict[str, str]) -> set[s
     for key in keys:
         name = key.rsplit("/", 1)[-1].split(".")[0]
         folder = key.split("/")[0]
-        if folder in ("releases", "locators") and name not in live or folder == "bundles" and name not in bundles:
-            garbage.add(key)
-        elif folder == "blobs" and name not in blobs or folder == "packs" and name not in live_packs:
+        if (
+            (folder in ("releases", "locators") and name not in live)
+            or (folder == "bundles" and name not in bundles)
+            or (folder == "blobs" and name not in blobs)
+            or (folder == "packs" and name not in live_packs)
+        ):
             garbage.add(key)
     return garbage
 

@@ -88,5 +88,5 @@ def test_a_damaged_record_is_named(tmp_path: Path) -> None:
     path = tmp_path / "store" / "releases" / f"{one}.json"
     path.chmod(0o644)
     path.write_bytes(b"{not json")
-    code, check, err = verify(str(tmp_path / "store"), {})
+    code, check, _err = verify(str(tmp_path / "store"), {})
     assert code == 4 and check["damaged"][0]["key"] == f"releases/{one}.json"

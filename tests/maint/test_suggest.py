@@ -171,7 +171,7 @@ def test_another_dtype_or_fingerprint_is_unexplained_with_the_differing_field(ma
     dtype = reasons["the event's entry differs from this manifest's"]
     assert [(c.name, c.planned, c.event) for c in dtype.changes] == [("dtype", "float32", "bfloat16")]
     host = reasons["not explained by a shape: the serving host differs from the plan"]
-    assert [(c.name, c.planned, c.event) for c in host.changes][0] == ("env.OMP_NUM_THREADS", "2", "8")
+    assert next((c.name, c.planned, c.event) for c in host.changes) == ("env.OMP_NUM_THREADS", "2", "8")
     assert ("torch", FACTS["torch"], "2.14.0+cpu") in [(c.name, c.planned, c.event) for c in host.changes]
     assert [c.breaking for c in host.changes] == sorted((c.breaking for c in host.changes), reverse=True)
     assert "call size not recovered (the guard saw no height and width)" in reasons

@@ -142,7 +142,7 @@ def test_stop_ends_every_process_of_every_worker_group(tmp_path: Path) -> None:
     pid_files = [tmp_path / f"pids-{i}" for i in range(2)]
     threads = [
         threading.Thread(
-            target=lambda f=f: pytest.raises(
+            target=lambda f=f: pytest.raises(  # noqa: RUF061 - a thread's target: the call form
                 WorkerStopped,
                 workers.run,
                 [*python(STUBBORN_WORKER), str(f)],

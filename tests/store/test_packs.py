@@ -67,7 +67,7 @@ def test_ranges_stay_near_the_target_size(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_two_targets_with_one_digest_share_a_piece() -> None:
     index, _ = packs.encode_index(sources(10, 10))
-    twins = targets_for(index, 1) + [BlobTarget(index.entries[1].digest, 10, Path("/cache/twin"))]
+    twins = [*targets_for(index, 1), BlobTarget(index.entries[1].digest, 10, Path("/cache/twin"))]
     [fetch] = packs.plan_ranges(index, twins)
     assert (fetch.start, fetch.end) == (10, 20) and [p.start for p in fetch.pieces] == [0, 0]
 

@@ -326,7 +326,7 @@ def _large_cut_short(store, env, tmp_path, **_):  # the object is shorter than t
 
 @contextmanager
 def _pack_cut_short(store, env, tmp_path, **_):  # a clipped range of a pack: short_range
-    release_id, [src] = publish(store, tmp_path, SMALL)
+    release_id, [_src] = publish(store, tmp_path, SMALL)
     [pack_id] = packs.decode_locator(release_id, get_object(store, env, packs.locator_key(release_id)), "").packs
     put_object(store, env, packs.pack_key(pack_id), b"x" * 100)
     yield store, packs.pack_key(pack_id)
@@ -334,7 +334,7 @@ def _pack_cut_short(store, env, tmp_path, **_):  # a clipped range of a pack: sh
 
 @contextmanager
 def _pack_emptied(store, env, tmp_path, **_):  # a range past the end of the pack: HTTP 416
-    release_id, [src] = publish(store, tmp_path, SMALL)
+    release_id, [_src] = publish(store, tmp_path, SMALL)
     [pack_id] = packs.decode_locator(release_id, get_object(store, env, packs.locator_key(release_id)), "").packs
     put_object(store, env, packs.pack_key(pack_id), b"")
     yield store, packs.pack_key(pack_id)
@@ -408,9 +408,9 @@ def test_every_integrity_error_of_a_pull_names_the_cache_file_and_the_store_obje
         server = request.getfixturevalue("s3_server")
     cache = tmp_path / "cache"
     with damage(store, env, tmp_path, s3_server=server, monkeypatch=monkeypatch) as (reader, store_object):
-        if reader is store:  # a host pulls in a process of its own, with nothing remembered
-            reader = open_store(store.url, env=env)
+        # A host pulls in a process of its own, with nothing remembered.
+        host = open_store(store.url, env=env) if reader is store else reader
         with pytest.raises(IntegrityError) as err:
-            pull(reader, "t", cache)
+            pull(host, "t", cache)
     assert_refused(err.value, cache, store_object)
     assert reader.url in err.value.message or store_object.startswith("/")
