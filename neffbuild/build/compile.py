@@ -152,9 +152,17 @@ def build(
     ) as worker:
         shares = unit_shares(store, plan.units, chosen, name) if o.memory_auto else {}
         run = _Run(
-            backend, store, env, worker, o.retries, units_root(o.work_dir), o.keep_work, _gate(o, len(chosen)),
-            o.unit_memory, {unit_id: s.need for unit_id, s in shares.items()},
-        )  # fmt: skip
+            backend,
+            store,
+            env,
+            worker,
+            retries=o.retries,
+            units_root=units_root(o.work_dir),
+            keep_work=o.keep_work,
+            gate=_gate(o, len(chosen)),
+            unit_memory=o.unit_memory,
+            shares={unit_id: s.need for unit_id, s in shares.items()},
+        )
         outcomes = _in_parallel(lambda u: _unit_outcome(u, run), chosen, o.jobs, worker.workers)
     # Built longest first (fleet.select); reported in the manifest's order, as plan lists them.
     order = {u.unit_id: i for i, u in enumerate(plan.units)}
@@ -392,10 +400,13 @@ def _merged(runs: Sequence[ShapeRun]) -> ShapeRun:
     traced, compiled = sum(r.trace_s for r in runs), sum(r.compile_s for r in runs)
     return runs[-1].model_copy(
         update={
-            "counters": counters, "compiles": sum(r.compiles for r in runs), "inputs": inputs,
-            "trace_s": traced, "compile_s": compiled,  # every call's compiling (the earlier ones warm the last up)
+            "counters": counters,
+            "compiles": sum(r.compiles for r in runs),
+            "inputs": inputs,
+            "trace_s": traced,
+            "compile_s": compiled,  # every call's compiling (the earlier ones warm the last up)
         }
-    )  # fmt: skip
+    )
 
 
 def _hash_outputs(backend: Backend, cache_dir: Path) -> list[tuple[str, BlobSource]]:

@@ -131,9 +131,15 @@ def verify_replay(
         _check_trace_path(trace_to, cache_dir)
     with progress(len(plan.units)) as notify:
         report = replay(
-            plan, cache_dir, env=env, work_dir=work_dir, outputs_dir=outputs_dir,
-            logs_dir=logs_dir_for(work_dir), notify=notify, how=ReplayHow(in_place, trace=trace_to is not None),
-        )  # fmt: skip
+            plan,
+            cache_dir,
+            env=env,
+            work_dir=work_dir,
+            outputs_dir=outputs_dir,
+            logs_dir=logs_dir_for(work_dir),
+            notify=notify,
+            how=ReplayHow(in_place, trace=trace_to is not None),
+        )
     if trace_to is not None and report.trace is not None:
         write_trace(trace_to, report.trace)
     return report
