@@ -29,10 +29,27 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, TypeVar
 
+from neffbuild.documents.fields import (
+    HEX32,
+    HEX64,
+    NAME_MAX,
+    PATH_MAX,
+    blake3_problem,
+    distinct_paths,
+    env_name_problem,
+    file_size,
+    optional_field,
+    reads_problem,
+    tag_name,
+)
+from neffbuild.documents.fields import checked as checked  # the checks, named here too for the documents' users
+from neffbuild.documents.fields import digest_problem as digest_problem
+from neffbuild.documents.fields import env_problem as env_problem
+from neffbuild.documents.fields import path_problem as path_problem
 from neffbuild.errors import IntegrityError
 from neffbuild.formats import FORMATS, kind_writing, writes
 from neffbuild.hashing import canonical_json, hash_bytes
-from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR, reserved_problem, tag_problem
+from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 
 # Version 2 of bundles and releases: every file entry also carries its BLAKE3 (what a signature
 # can vouch for). Version 1 documents stay readable (and keep their ids: an entry without a
@@ -45,134 +62,6 @@ TAG_FORMAT, TAG_FORMAT_SIGNED = FORMATS["tag"].writes  # /2: with a signed tag s
 UNIT_FORMAT = writes("unit key")
 
 MAX_DEPTH = 16  # our documents nest 4 deep; a unit's free-form parts a few more
-NAME_MAX = 255  # bytes in one path component (ext4, xfs, ...)
-PATH_MAX = 1024  # bytes in a cache path: compilers' are well under 200
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def path_problem(path: str) -> str | None:
-    # A bundle is input from the network: it must not write outside the cache dir.
-    parts = path.split("/")
-    if (
-        not path
-        or path[0] == "/"
-        or "\\" in path
-        or _CONTROL.search(path)
-        or "" in parts
-        or "." in parts
-        or ".." in parts
-    ):
-        return f"unsafe path {path!r}: must be relative, normalised, inside the cache dir, without control characters"
-    size = len(path) if path.isascii() else len(path.encode())
-    if size > PATH_MAX or (size > NAME_MAX and any(len(p.encode()) > NAME_MAX for p in parts)):
-        return f"path {path[:80]!r}... is too long: at most {PATH_MAX} bytes, {NAME_MAX} per component"
-    return reserved_problem(path)
-
-
-def _fold(path: str) -> str:
-    """What a case-insensitive, normalisation-insensitive filesystem sees (Unicode caseless match)."""
-    if path.isascii():
-        return path.lower()
-    import unicodedata  # only documents with non-ASCII paths pay for it
-
-    return unicodedata.normalize("NFD", unicodedata.normalize("NFD", path).casefold())
-
-
-def _distinct_paths(files: tuple[Any, ...]) -> str | None:
-    """Each path once, none also the directory of another, none differing from another only in case."""
-    if _plainly_distinct([entry.path for entry in files]):
-        return None
-    return _why_not_distinct(files)
-
-
-def _plainly_distinct(paths: list[str]) -> bool:
-    """The common case, decided with sets: ASCII paths, distinct when folded, none a directory
-    of another (directories are few: a release's 10,000 files sit in about 100)."""
-    if not all(map(str.isascii, paths)):
-        return False
-    folded = {path.lower() for path in paths}
-    if len(folded) != len(paths):
-        return False
-    dirs, todo = set(), {path.rpartition("/")[0] for path in folded}
-    while todo:
-        dirs |= todo
-        todo = {d.rpartition("/")[0] for d in todo} - dirs
-    return folded.isdisjoint(dirs)
-
-
-def _why_not_distinct(files: tuple[Any, ...]) -> str | None:
-    by_key: dict[str, Any] = {}
-    for entry in files:
-        key = _fold(entry.path)
-        other = by_key.setdefault(key, entry)
-        if other is entry:
-            continue
-        if other.path != entry.path:
-            return f"{other.path!r} and {entry.path!r} differ only in case: one file on a case-insensitive filesystem"
-        if other.digest != entry.digest:
-            return f"{entry.path!r} is listed twice, with two digests"
-        return f"{entry.path!r} is listed twice"
-    for key, entry in by_key.items():
-        parts = key.split("/")
-        for depth in range(1, len(parts)):
-            if (under := by_key.get("/".join(parts[:depth]))) is not None:
-                return f"{under.path!r} is a file and also the directory of {entry.path!r}"
-    return None
-
-
-def env_problem(env: dict[str, str]) -> str | None:
-    """Why env cannot be a process environment: a name that is no variable name, a NUL in a value."""
-    bad = [name for name in env if not _ENV_NAME.fullmatch(name)]
-    if bad:
-        return f"{bad[0]!r} is not an environment variable name"
-    nul = [name for name, value in env.items() if "\x00" in value]
-    return f"{nul[0]}: the value holds a NUL character" if nul else None
-
-
-def _reads_problem(reads: dict[str, str]) -> str | None:
-    bad = [n for n, d in reads.items() if not _ENV_NAME.fullmatch(n) or (d and not _HEX32.fullmatch(d))]
-    return f"{bad[0][:80]!r}: not a variable name with a digest" if bad else None
-
-
-def env_name_problem(name: str) -> str | None:
-    return None if _ENV_NAME.fullmatch(name) else f"{name!r} is not an environment variable name"
-
-
-def _tag_name(name: str) -> str | None:
-    return tag_problem(name)
-
-
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-def digest_problem(value: str) -> str | None:
-    return None if _HEX32.fullmatch(value) else f"{value!r} is not a 32-digit lowercase hex digest"
-
-
-def blake3_problem(value: str) -> str | None:
-    return None if _HEX64.fullmatch(value) else f"{value[:80]!r} is not a 64-digit lowercase hex BLAKE3 digest"
-
-
-def _not_negative(value: int) -> str | None:
-    return None if value >= 0 else f"{value} is negative"
-
-
-def _file_size(value: int) -> str | None:
-    return _not_negative(value) or (None if value < 1 << 63 else f"{value} is larger than any file can be")
-
-
-def checked(check: typing.Callable[[Any], str | None]) -> dict[str, typing.Callable[[Any], str | None]]:
-    """A field's metadata, `field(metadata=checked(check))`: its value must also pass check (which
-    returns a problem or None)."""
-    return {"check": check}
-
-
-def optional_field(check: typing.Callable[[Any], str | None], default: Any) -> Any:
-    """A field added by a later format: left out of the encoding while it holds its default, so
-    documents written before it keep their bytes (and a release its id)."""
-    return field(default=default, metadata={"check": lambda v: None if v == default else check(v), "omit": default})
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +69,7 @@ class FileEntry:
     """One cache file: where it goes under the cache dir and what its bytes are."""
 
     path: str = field(metadata=checked(path_problem))
-    size: int = field(metadata=checked(_file_size))
+    size: int = field(metadata=checked(file_size))
     digest: str = field(metadata=checked(digest_problem))
     blake3: str = optional_field(blake3_problem, "")  # "" only in version 1 documents
 
@@ -201,7 +90,7 @@ class BundleRecord:
     unit: dict[str, Any]
     backend: str
     fingerprint: dict[str, str]
-    files: tuple[FileEntry, ...] = field(metadata=checked(_distinct_paths))
+    files: tuple[FileEntry, ...] = field(metadata=checked(distinct_paths))
     counters: dict[str, int]
     timings: Timings
     created_at: str
@@ -216,7 +105,7 @@ class BundleRecord:
     # Each environment variable the compiling process read (backends/envreads.py): name -> XXH3
     # of "NAME=value", "" where unset; and the compiler's own key inputs (config hashes) as
     # digests. Optional: bundles written before them keep their bytes.
-    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: _reads_problem(v), "omit": {}})
+    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: reads_problem(v), "omit": {}})
     compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
 
@@ -246,12 +135,12 @@ class Release:
     env: dict[str, str] = field(metadata=checked(env_problem))
     fingerprint: dict[str, str]
     units: tuple[ReleaseUnit, ...]
-    files: tuple[FileEntry, ...] = field(metadata=checked(_distinct_paths))
+    files: tuple[FileEntry, ...] = field(metadata=checked(distinct_paths))
     shared: tuple[SharedPath, ...] = ()
     format: str = RELEASE_FORMAT
     # What every unit's bundle agrees on of BundleRecord.env_reads and .compiler_keys (as the
     # fingerprint is their common part): what doctor checks with only the release at hand.
-    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: _reads_problem(v), "omit": {}})
+    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: reads_problem(v), "omit": {}})
     compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
     @property
@@ -299,7 +188,7 @@ class TagRecord:
     """A movable name for a release, with its history (newest last) for audit and rollback.
     A signed tag (format /2) carries a signed statement of (tag, release, version, expiry)."""
 
-    name: str = field(metadata=checked(_tag_name))
+    name: str = field(metadata=checked(tag_name))
     release: str = field(metadata=checked(digest_problem))
     history: tuple[TagEvent, ...]
     format: str = TAG_FORMAT
@@ -516,7 +405,7 @@ _FILE_ENTRY_KEYS_2 = {"path", "size", "digest", "blake3"}
 # column at a time.
 _COMPONENT = rf"(?!\.\.?[/\n])[^/\x00-\x1f\x7f\\]{{1,{NAME_MAX}}}"
 _PATH_COLUMN = re.compile(rf"(?:{_COMPONENT}(?:/{_COMPONENT})*\n)*")
-_HEX32_COLUMN = re.compile(r"(?:[0-9a-f]{32}\n)*")
+HEX32_COLUMN = re.compile(r"(?:[0-9a-f]{32}\n)*")
 _BLAKE3_COLUMN = re.compile(r"(?:(?:[0-9a-f]{64})?\n)*")
 
 
@@ -543,7 +432,7 @@ def _column_ok(paths: list[str], digests: list[str], crypto: list[str]) -> bool:
         joined.isascii() and joined.count("\n") == len(paths)  # a "\n" inside a path would split it
         and INCOMPLETE_SUFFIX not in joined and f"\n{STATE_DIR}" not in f"\n{joined}"
         and max(map(len, paths), default=0) <= PATH_MAX and _PATH_COLUMN.fullmatch(joined) is not None
-        and _column(_HEX32_COLUMN, digests)
+        and _column(HEX32_COLUMN, digests)
         and _column(_BLAKE3_COLUMN, crypto)
     )  # fmt: skip
 
@@ -560,8 +449,8 @@ def _file_entry(value: Any, loc: Loc) -> FileEntry:
         path, size, digest, crypto = value["path"], value["size"], value["digest"], value.get("blake3", "")
         if (
             type(path) is str and path.isascii() and type(size) is int and type(digest) is str
-            and 0 <= size < 1 << 63 and _HEX32.fullmatch(digest) and path_problem(path) is None
-            and type(crypto) is str and (not crypto or _HEX64.fullmatch(crypto))
+            and 0 <= size < 1 << 63 and HEX32.fullmatch(digest) and path_problem(path) is None
+            and type(crypto) is str and (not crypto or HEX64.fullmatch(crypto))
         ):  # fmt: skip
             return FileEntry(path, size, digest, crypto)
     return _decode_doc(FileEntry, value, loc)

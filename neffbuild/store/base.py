@@ -1,4 +1,4 @@
-"""The storage protocol every store implements (local directory, S3).
+"""The storage protocol the core uses, built for every store by store/layout.py on its raw part.
 
 The layout below is a contract shared by all stores and asserted by tests:
 
@@ -51,22 +51,14 @@ from neffbuild.errors import InputError, StoreError
 from neffbuild.formats import FORMATS, writes
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.names import key_problem
+from neffbuild.store.raw import DOC_MAX as DOC_MAX  # defined with the raw part, named here too
+from neffbuild.store.raw import ObjectInfo as ObjectInfo
 
 DocKind = Literal["bundles", "releases", "tags", "gc", "signatures"]
 STORE_FORMAT = writes("store marker")
 MARKER = "neffbuild-store.json"
 MARKER_MAX = 64 << 10  # the marker is a few dozen bytes; a larger one is not ours
-DOC_MAX = 256 << 20  # no document is read past this (a release of a million files is ~150 MB)
 MARKER_HINT = f'not a neffbuild store, or its marker is damaged: it must hold {{"format": "{STORE_FORMAT}"}}'
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    """One stored object, as a listing reports it."""
-
-    key: str  # relative to the store root, e.g. blobs/ab/ab12...
-    size: int  # bytes
-    mtime: float  # last written, seconds since the epoch (UTC): compared with time.time() for gc's grace period
 
 
 DELETE_BATCH = 1000  # S3's DeleteObjects takes at most this many keys per request

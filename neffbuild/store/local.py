@@ -14,159 +14,99 @@ versions; a link that landed on a pruned name is detected after the link and los
 
 from __future__ import annotations
 
-import json
 import os
 import stat
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
-from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoundError, StoreError
+from neffbuild.errors import InputError, IntegrityError, StoreError
 from neffbuild.fs.atomic import write_atomic
-from neffbuild.fs.confined import BlobTarget, disk_error, write_verified
-from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
-from neffbuild.store.base import (
-    DOC_MAX,
-    MARKER,
-    MARKER_HINT,
-    MARKER_MAX,
-    STORE_FORMAT,
-    BlobSource,
-    DocKind,
-    ObjectInfo,
-    blob_key,
-    check_deletable,
-    check_marker,
-    deletion_failed,
-    doc_key,
-)
+from neffbuild.fs.confined import disk_error
+from neffbuild.hashing import hash_bytes
+from neffbuild.store.layout import LayoutStore
+from neffbuild.store.raw import DOC_MAX, Content, NotAnObject, ObjectInfo
 
 TAG_VERSIONS_KEPT = 16  # older versions are deleted: a reader that loses one to that reads again
+_T = TypeVar("_T")
 
 
-class LocalStore:
+class LocalStore(LayoutStore):
+    """The layout (store/layout.py) on a directory."""
+
     def __init__(self, root: Path, *, create: bool = False) -> None:
+        self.disk = LocalDisk(root)
+        self.root = self.disk.root
+        super().__init__(self.disk, create=create)
+
+
+class LocalDisk:
+    """The raw part (store/raw.py) of a local store: files under root."""
+
+    corrupt_hint = "the store is damaged: restore the object, or push the release into a new store"
+    missing_hint = "build into it first, or pass --store / set NEFFBUILD_STORE"
+
+    def __init__(self, root: Path) -> None:
         try:
             self.root = root.expanduser().resolve()
         except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
             raise StoreError(
                 f"store {root}: cannot resolve the path ({exc})", hint="check --store / NEFFBUILD_STORE"
             ) from None
-        marker = self.root / MARKER
-        data = self._read_marker(marker)
-        if data is not None:
-            check_marker(data, str(marker))
-            return
-        if not create:
-            raise StoreError(
-                f"no neffbuild store at {self.root}", hint="build into it first, or pass --store / set NEFFBUILD_STORE"
-            )
+
+    @property
+    def url(self) -> str:
+        return str(self.root)
+
+    def where(self, key: str) -> str:
+        return str(self.root / key)
+
+    def create(self, marker_key: str, marker: bytes) -> None:
         if not _is_empty_or_absent(self.root):
             raise StoreError(
                 f"{self.root} is not empty and not a neffbuild store",
                 hint="choose an empty or new directory for --store",
             )
         _guard(lambda: self.root.mkdir(parents=True, exist_ok=True), self.root)
-        self._write_new(MARKER, json.dumps({"format": STORE_FORMAT}).encode())
+        self.put_new(marker_key, marker)
 
-    @staticmethod
-    def _read_marker(marker: Path) -> bytes | None:
-        """The marker's bytes (at most MARKER_MAX + 1), or None if there is none."""
-        return _read_small(
-            marker,
-            MARKER_MAX + 1,
-            lambda found: StoreError(f"{marker}: a {found}, not a store marker", hint=MARKER_HINT),
-        )
+    def get(self, key: str, limit: int) -> bytes | None:
+        return _read_small(self.root / key, limit + 1)
 
-    @property
-    def url(self) -> str:
-        return str(self.root)
-
-    def missing_blobs(self, digests: Collection[str]) -> set[str]:
-        return {d for d in digests if not (self.root / blob_key(d)).is_file()}
-
-    def put_blob(self, digest: str, source: Path) -> int:
-        target = self.root / blob_key(digest)
-        if target.is_file():
-            return 0
+    def put_new(self, key: str, content: Content) -> bool:
+        """Linked into place, which fails if the name exists: the local If-None-Match. Flushed
+        before it is named; read-only once there, as in dvc's object database."""
+        target = self.root / key
+        if target.exists():
+            return False
         _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
-        copied: list[int] = []
+        return write_atomic(target, content, mode=0o444, replace=False)
 
-        def copy(dst: BinaryIO) -> None:
-            with source.open("rb") as src:
-                got = copy_hashing(src, dst)
-            if got.hex != digest:
-                raise IntegrityError(
-                    f"{source}: changed while publishing to {target} (digest {got.hex}, expected {digest})",
-                    hint="rebuild, then publish",
-                )
-            copied.append(got.size)
+    def exists(self, key: str) -> bool:
+        return (self.root / key).is_file()
 
-        # Flushed before it is named, and so before any record that points at it can be written.
-        # Verified objects are read-only, as in dvc's object database.
-        landed = write_atomic(target, copy, mode=0o444, replace=False)
-        return copied[0] if landed else 0
-
-    def put_blobs(self, sources: Sequence[BlobSource], jobs: int) -> int:
-        wanted = self.missing_blobs({s.digest for s in sources})
-        todo = list({s.digest: s for s in sources if s.digest in wanted}.values())
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            return sum(pool.map(lambda s: self.put_blob(s.digest, s.path), todo))
-
-    def put_locator(self, release_id: str, digests: Collection[str]) -> None:
-        """Nothing to record: every blob is a file of its own, found by its name."""
-
-    def download_blobs(self, targets: Sequence[BlobTarget], jobs: int, *, release: str | None = None) -> None:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            list(pool.map(self._download_one, targets))
-
-    def _download_one(self, target: BlobTarget) -> None:
-        with self.open_blob(target.digest, needed_for=target.dest) as stream:
-            write_verified(target, _chunks(stream, target.size + 1), origin=f"{self.url}/{blob_key(target.digest)}")
-
-    def open_blob(self, digest: str, *, needed_for: Path | None = None) -> BinaryIO:
-        """The blob's file, opened (it is its own context manager); each way that fails is a typed
-        error naming it (and the file it was read for)."""
-        where = f"{self.url}/{blob_key(digest)}"
-        need = f" (needed for {needed_for})" if needed_for else ""
+    def open(self, key: str) -> BinaryIO | None:
+        """The file, opened (it is its own context manager)."""
         try:
-            return _open_regular(self.root / blob_key(digest))
+            return _open_regular(self.root / key)
         except FileNotFoundError:
-            raise NotFoundError(
-                f"blob {digest} missing from store {self.url}{need}", hint="re-push the release"
-            ) from None
-        except _NotRegular as exc:
-            raise IntegrityError(f"{where} is a {exc.kind}, not a regular file{need}", hint=CORRUPT_HINT) from None
+            return None
         except OSError as exc:
-            raise _read_error(where, exc, need) from None
+            raise _read_error(self.where(key), exc) from None
 
-    def put_doc(self, kind: DocKind, name: str, data: bytes) -> bool:
-        return self._write_new(doc_key(kind, name), data)
-
-    def get_doc(self, kind: DocKind, name: str) -> bytes | None:
-        if kind == "tags":  # its highest version, not the mirror (which may lag a swap in flight)
-            current = self.read_tag(name)
-            return None if current is None else current[0]
-        return self._read_doc(doc_key(kind, name))
-
-    def list_docs(self, kind: DocKind) -> Iterator[str]:
-        folder = self.root / kind
+    def names(self, folder: str) -> list[str]:
+        path = self.root / folder
         try:
-            with os.scandir(folder) as entries:  # unlike Path.glob, it reports a refusal
-                names = sorted(e.name[: -len(".json")] for e in entries if e.name.endswith(".json"))
+            with os.scandir(path) as entries:  # unlike Path.glob, it reports a refusal
+                return [e.name for e in entries]
         except (FileNotFoundError, NotADirectoryError):
-            names = []
+            return []
         except OSError as exc:
             raise StoreError(
-                f"{folder}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions"
+                f"{path}: cannot list it ({exc.strerror or exc})", hint="check the store's permissions"
             ) from None
-        yield from names
 
-    def get_docs(self, kind: DocKind, names: Iterable[str], jobs: int) -> dict[str, bytes | None]:
-        return {n: self.get_doc(kind, n) for n in sorted(set(names))}  # a local read is quick: no pool
-
-    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+    def objects(self, prefix: str) -> Iterator[ObjectInfo]:
         """Regular files only; the hidden temp files of writes in flight and locks/ are not objects."""
         folder = self.root / _within(prefix.rpartition("/")[0])
         found = []
@@ -175,45 +115,45 @@ class LocalStore:
                 found.append(ObjectInfo(rel, size, mtime))
         yield from sorted(found, key=lambda o: o.key)
 
-    def delete_objects(self, keys: Iterable[str]) -> None:
+    def delete(self, keys: Sequence[str]) -> list[tuple[str, str]]:
         """unlink is atomic: a reader that opened the file still reads all of it. Emptied shard
         folders stay: removing one could race a publish that just made it to write into."""
         failures = []
-        for key in [check_deletable(k) for k in keys]:
+        for key in keys:
             try:
-                if key.startswith("tags/") and key.endswith(".json"):  # its versions first: they are the tag
-                    versions = self.root / "tags" / f".{key[5:-5]}.v"
-                    for number in _version_numbers(versions):
-                        (versions / str(number)).unlink(missing_ok=True)
+                versions = self._versions(key)  # first: they are the object, where swap made them
+                for number in _version_numbers(versions):
+                    (versions / str(number)).unlink(missing_ok=True)
                 (self.root / key).unlink()
             except (FileNotFoundError, NotADirectoryError):
                 pass
             except OSError as exc:
                 failures.append((key, exc.strerror or str(exc)))
-        if failures:
-            raise deletion_failed(self.url, failures)
+        return failures
 
-    def pack_indexes(self) -> tuple[dict, dict[str, str]]:
-        return {}, {}  # every blob is a file of its own
+    def run_all(self, tasks: Sequence[Callable[[], _T]], jobs: int) -> list[_T]:
+        return [task() for task in tasks]  # a local read is quick: no pool
 
-    def read_tag(self, name: str) -> tuple[bytes, str] | None:
-        """The highest version's bytes and "v<n>"; a tag from before versions is "v0-<digest>"."""
-        versions = self._tag_versions(name)
+    # -- compare-and-swap: versions linked into place -------------------------------------------
+
+    def get_versioned(self, key: str, limit: int) -> tuple[bytes, str] | None:
+        """The highest version's bytes and "v<n>"; an object from before versions is "v0-<digest>"."""
+        versions = self._versions(key)
         for _ in range(100):  # a version deleted between the listing and the read: list again
             found = _highest(versions)
             if found is None:
-                legacy = self._read_doc(doc_key("tags", name))
+                legacy = self.get(key, limit)
                 return None if legacy is None else (legacy, f"v0-{hash_bytes(legacy)}")
-            data = self._read_doc(f"{versions.relative_to(self.root).as_posix()}/{found}")
+            data = _read_small(versions / str(found), limit + 1)
             if data is not None:
                 return data, f"v{found}"
         raise StoreError(f"{versions}: its versions keep vanishing while read", hint="check the store's filesystem")
 
-    def swap_tag(self, name: str, data: bytes, expected: str | None) -> bool:
+    def swap(self, key: str, data: bytes, expected: str | None) -> bool:
         """Create version n + 1 where expected is version n: linking it fails if another writer
         created it first (and a version 0 expected must still be the file it was)."""
-        versions = self._tag_versions(name)
-        current = self.read_tag(name)
+        versions = self._versions(key)
+        current = self._current(key)
         if (current[1] if current else None) != expected:
             return False
         number = 1 if expected is None or expected.startswith("v0-") else int(expected[1:]) + 1
@@ -227,44 +167,32 @@ class LocalStore:
         if (_highest(versions) or 0) >= number + TAG_VERSIONS_KEPT:
             (versions / str(number)).unlink(missing_ok=True)
             return False
-        self._mirror_tag(name, versions)
+        self._mirror(key, versions)
         return True
 
-    def _tag_versions(self, name: str) -> Path:
-        doc_key("tags", name)  # checks the name
-        return self.root / "tags" / f".{name}.v"
+    def _current(self, key: str) -> tuple[bytes, str] | None:
+        got = self.get_versioned(key, DOC_MAX)
+        if got is not None and len(got[0]) > DOC_MAX:
+            raise IntegrityError(f"{self.where(key)}: over {DOC_MAX} bytes, not a document", hint=self.corrupt_hint)
+        return got
 
-    def _mirror_tag(self, name: str, versions: Path) -> None:
-        """tags/<name>.json := the highest version, checked again after each write so that the
-        last writer leaves it current; versions far below it are deleted."""
-        while (current := self.read_tag(name)) is not None:
-            write_atomic(self.root / doc_key("tags", name), current[0])
-            after = self.read_tag(name)
+    def _versions(self, key: str) -> Path:
+        """Where swap keeps an object's versions: tags/prod.json's in tags/.prod.v/ (hidden, never listed)."""
+        path = self.root / key
+        return path.with_name(f".{path.stem}.v")
+
+    def _mirror(self, key: str, versions: Path) -> None:
+        """key := the highest version, checked again after each write so that the last writer
+        leaves it current; versions far below it are deleted."""
+        while (current := self._current(key)) is not None:
+            write_atomic(self.root / key, current[0])
+            after = self._current(key)
             if after is None or after[1] == current[1]:
                 break
         highest = _highest(versions) or 0
         for old in _version_numbers(versions):
             if old <= highest - TAG_VERSIONS_KEPT:
                 (versions / str(old)).unlink(missing_ok=True)
-
-    def _read_doc(self, key: str) -> bytes | None:
-        path = self.root / key
-        data = _read_small(
-            path, DOC_MAX + 1, lambda found: IntegrityError(f"{path} is a {found}, not a document", hint=CORRUPT_HINT)
-        )
-        if data is not None and len(data) > DOC_MAX:
-            raise IntegrityError(f"{path}: over {DOC_MAX} bytes, not a document", hint=CORRUPT_HINT)
-        return data
-
-    def _write_new(self, key: str, data: bytes) -> bool:
-        target = self.root / key
-        if target.exists():
-            return False
-        _guard(lambda: target.parent.mkdir(parents=True, exist_ok=True), target)
-        return write_atomic(target, data, mode=0o444, replace=False)
-
-
-CORRUPT_HINT = "the store is damaged: restore the object, or push the release into a new store"
 
 
 def _version_numbers(versions: Path) -> list[int]:
@@ -281,34 +209,26 @@ def _highest(versions: Path) -> int | None:
     return max(_version_numbers(versions), default=None)
 
 
-class _NotRegular(Exception):
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
-
-
-def _read_error(where: object, exc: OSError, context: str = "") -> StoreError:
+def _read_error(where: object, exc: OSError) -> StoreError:
     """Reading the store failed: a store error (its permissions), not a local disk one, whatever
     disk the store is on."""
-    return StoreError(f"{where}: cannot read it ({exc.strerror or exc}){context}", hint="check the store's permissions")
+    return StoreError(f"{where}: cannot read it ({exc.strerror or exc})", hint="check the store's permissions")
 
 
-def _read_small(path: Path, limit: int, not_regular: Callable[[str], NeffbuildError]) -> bytes | None:
+def _read_small(path: Path, limit: int) -> bytes | None:
     """At most limit bytes of the regular file at path, or None if there is none; something else
-    at path (a FIFO, a directory...) is not_regular(its kind)."""
+    at path (a FIFO, a directory...) is NotAnObject."""
     try:
         with _open_regular(path) as f:
             return f.read(limit)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except _NotRegular as exc:
-        raise not_regular(exc.kind) from None
     except OSError as exc:
         raise _read_error(path, exc) from None
 
 
 def _open_regular(path: Path) -> BinaryIO:
-    """path opened for reading if it is a regular file (symlinks followed), else _NotRegular.
+    """path opened for reading if it is a regular file (symlinks followed), else NotAnObject.
 
     O_NONBLOCK: opening a FIFO with no writer then returns at once instead of waiting for one
     (and a device is not waited on either); fstat then tells what was opened.
@@ -317,7 +237,7 @@ def _open_regular(path: Path) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise _NotRegular(_KINDS.get(stat.S_IFMT(mode), "special file"))
+            raise NotAnObject(str(path), _KINDS.get(stat.S_IFMT(mode), "special file"))
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -328,14 +248,6 @@ def _open_regular(path: Path) -> BinaryIO:
 _KINDS = {
     stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket", stat.S_IFDIR: "directory",
 }  # fmt: skip
-
-
-def _chunks(stream: BinaryIO, limit: int) -> Iterator[bytes]:
-    """At most limit bytes of stream, in chunks (a file that keeps growing is not read forever);
-    a read error is the store's (write_verified says so)."""
-    while limit > 0 and (chunk := stream.read(min(CHUNK, limit))):
-        limit -= len(chunk)
-        yield chunk
 
 
 def _within(rel: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neffbuild.documents import records
+from neffbuild.documents import fields, records
 from neffbuild.documents.records import (
     RELEASE_FORMAT_1,
     BundleRecord,
@@ -406,7 +406,7 @@ def test_a_file_list_decodes_a_column_at_a_time_exactly_as_entry_by_entry(files:
 @given(st.lists(st.lists(st.sampled_from(["a", "A", "b", "é", "É", "c.d"]), min_size=1, max_size=3).map("/".join)))
 def test_distinct_paths_decided_by_sets_says_what_the_entry_walk_says(paths: list[str]) -> None:
     files = tuple(FileEntry(path=p, size=1, digest=DIGEST) for p in paths)
-    assert records._distinct_paths(files) == records._why_not_distinct(files)
+    assert fields.distinct_paths(files) == fields._why_not_distinct(files)
 
 
 def test_a_list_of_strings_decodes_at_once_with_the_same_verdicts() -> None:

@@ -40,7 +40,7 @@ SLOW_DOWN = {
 def translated(location: S3Location, rel: str, *, transient: bool = False) -> Iterator[None]:
     """botocore's exceptions become our typed errors, one line each, naming the object. With
     transient, throttling, 5xx and dropped connections become retry.Transient instead (for a
-    call made under the retry policy: S3Store._sent)."""
+    call made under the retry policy: S3Medium._sent)."""
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,

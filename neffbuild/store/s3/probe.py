@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from neffbuild.errors import StoreError
-from neffbuild.store.base import MARKER
+from neffbuild.store.base import MARKER, MARKER_MAX
 
 ALLOW_UNCONDITIONAL_ENV = "NEFFBUILD_S3_ALLOW_UNCONDITIONAL"
 Put = Callable[..., bool]  # put(rel, body, **condition): False if the condition did not hold
@@ -20,11 +20,11 @@ Put = Callable[..., bool]  # put(rel, body, **condition): False if the condition
 
 class ConditionalProbe:
     def __init__(
-        self, url: str, read_marker: Callable[[], bytes | None], put: Put, *, allow_unconditional: bool
+        self, url: str, get: Callable[[str, int], bytes | None], put: Put, *, allow_unconditional: bool
     ) -> None:
         self.url = url
         self.allow_unconditional = allow_unconditional
-        self._read_marker = read_marker
+        self._get = get  # get(key, limit): an object's bytes, or None
         self._put = put
         self._lock = threading.Lock()
         self._probed = False
@@ -35,7 +35,7 @@ class ConditionalProbe:
         with self._lock:
             if self._probed:
                 return
-            marker = self._read_marker() or b""
+            marker = self._get(MARKER, MARKER_MAX) or b""
             try:
                 honoured = not self._put(MARKER, marker, IfNoneMatch="*") and not self._put(
                     MARKER, marker, IfMatch='"0"'
