@@ -19,12 +19,13 @@ import os
 import stat
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
 from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.fs.atomic import write_atomic
-from neffbuild.fs.confined import BlobTarget, disk_error, write_verified
+from neffbuild.fs.confined import BlobTarget, Parents, disk_error, write_verified
 from neffbuild.hashing import CHUNK, copy_hashing, hash_bytes
 from neffbuild.store.base import (
     DOC_MAX,
@@ -118,12 +119,13 @@ class LocalStore:
         """Nothing to record: every blob is a file of its own, found by its name."""
 
     def download_blobs(self, targets: Sequence[BlobTarget], jobs: int, *, release: str | None = None) -> None:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            list(pool.map(self._download_one, targets))
+        with Parents() as parents, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            list(pool.map(partial(self._download_one, parents=parents), targets))
 
-    def _download_one(self, target: BlobTarget) -> None:
+    def _download_one(self, target: BlobTarget, *, parents: Parents) -> None:
         with self.open_blob(target.digest, needed_for=target.dest) as stream:
-            write_verified(target, _chunks(stream, target.size + 1), origin=f"{self.url}/{blob_key(target.digest)}")
+            origin = f"{self.url}/{blob_key(target.digest)}"
+            write_verified(target, _chunks(stream, target.size + 1), origin=origin, parents=parents)
 
     def open_blob(self, digest: str, *, needed_for: Path | None = None) -> BinaryIO:
         """The blob's file, opened (it is its own context manager); each way that fails is a typed
