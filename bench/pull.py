@@ -5,7 +5,7 @@ The same content is pulled from the same local SeaweedFS server (tests/s3server.
 listing, no checks). Each tool stores the content its natural way: the peers as one object per
 file, neffbuild as a published release (small files packed). Cases:
 
-  a  2,000 files of 64 KiB        b  8 files of 128 MiB
+  a  2,000 files of 64 KiB        b  8 files of 128 MiB        d  10,000 files of 4 KiB
   c  a real bundle: --store-dir (a local store from `neffbuild build`) and its --tag, pushed to S3
 
 Every run starts from a new, empty destination after `sync`; a warm-up round is not counted; each
@@ -22,7 +22,7 @@ Set-up (optional tools; missing ones are skipped):
     python3 -m venv bench/.work/peers && bench/.work/peers/bin/pip install -r bench/requirements.txt
     apt-get install -y rclone
 Run:
-    .venv/bin/python bench/pull.py [--cases a,b,c] [--runs 3] [--store-dir DIR --tag TAG]
+    .venv/bin/python bench/pull.py [--cases a,b,c,d] [--runs 3] [--store-dir DIR --tag TAG] [--tools s5cmd,...]
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ WORK = ROOT / "bench" / ".work"
 BUCKET = "bench"
 CEILING = "curl (ceiling)"
 ENGINE_NAME = "neffbuild, no start-up"  # not a peer: the same pull timed inside the process
-CASES = {"a": (2000, 64 << 10), "b": (8, 128 << 20)}  # (files, bytes each)
-SMOKE_CASES = {"a": (20, 4 << 10), "b": (2, 1 << 20)}
+CASES = {"a": (2000, 64 << 10), "b": (8, 128 << 20), "d": (10000, 4 << 10)}  # (files, bytes each)
+SMOKE_CASES = {"a": (20, 4 << 10), "b": (2, 1 << 20), "d": (30, 1 << 10)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,10 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="a,b,c", type=lambda s: s.split(","))
+    p.add_argument("--cases", default="a,b,c,d", type=lambda s: s.split(","))
+    p.add_argument(
+        "--tools", type=lambda s: set(s.split(",")), help="only these peers (e.g. s5cmd,curl): neffbuild always runs"
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--jobs", type=int, default=16, help="parallel transfers for every tool that takes a number")
@@ -133,7 +136,7 @@ def prepare(name: str, args: argparse.Namespace, s3: S3Settings) -> Case | None:
     from neffbuild.store import open_store
 
     store = open_store(f"s3://{BUCKET}/{name}/store", create=True, env=s3.env())
-    if name in ("a", "b"):
+    if name in CASES:
         count, size = (SMOKE_CASES if args.smoke else CASES)[name]
         files = synth_files(WORK / ("data-smoke" if args.smoke else "data") / name, count, size)
         publish_synthetic(store, files, name)
@@ -245,7 +248,8 @@ def available_tools(s3: S3Settings, args: argparse.Namespace) -> list[Tool]:
     if shutil.which("curl"):
         tools.append(Tool(CEILING, lambda c, d: ["curl", "-s", "-f", "--parallel", "--parallel-max", jobs,
                                                  "--create-dirs", "--config", str(curl_config(s3, c, d))], env))  # fmt: skip
-    return tools
+    chosen = args.tools
+    return [t for t in tools if chosen is None or t.name.startswith("neffbuild") or t.name.split()[0] in chosen]
 
 
 def find_s5cmd(venv: Path) -> str | None:

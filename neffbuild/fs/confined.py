@@ -32,6 +32,7 @@ import functools
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,14 +88,53 @@ def temp_name_for(name: str) -> str:
     return f".{name}.{os.getpid()}.{os.urandom(5).hex()}{INCOMPLETE_SUFFIX}"
 
 
-def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, origin: str) -> None:
-    """Write chunks to target.dest atomically; IntegrityError (nothing left behind) on mismatch."""
+class Parents:
+    """The directories blobs land in, each opened once for a whole download (thread-safe).
+
+    Reaching dest's directory costs write_verified the root's open, a walk down and the closes:
+    half of its system calls for a small file. Descriptors held are the real directories (see
+    the module docstring), so keeping them changes nothing about what lands where.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[Path | None, Path], int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Parents:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def of(self, target: BlobTarget) -> int:
+        """A descriptor of target.dest's directory (borrowed: closed on exit)."""
+        if target.dest.name == "..":  # the walk's check, for a directory already walked
+            raise ValueError(f"{target.dest} is not a file beneath {target.root}")
+        key = (target.root, target.dest.parent)
+        fd = self._fds.get(key)
+        if fd is None:
+            opened = _open_parent(target)
+            with self._lock:
+                fd = self._fds.setdefault(key, opened)
+            if fd != opened:  # another thread opened it first
+                os.close(opened)
+        return fd
+
+
+def write_verified(
+    target: BlobTarget, chunks: Iterable[bytes | memoryview], *, origin: str, parents: Parents | None = None
+) -> None:
+    """Write chunks to target.dest atomically; IntegrityError (nothing left behind) on mismatch.
+    parents: directories kept open across the blobs of one download."""
     dest = target.dest
     parent = -1  # dest's directory, reached without links (see the module docstring)
     named: str | None = None  # the temp file's name in parent, when it has one
     landed = False
     try:
-        parent = _open_parent(target)
+        parent = _open_parent(target) if parents is None else parents.of(target)
         fd, named, direct = _open_temp(parent, dest.name, direct=target.direct and target.size >= DIRECT_MIN)
         try:
             hasher = Hasher(crypto=bool(target.blake3))
@@ -115,7 +155,7 @@ def write_verified(target: BlobTarget, chunks: Iterable[bytes | memoryview], *, 
     finally:
         if named is not None and not landed:
             unlink_quietly(parent, named)
-        if parent >= 0:
+        if parent >= 0 and parents is None:
             os.close(parent)
 
 

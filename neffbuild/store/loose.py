@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError
-from neffbuild.fs.confined import BlobTarget, write_verified
+from neffbuild.fs.confined import BlobTarget, Parents, write_verified
 from neffbuild.hashing import CHUNK, copy_hashing
 from neffbuild.store.base import BlobSource, PackIndex, blob_key
 from neffbuild.store.raw import NotAnObject, RawStore
@@ -64,12 +65,13 @@ class LooseBlobs:
         """Nothing to record: every blob is an object of its own, found by its name."""
 
     def download(self, targets: Sequence[BlobTarget], jobs: int, release: str | None) -> None:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            list(pool.map(self._download_one, targets))
+        with Parents() as parents, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            list(pool.map(partial(self._download_one, parents=parents), targets))
 
-    def _download_one(self, target: BlobTarget) -> None:
+    def _download_one(self, target: BlobTarget, *, parents: Parents) -> None:
         with self.open(target.digest, needed_for=target.dest) as stream:
-            write_verified(target, _chunks(stream, target.size + 1), origin=self._raw.where(blob_key(target.digest)))
+            origin = self._raw.where(blob_key(target.digest))
+            write_verified(target, _chunks(stream, target.size + 1), origin=origin, parents=parents)
 
     def open(self, digest: str, *, needed_for: Path | None = None) -> AbstractContextManager[BinaryIO]:
         """The blob's stream; each way that fails is a typed error naming it (and the file it was read for)."""

@@ -13,7 +13,7 @@ import xxhash
 
 from neffbuild.errors import DiskError, IntegrityError
 from neffbuild.fs import confined as materialize
-from neffbuild.fs.confined import DIRECT_MIN, HASH_CHUNK, BlobTarget, aligned_buffer, write_verified
+from neffbuild.fs.confined import DIRECT_MIN, HASH_CHUNK, BlobTarget, Parents, aligned_buffer, write_verified
 from tests.pagecache import direct_io_possible, resident_fraction
 
 
@@ -217,6 +217,37 @@ def test_a_dangling_symlink_where_a_file_lands_is_replaced(cache_and_outside, te
     (cache / "x.so").symlink_to(outside / "not-yet")  # following it would create outside/not-yet
     write_verified(confined(b"ours", cache, "x.so"), [b"ours"], origin="test")
     assert (cache / "x.so").read_bytes() == b"ours" and not (outside / "not-yet").exists()
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_directories_kept_open_across_a_download_land_each_file_and_close_at_the_end(
+    cache_and_outside, temp_kind: str
+) -> None:
+    cache, _ = cache_and_outside
+    files = {f"d{i % 3}/sub/f{i}.so": os.urandom(100 + i) for i in range(12)}
+    before = open_fds()
+    with Parents() as parents:
+        for rel, data in files.items():
+            write_verified(confined(data, cache, rel), [data], origin="test", parents=parents)
+        assert len(open_fds() - before) == 3  # one per directory, not one per file
+    assert open_fds() == before
+    assert {p.relative_to(cache).as_posix(): p.read_bytes() for p in cache.rglob("*.so")} == files
+
+
+def test_kept_directories_still_refuse_a_link_and_a_name_leaving_them(cache_and_outside, temp_kind: str) -> None:
+    cache, outside = cache_and_outside
+    (cache / "lnk").symlink_to(outside)
+    before = snapshot(outside)
+    with Parents() as parents:
+        write_verified(confined(b"x", cache, "a/x.so"), [b"x"], origin="test", parents=parents)
+        with pytest.raises(DiskError, match="is a symbolic link"):
+            write_verified(confined(b"evil", cache, "lnk/evil.bin"), [b"evil"], origin="test", parents=parents)
+        with pytest.raises(ValueError, match="not a file beneath"):
+            write_verified(confined(b"up", cache, "a/.."), [b"up"], origin="test", parents=parents)
+    assert snapshot(outside) == before and not (cache / "a" / "..").is_file()
 
 
 def test_the_root_itself_may_be_a_symlink(tmp_path: Path, temp_kind: str) -> None:

@@ -112,31 +112,48 @@ def received(response: urllib3.BaseHTTPResponse, buf: Buffer) -> Iterator[memory
 
 
 class Body:
-    """Exact reads from a response body through one reused buffer (a pack range: blob after blob)."""
+    """Exact reads from a response body of `length` bytes through one reused buffer (a pack range:
+    blob after blob). Each receive fills as much of the buffer as the socket has, and small blobs
+    are handed out from it: one system call and a few Python calls serve many of them."""
 
-    def __init__(self, response: urllib3.BaseHTTPResponse, buf: Buffer) -> None:
+    def __init__(self, response: urllib3.BaseHTTPResponse, buf: Buffer, length: int) -> None:
         self._readinto = direct_readinto(response)
         self._view = memoryview(buf)
+        self._pos = self._end = 0  # the received bytes not yet handed out: _view[_pos:_end]
+        self._left = length  # bytes of the body not yet received (never read past them)
 
     def take(self, size: int) -> Iterator[memoryview]:
-        """The next size bytes, as views valid until the next is requested."""
+        """The next size bytes, as views valid until the next is requested; a piece that fits
+        the buffer comes as one view."""
         while size > 0:
-            view = self._view[: min(size, len(self._view))]
-            got = 0
-            while got < len(view):
-                try:
-                    n = self._readinto(view[got:])
-                except _READ_ERRORS as exc:
-                    raise Transient(f"read failed ({exc})") from None
-                if not n:
-                    raise Transient("connection closed before the range ended")
-                got += n
-            size -= got
+            if self._end - self._pos < min(size, len(self._view)):
+                self._receive(min(size, len(self._view)))
+            n = min(size, self._end - self._pos)
+            view = self._view[self._pos : self._pos + n]
+            self._pos += n
+            size -= n
             yield view
 
     def skip(self, size: int) -> None:
         for _ in self.take(size):
             pass
+
+    def _receive(self, wanted: int) -> None:
+        """Receive until wanted bytes are held, the bytes held first moved to the buffer's start."""
+        held = self._end - self._pos
+        if self._pos:
+            self._view[:held] = self._view[self._pos : self._end]
+            self._pos, self._end = 0, held
+        while self._end < wanted:
+            room = self._view[self._end : self._end + min(len(self._view) - self._end, self._left)]
+            try:
+                n = self._readinto(room) if len(room) else 0
+            except _READ_ERRORS as exc:
+                raise Transient(f"read failed ({exc})") from None
+            if not n:
+                raise Transient("connection closed before the range ended")
+            self._end += n
+            self._left -= n
 
 
 class Buffers:

@@ -23,12 +23,12 @@ import xxhash
 
 from neffbuild import retry
 from neffbuild.errors import IntegrityError, StoreError
-from neffbuild.fs.confined import BlobTarget, write_verified
+from neffbuild.fs.confined import BlobTarget, Parents, write_verified
 from neffbuild.hashing import CHUNK
 from neffbuild.store import packs
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.s3 import dataplane
-from neffbuild.store.s3.packs import PackCatalog
+from neffbuild.store.s3.packs import PackCatalog, Where
 
 STREAM_MIN = 4  # with this many large blobs or more, stream each with one GET instead of ranges
 STREAM_CHUNK = 4 << 20  # receive buffer of a streamed blob
@@ -106,35 +106,43 @@ class Transfers:
         jobs = max(1, jobs)
         unique, copies = _split_duplicates(targets)
         packed = self._catalog.locate([t for t in unique if t.size], release)
+        with Parents() as parents:
+            self._fetch(unique, packed, jobs, parents)
+            for first, twin in copies:  # one blob at several paths: fetched once, landed again locally
+                with first.dest.open("rb") as landed:
+                    write_verified(twin, iter(lambda: landed.read(CHUNK), b""), origin=str(first.dest), parents=parents)
+
+    def _fetch(self, unique: list[BlobTarget], packed: dict[str, Where], jobs: int, parents: Parents) -> None:
         chunks = dataplane.Buffers(STREAM_CHUNK)
         tasks: list[Callable[[], None]] = []
         by_pack: dict[str, list[BlobTarget]] = {}
         large: list[BlobTarget] = []
         for t in unique:
             if t.size == 0:  # nothing to fetch; write_verified still checks the digest
-                tasks.append(partial(write_verified, t, [], origin=f"{self._reader.base} (empty blob)"))
+                tasks.append(
+                    partial(write_verified, t, [], origin=f"{self._reader.base} (empty blob)", parents=parents)
+                )
             elif t.digest in packed:
                 by_pack.setdefault(packed[t.digest][0].pack_id, []).append(t)
             elif t.size <= dataplane.PART:
-                tasks.append(partial(self._stream_loose, t, chunks))
+                tasks.append(partial(self._stream_loose, t, chunks, parents))
             else:
                 large.append(t)
         size = packs.range_size(sum(t.size for ts in by_pack.values() for t in ts), jobs)
         for wanted in by_pack.values():
             fetches = packs.plan_ranges(packed[wanted[0].digest][0], wanted, size)
-            tasks += [partial(self._stream_range, f, chunks) for f in fetches]
+            tasks += [partial(self._stream_range, f, chunks, parents) for f in fetches]
         if len(large) >= STREAM_MIN:
             # Enough blobs to keep the connections busy: one GET each, received into a small buffer
             # and written in order (measured faster than ranges: no reordering, no big buffers).
-            tasks += [partial(self._stream_loose, t, chunks) for t in large]
+            tasks += [partial(self._stream_loose, t, chunks, parents) for t in large]
             large = []
         retry.expect(len(tasks) + sum(-(-t.size // dataplane.PART) for t in large))  # one GET each, a range each
-        self._run_with_ranges(large, tasks, jobs)
-        for first, twin in copies:  # one blob at several paths: fetched once, landed again locally
-            with first.dest.open("rb") as landed:
-                write_verified(twin, iter(lambda: landed.read(CHUNK), b""), origin=str(first.dest))
+        self._run_with_ranges(large, tasks, jobs, parents)
 
-    def _run_with_ranges(self, large: list[BlobTarget], tasks: list[Callable[[], None]], jobs: int) -> None:
+    def _run_with_ranges(
+        self, large: list[BlobTarget], tasks: list[Callable[[], None]], jobs: int, parents: Parents
+    ) -> None:
         """Run tasks, and fetch a few large blobs as parallel ranges so one big file still gets
         several connections. Each writer waits on its ranges, fetched by a pool of their own (a task
         never waits on its own pool); the semaphore bounds memory to writers * WINDOW * PART."""
@@ -151,12 +159,12 @@ class Transfers:
                 with writers:
                     key = blob_key(target.digest)
                     chunks = dataplane.ranges_in_order(self._reader, key, target, parts, buffers)
-                    write_verified(target, chunks, origin=self._reader.where(key))
+                    write_verified(target, chunks, origin=self._reader.where(key), parents=parents)
                 retry.landed()
 
             dataplane.run_all([lambda t=t: write_large(t) for t in large] + tasks, jobs)
 
-    def _stream_loose(self, target: BlobTarget, chunks: dataplane.Buffers) -> None:
+    def _stream_loose(self, target: BlobTarget, chunks: dataplane.Buffers, parents: Parents) -> None:
         """One GET of a blob's own object, received into a small buffer and landed as it comes
         (a dropped connection continues from the bytes received: DataPlane.resumed)."""
         key = blob_key(target.digest)
@@ -165,10 +173,11 @@ class Transfers:
                 target,
                 self._reader.resumed(key, target.size, buf, needed=str(target.dest)),
                 origin=self._reader.where(key),
+                parents=parents,
             )
         retry.landed()
 
-    def _stream_range(self, fetch: packs.RangeFetch, chunks: dataplane.Buffers) -> None:
+    def _stream_range(self, fetch: packs.RangeFetch, chunks: dataplane.Buffers, parents: Parents) -> None:
         """One ranged GET of a pack; each blob in it is landed as its bytes arrive."""
         key = packs.pack_key(fetch.pack_id)
         landed = 0  # a retry resumes after the blobs already landed
@@ -180,12 +189,15 @@ class Transfers:
             response = self._reader.opened(key, pos, fetch.end, needed=str(pieces[0].target.dest))
             try:
                 with chunks.lend() as buf:
-                    body = dataplane.Body(response, buf)
+                    body = dataplane.Body(response, buf, fetch.end - pos)
                     for piece in pieces:
                         at = fetch.start + piece.start
                         body.skip(at - pos)
                         write_verified(
-                            piece.target, body.take(piece.size), origin=f"{self._reader.where(key)} at byte {at}"
+                            piece.target,
+                            body.take(piece.size),
+                            origin=f"{self._reader.where(key)} at byte {at}",
+                            parents=parents,
                         )
                         pos = at + piece.size
                         landed += 1
