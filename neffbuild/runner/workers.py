@@ -75,7 +75,9 @@ class Workers:
             try:
                 proc = subprocess.Popen(
                     command,
-                    env={**env, PARENT_PID_ENV: str(os.getpid())},
+                    # Sorted: Inductor writes the TORCHINDUCTOR_* variables, in environ's order, into
+                    # its cache entries, whose bytes must not depend on how the parent built env.
+                    env=dict(sorted({**env, PARENT_PID_ENV: str(os.getpid())}.items())),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,

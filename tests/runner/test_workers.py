@@ -119,6 +119,19 @@ def test_a_failed_worker_hands_back_its_traceback_and_its_log_can_be_kept(tmp_pa
     assert log_tail(kept, lines=100)[0] == "loading the model"
 
 
+def test_a_worker_sees_its_environment_in_one_order_however_the_parent_built_it(tmp_path: Path) -> None:
+    """Inductor writes its variables into cache entries in environ's order: a unit built after
+    another (whose exports the parent's env already held) gave other bytes and another release id."""
+    seen = []
+    for i, names in enumerate((("TORCHINDUCTOR_B", "TORCHINDUCTOR_A"), ("TORCHINDUCTOR_A", "TORCHINDUCTOR_B"))):
+        out = tmp_path / f"order-{i}"
+        script = f"import os; open({str(out)!r}, 'w').write(' '.join(n for n in os.environ if n.startswith('TORCHINDUCTOR_')))"
+        built = {**{name: "1" for name in names}, **os.environ}
+        assert Workers().run(python(script), built, tmp_path / f"order-{i}.log", lambda: None) == 0
+        seen.append(out.read_text())
+    assert seen[0] == seen[1] and seen[0].split() == sorted(seen[0].split())
+
+
 def test_a_worker_that_dies_without_a_result_is_named_with_its_signal(tmp_path: Path) -> None:
     crash = python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     with pytest.raises(BuildError, match="left no result \\(killed by SIGKILL\\)"):

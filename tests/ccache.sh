@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The test run's `g++` (tests/conftest.py writes it, its two paths filled in, to a dir it puts first
+# on PATH): the real g++ under ccache, so a C++ kernel that several of the suite's builds compile
+# is compiled by g++ once. Test runs
+# only: the product never sees this, and Inductor still writes, links and loads every .so itself.
+# Inductor compiles and links a kernel in one call, which ccache does not cache: such a call is
+# split into a cached compile (-c) and a link. Each unit compiles under its own dir (a kernel's
+# file name is its code's hash), so the compile runs in the source's dir, which is then ccache's
+# base dir: the kernel's own bytes and flags are its identity, not where a build put it.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+path=":$PATH:"
+path="${path//:$here:/:}"
+path="${path#:}"
+real="$(PATH="${path%:}" command -v g++)"
+ccache="@CCACHE@"
+export CCACHE_DIR="@CCACHE_DIR@"
+export CCACHE_NOHASHDIR=1 CCACHE_COMPILERCHECK=content CCACHE_MAXSIZE=20G
+export CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime,time_macros,file_macro,locale
+sources=() out="" next_out=0 compile_only=0 linked=0
+for arg in "$@"; do
+  if [ $next_out = 1 ]; then out="$arg"; next_out=0; continue; fi
+  case "$arg" in
+    -o) next_out=1 ;;
+    -c) compile_only=1 ;;
+    -E|-S|-M|-MM|-MD|-MMD|-v|--version|-dump*) linked=-1 ;;
+    -shared) linked=1 ;;
+    /*.cpp|/*.cc|/*.cxx) sources+=("$arg") ;;
+  esac
+done
+# One absolute source and an absolute output, compiled (-c) or compiled and linked (-shared).
+if [ $linked = -1 ] || [ ${#sources[@]} != 1 ] || [[ "$out" != /* ]] || { [ $compile_only = 0 ] && [ $linked = 0 ]; }; then
+  exec "$real" "$@"
+fi
+source="${sources[0]}"
+cd "$(dirname "$source")"
+export CCACHE_BASEDIR="$PWD"
+if [ $compile_only = 1 ]; then
+  exec "$ccache" "$real" "${@/#"$source"/$(basename "$source")}" "-ffile-prefix-map=$PWD=."
+fi
+object="$out.ccache.o"
+trap 'rm -f "$object"' EXIT
+compile=() link=()
+skip=0
+for arg in "$@"; do
+  if [ $skip = 1 ]; then skip=0; continue; fi
+  case "$arg" in
+    -o) skip=1 ;;
+    -l*|-L*|-shared|-Wl,*) link+=("$arg") ;;
+    "$source") compile+=("$(basename "$source")"); link+=("$object") ;;
+    *) compile+=("$arg"); link+=("$arg") ;;
+  esac
+done
+# The object must not name this dir either (its debug info would): the same bytes from any dir.
+"$ccache" "$real" -c "${compile[@]}" "-ffile-prefix-map=$PWD=." -o "$object"
+"$real" "${link[@]}" -o "$out"
