@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.artifacts import COMPILES_GROUP, PACKAGE_GROUP
 from neffbuild.backends.base import (
     Backend,
     Problem,
@@ -219,6 +218,9 @@ class InductorBackend(Backend):
 
     def compiler_counters(self) -> dict[str, int]:
         # A package's hits and a package process's compiles (artifacts.py) beside the cache's.
+        # Imported here: a pull's host check loads this backend, and needs nothing of artifacts.
+        from neffbuild.backends.artifacts import COMPILES_GROUP, PACKAGE_GROUP
+
         return dynamo_counters("inductor", "aot_autograd", "stats", AUTOTUNE_GROUP, PACKAGE_GROUP, COMPILES_GROUP)
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:

@@ -33,6 +33,7 @@ commit point: it vouches only for bytes already flushed, so "the next pull" belo
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import stat
@@ -236,7 +237,8 @@ def pull(
         started = time.perf_counter()
         deadline = retry.current()
         retry.doing(f"resolving {label}")
-        resolved, verified, old = _resolved(store, ref, cache.read_state_data(), o.trust)
+        with _no_collection():
+            resolved, verified, old = _resolved(store, ref, cache.read_state_data(), o.trust)
         accepted = verified.accepted(old.accepted) if verified else old.accepted
         expires = verified.expires(old.expires) if verified else old.expires
         retry.check(store.url)
@@ -251,7 +253,8 @@ def pull(
         o = replace(o, lock_timeout=lock_timeout)
         retry.doing("checking the cache dir")
         installed, warnings = _host_checked(store, resolved, installed, old, o, exports)
-        scan, missing = _missing_that_fits(cache, installed, old.files, o)
+        with _no_collection():
+            scan, missing = _missing_that_fits(cache, installed, old.files, o)
         cache.make()
         if missing or not _recorded(old, installed, scan) or (accepted, expires) != (old.accepted, old.expires):
             retry.check(store.url)
@@ -318,6 +321,20 @@ def _resolved(
     if vouched is not None and (old.installed is None or old.installed.release is not vouched.release):
         resolved = resolve(store, ref)  # a state corrupt elsewhere vouches for nothing: the store's bytes, strictly
     return resolved, None, old
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """Decoding the state and the release and scanning the files build tens of thousands of
+    objects and no cycle: collections during them would scan all of them for nothing (a fifth
+    of a no-op pull's time). Collection resumes after, as it was."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _signed(verified: Verified | None) -> dict[str, Any]:
