@@ -326,8 +326,8 @@ def _resolved(
 @contextmanager
 def _no_collection() -> Iterator[None]:
     """Decoding the state and the release and scanning the files build tens of thousands of
-    objects and no cycle: collections during them would scan all of them for nothing (a fifth
-    of a no-op pull's time). Collection resumes after, as it was."""
+    objects and no cycle: collections during them would scan all of them for nothing. Collection
+    resumes after, as it was."""
     enabled = gc.isenabled()
     gc.disable()
     try:
