@@ -73,6 +73,7 @@ from neffbuild.host.state import (
 )
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
+from neffbuild.retry.scope import Counts
 from neffbuild.store.base import Store
 
 if TYPE_CHECKING:  # host/trust.py is imported only where trusted keys are given
@@ -113,7 +114,7 @@ class PullReport:
     state_replaced: str | None = (
         None  # why the state file found was corrupt (it was read as nothing known, and rewritten)
     )
-    # What the store put this pull through (retry.Counts): tries after a request's first, answers
+    # What the store put this pull through (retry.scope.Counts): tries after a request's first, answers
     # that throttled it (503 SlowDown, 429), seconds its requests waited (backoff and pacing,
     # summed over parallel requests), the rate it was paced down to (None: never throttled), and
     # the waiting split: in the pacer, in backoff, and the seconds its requests were in flight.
@@ -129,7 +130,7 @@ class PullReport:
     tag_version: int | None = None
     tag_expires: str | None = None
 
-    def with_counts(self, counts: retry.Counts) -> PullReport:
+    def with_counts(self, counts: Counts) -> PullReport:
         return replace(
             self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to,
             paced_s=counts.paced_s, backoff_s=counts.backoff_s, in_flight_s=counts.in_flight_s,
@@ -201,7 +202,7 @@ def pull(
     host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
 
-    timeout (seconds) is a wall-clock deadline on the whole pull (neffbuild/retry.py):
+    timeout (seconds) is a wall-clock deadline on the whole pull (neffbuild/retry/):
     every store request's socket timeouts end at it, a response still streaming is cut when it
     passes (a stalled or trickling server too), no retry starts after it, and it is checked
     between phases: past it, DeadlineExceeded (a StoreError, exit 3) naming the store and the
