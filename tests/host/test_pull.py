@@ -29,8 +29,9 @@ from neffbuild.documents.records import (
 )
 from neffbuild.errors import IntegrityError, NotFoundError
 from neffbuild.hashing import canonical_json, hash_bytes, hash_file
-from neffbuild.host.pull import STATE_DIR, pull, remove_stale_temp_files
-from neffbuild.names import INCOMPLETE_SUFFIX
+from neffbuild.host.landing import remove_stale_temp_files
+from neffbuild.host.pull import pull
+from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
 from tests.procs import wait_for
