@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 from neffbuild import retry
 from neffbuild.documents.refs import ResolvedRelease
 from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
-from neffbuild.host.cachedir import CacheDir
+from neffbuild.host.bundleunits import release_units
+from neffbuild.host.cachedir import CacheDir, find_target
 from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, serving_env, write_env_file
 from neffbuild.host.landing import land_missing, make_serving_dirs
 from neffbuild.host.pullplan import (
@@ -56,7 +57,7 @@ from neffbuild.host.pullplan import (
     resolved_with_state,
 )
 from neffbuild.host.scan import state_recorded
-from neffbuild.host.state import CacheState, Installed, find_target, release_units
+from neffbuild.host.state import CacheState, Installed
 from neffbuild.retry.scope import Counts
 from neffbuild.store.base import Store
 

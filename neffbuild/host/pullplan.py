@@ -13,9 +13,10 @@ from neffbuild import retry
 from neffbuild.documents.records import FileEntry, Release, trusted_release
 from neffbuild.documents.refs import ResolvedRelease, resolve
 from neffbuild.fs.room import require_room, room_for
+from neffbuild.host.bundleunits import installed_unit, release_units
 from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.scan import Scan, State, scan_files, state_size, state_trusted
-from neffbuild.host.state import CacheState, Installed, Vouched, installed_unit, parse_state, release_in, release_units
+from neffbuild.host.state import CacheState, Installed, Vouched, parse_state, release_in
 from neffbuild.store.base import Store
 
 if TYPE_CHECKING:  # host/trust.py is imported only where trusted keys are given
