@@ -109,8 +109,10 @@ def noop_table(timings: dict[str, list[float]], runs: int, count: int) -> None:
     med = {k: statistics.median(v) for k, v in timings.items()}
     low = {k: min(v) for k, v in timings.items()}
     print(f"\n(a) no-op pull of {count:,} files: median of {runs} runs after 1 warm-up; CPU: user+sys of the process\n")
-    print("| what (each a process) | min s | median s | CPU median s | x no-op pull (median wall) |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| what (each a process) | min s | median s | CPU median s | x no-op pull (median wall) | x no-op pull (CPU) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for key, label in (
         ("start", "interpreter start (`python -c pass`)"), ("imports", "imports of the pull path"),
         ("noop_nohc", "no-op `pull --no-host-check`"), ("noop", "(a) no-op `pull` (process, interpreter start included)"),
@@ -118,7 +120,8 @@ def noop_table(timings: dict[str, list[float]], runs: int, count: int) -> None:
     ):  # fmt: skip
         if key in med:
             print(
-                f"| {label} | {low[key]:.3f} | {med[key]:.3f} | {med[key + '_cpu']:.3f} | {med[key] / med['noop']:.2f} |"
+                f"| {label} | {low[key]:.3f} | {med[key]:.3f} | {med[key + '_cpu']:.3f} | {med[key] / med['noop']:.2f}"
+                f" | {med[key + '_cpu'] / med['noop_cpu']:.2f} |"
             )
 
 

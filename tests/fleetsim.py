@@ -1,4 +1,4 @@
-"""A fleet of pacers (neffbuild/retry.py's Pacer, the real class) against a store that serves
+"""A fleet of pacers (neffbuild/retry/pacer.py's Pacer, the real class) against a store that serves
 `limit` requests a second (a token bucket holding one second's worth, as tests/tcpproxy.py's
 "limit" mode), simulated on a virtual clock: each host has `requests` to send, the first
 `sequential` one after another (a pull's marker, tag, release, bundle, locator and pack index),
@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 
 from neffbuild import retry
+from neffbuild.retry.pacer import Pacer
 
 
 class Clock:
@@ -54,7 +55,7 @@ class Outcome:
 
 def simulate(fleet: Fleet, policy: retry.Policy, seed: int = 1) -> Outcome:
     clock, rng = Clock(), random.Random(seed)
-    pacers = [retry.Pacer(policy, clock, random.Random(rng.random())) for _ in range(fleet.hosts)]
+    pacers = [Pacer(policy, clock, random.Random(rng.random())) for _ in range(fleet.hosts)]
     to_send = [fleet.requests] * fleet.hosts
     to_answer = [fleet.requests] * fleet.hosts
     ends = [0.0] * fleet.hosts

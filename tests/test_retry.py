@@ -1,4 +1,4 @@
-"""The retry and deadline policy (neffbuild/retry.py): the policy itself, then against the real S3
+"""The retry and deadline policy (neffbuild/retry/): the policy itself, then against the real S3
 server with faults made for real by a proxy (tests/tcpproxy.py) or by killing the server."""
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from neffbuild.api import ensure_cache
 from neffbuild.documents.refs import resolve
 from neffbuild.errors import DeadlineExceeded, IntegrityError, NotFoundError, StoreError
 from neffbuild.fs.confined import BlobTarget
+from neffbuild.retry.forecast import Forecast
+from neffbuild.retry.pacer import Pacer
+from neffbuild.retry.policy import THROTTLED_HINT
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
 from neffbuild.store.s3.dataplane import PART, http_error
@@ -148,7 +151,7 @@ def test_under_a_deadline_throttling_is_backed_off_until_the_deadline_and_named_
         "the store throttled it: " in err.value.message
         and f"{counts[True]} answers 503 SlowDown or 429" in err.value.message
     )
-    assert err.value.hint == retry.THROTTLED_HINT and op.counts().throttled == counts[True] + 0
+    assert err.value.hint == THROTTLED_HINT and op.counts().throttled == counts[True] + 0
 
 
 def test_throttled_tries_do_not_spend_the_tries_of_a_failure() -> None:
@@ -181,7 +184,7 @@ class Clock:
         return self.now
 
 
-def _take(pacer: retry.Pacer) -> float:
+def _take(pacer: Pacer) -> float:
     """One request asking once, alone in the queue: 0 if it went, else the seconds to wait."""
     ticket = pacer.join()
     delay = pacer.take(ticket)
@@ -189,7 +192,7 @@ def _take(pacer: retry.Pacer) -> float:
     return delay
 
 
-def _send(pacer: retry.Pacer, clock: Clock, *, throttled: bool) -> None:
+def _send(pacer: Pacer, clock: Clock, *, throttled: bool) -> None:
     """One request through the pacer once it may go (the clock moves there), then its answer."""
     ticket = pacer.join()
     while (delay := pacer.take(ticket)) > 0:
@@ -204,7 +207,7 @@ def _send(pacer: retry.Pacer, clock: Clock, *, throttled: bool) -> None:
 
 def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
     clock = Clock()
-    pacer = retry.Pacer(EVEN, clock)
+    pacer = Pacer(EVEN, clock)
     for _ in range(200):  # unthrottled: no limit at all
         assert _take(pacer) == 0
         clock.now += 0.01
@@ -227,7 +230,7 @@ def test_the_pacer_shrinks_when_throttled_and_grows_back_on_success() -> None:
 
 def test_a_pacer_never_goes_below_its_floor_and_cuts_once_per_round() -> None:
     clock = Clock()
-    pacer = retry.Pacer(EVEN, clock)
+    pacer = Pacer(EVEN, clock)
     for _ in range(100):  # sending about 100 requests/s
         _take(pacer)
         clock.now += 0.01
@@ -248,7 +251,7 @@ def test_a_throttled_pacer_lets_requests_go_in_the_order_they_asked() -> None:
     """A retry asking again after its backoff goes behind a request that has waited since before
     it: however often retries look first, the first request goes first (no starvation)."""
     clock = Clock()
-    pacer = retry.Pacer(EVEN, clock)
+    pacer = Pacer(EVEN, clock)
     for _ in range(10):
         _take(pacer)
         clock.now += 0.1
@@ -294,7 +297,7 @@ def test_a_pacer_grows_faster_with_each_success_in_a_row() -> None:
     """Once 503s stop, each success grows the rate by more than the one before (quick probing
     back), up to headroom x what was measured being sent; a 503 starts the run over."""
     clock = Clock()
-    pacer = retry.Pacer(EVEN, clock)
+    pacer = Pacer(EVEN, clock)
     for _ in range(20):
         _send(pacer, clock, throttled=False)
         clock.now += 0.1
@@ -318,7 +321,7 @@ def test_a_pacer_cut_far_down_climbs_back_while_it_waits() -> None:
     one request per 1 / floor seconds to the end of a storm; and never past headroom x measured."""
     policy = replace(retry.DEFAULT, jitter=0.0)
     clock = Clock()
-    pacer = retry.Pacer(policy, clock)
+    pacer = Pacer(policy, clock)
     for _ in range(40):
         _send(pacer, clock, throttled=False)
         clock.now += 0.5  # about 2 requests/s
@@ -343,7 +346,7 @@ def test_a_pacer_cut_far_down_climbs_back_while_it_waits() -> None:
 def test_a_pacers_gaps_are_jittered() -> None:
     """Hosts cut by the same burst of 503s do not come back in step: gaps vary around 1 / rate."""
     clock = Clock()
-    pacer = retry.Pacer(replace(retry.DEFAULT, probe=0.0), clock, random.Random(39))
+    pacer = Pacer(replace(retry.DEFAULT, probe=0.0), clock, random.Random(39))
     for _ in range(10):
         _send(pacer, clock, throttled=False)
     pacer.throttled(clock.now)
@@ -375,7 +378,7 @@ def test_a_pull_that_will_not_make_its_deadline_says_so_once_with_the_estimate(
     """At one request a second, 192 requests left need about 192 s: past a deadline 100 s away,
     said once, early (after a handful of answers), naming the estimate; 42 left fit, nothing said."""
     clock = Clock()
-    forecast = retry.Forecast("pulling prod", clock)
+    forecast = Forecast("pulling prod", clock)
     deadline = retry.Deadline(100, "pulling prod")
     forecast.answered(deadline, ok=True)  # before the downloads are planned: not counted
     forecast.expect(expected)
@@ -402,7 +405,7 @@ def test_a_pull_throttled_too_often_for_a_rate_of_successes_still_says_so_before
     is too few successes for a rate; but even at one more success then (0.25 requests/s) the 15
     requests left need about 60 s, past a 20 s deadline: said, once. 3 left fit: nothing said."""
     clock = Clock()
-    forecast = retry.Forecast("pulling prod", clock)
+    forecast = Forecast("pulling prod", clock)
     deadline = retry.Deadline(20, "pulling prod")
     forecast.expect(expected)
     with caplog.at_level(logging.WARNING, logger="neffbuild.retry"):

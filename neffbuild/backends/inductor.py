@@ -12,14 +12,12 @@ import importlib.util
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.artifacts import COMPILES_GROUP, PACKAGE_GROUP
 from neffbuild.backends.base import (
     Backend,
     Problem,
@@ -219,6 +217,9 @@ class InductorBackend(Backend):
 
     def compiler_counters(self) -> dict[str, int]:
         # A package's hits and a package process's compiles (artifacts.py) beside the cache's.
+        # Imported here: a pull's host check loads this backend, and needs nothing of artifacts.
+        from neffbuild.backends.artifacts import COMPILES_GROUP, PACKAGE_GROUP
+
         return dynamo_counters("inductor", "aot_autograd", "stats", AUTOTUNE_GROUP, PACKAGE_GROUP, COMPILES_GROUP)
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
@@ -314,7 +315,7 @@ def _version(package: str) -> str:
 
 
 def _compiler_version(cxx: str) -> str:
-    exe = shutil.which(cxx)
+    exe = which(cxx)
     if exe is None:
         return f"{cxx} (not found)"
     try:
@@ -323,3 +324,16 @@ def _compiler_version(cxx: str) -> str:
         return f"{cxx} (unusable)"
     first = out.stdout.splitlines()[0] if out.stdout else "unknown"
     return f"{cxx}: {first}"
+
+
+def which(command: str) -> str | None:
+    """shutil.which's answer on POSIX, without importing shutil (with bz2, lzma and zlib: a few ms
+    of every pull's host check, which asks only this)."""
+    path = os.environ.get("PATH", os.defpath)
+    if os.path.dirname(command):
+        candidates = [command]
+    elif not path:  # an empty PATH finds nothing (not even in the working directory)
+        return None
+    else:
+        candidates = [os.path.join(d, command) for d in dict.fromkeys(path.split(os.pathsep))]
+    return next((c for c in candidates if os.access(c, os.F_OK | os.X_OK) and not os.path.isdir(c)), None)

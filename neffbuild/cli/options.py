@@ -134,7 +134,7 @@ grace_option = click.option(
 def retry_policy(env: Mapping[str, str]) -> Policy | None:
     """The retry policy NEFFBUILD_RETRY_SCALE asks for (every backoff and pacing time times it:
     tests and benchmarks run a storm of minutes in seconds); None: the default."""
-    from neffbuild.retry import DEFAULT, SCALE_ENV
+    from neffbuild.retry.policy import DEFAULT, SCALE_ENV
 
     text = env.get(SCALE_ENV, "").strip()
     if not text:

@@ -3,34 +3,35 @@
 The path is resolved once (where a symlink at the root points is the operator's choice); below
 it nothing follows a link (fs/confined.py). The directory is opened, not made: a pull makes it
 only once every check has passed, so a refused pull leaves no trace. Its state file is read
-through host/state.py (strictly: a corrupt state is StateCorrupt for commands that only read),
-and its lock is pull's flock under `.neffbuild/`, which saves duplicate work when two pulls race
-(correctness comes from unique temp files and rename, never from the lock).
+through host/statefile.py and host/state.py (strictly: a corrupt state is StateCorrupt for
+commands that only read), and its lock is pull's flock under `.neffbuild/`, which saves
+duplicate work when two pulls race (correctness comes from unique temp files and rename, never
+from the lock). find_target says which release a command means for the dir: the installed
+one, from its state, else REF's.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from neffbuild.documents.records import Release
+from neffbuild.errors import InputError, NotFoundError
 from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.confined import Beneath, disk_error
 from neffbuild.fs.locks import acquire
-from neffbuild.host.state import (
-    STATE_FILE,
-    CacheState,
-    load_state,
-    open_existing,
-    open_state_dir,
-    read_state,
-    read_state_data,
-    state_path,
-)
+from neffbuild.host.bundleunits import release_units
+from neffbuild.host.state import STATE_FILE, CacheState, InstalledUnit
+from neffbuild.host.statefile import load_state, open_existing, open_state_dir, read_state, read_state_data, state_path
 from neffbuild.names import STATE_DIR
+
+if TYPE_CHECKING:
+    from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
 LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
@@ -190,3 +191,51 @@ def lock_in(state_dir: int, shown: Path, timeout: float | None = None) -> Iterat
         yield
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A release named for a cache dir (the installed one, or REF's), with its units' key parts."""
+
+    release_id: str
+    release: Release
+    tag: str | None
+    units: tuple[InstalledUnit, ...]
+    source: str
+
+
+def find_target(
+    state: CacheState,
+    cache_dir: Path,
+    ref: str | None,
+    open_store: Callable[[], Store] | None,
+    *,
+    store_named: bool = False,
+    with_units: bool = True,
+) -> Target:
+    """REF's release (and its units' key parts): from the cache dir's state when it is the
+    installed one (a tag only while no store is named: it may have moved), else from the store."""
+    installed = state.installed
+    if installed is not None and ref in (None, installed.release_id, *(() if store_named else (installed.tag,))):
+        return Target(
+            installed.release_id, installed.release, installed.tag or None, installed.units, str(state_path(cache_dir))
+        )
+    if ref is None:
+        raise NotFoundError(
+            f"{cache_dir}: no installed release recorded (never pulled, or pulled by an older neffbuild)",
+            hint="pull it (a complete cache fetches nothing and records it), or name the release and its store: TAG --store S",
+        )
+    if open_store is None:
+        raise InputError(
+            f"{ref}: not the release installed in {cache_dir}", hint="pass --store to read it from the store"
+        )
+    from neffbuild.documents.refs import resolve
+
+    store = open_store()
+    resolved = resolve(store, ref)
+    if installed is not None and installed.release_id == resolved.release_id:
+        return Target(
+            installed.release_id, installed.release, resolved.tag, installed.units, str(state_path(cache_dir))
+        )
+    units = release_units(store, resolved, 16) if with_units else ()
+    return Target(resolved.release_id, resolved.release, resolved.tag, units, store.url)

@@ -33,59 +33,36 @@ commit point: it vouches only for bytes already flushed, so "the next pull" belo
 
 from __future__ import annotations
 
+import gc
 import logging
-import os
-import stat
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neffbuild import retry
-from neffbuild.documents.records import FileEntry, Release, trusted_release
-from neffbuild.documents.refs import ResolvedRelease, resolve
-from neffbuild.errors import DiskError, EnvironmentMismatch, IntegrityError, NotFoundError, StateCorrupt
-from neffbuild.fs.confined import (
-    Beneath,
-    BlobTarget,
-    Hashed,
-    disk_error,
-    sync_filesystem,
-)
-from neffbuild.fs.room import require_room, room_for
-from neffbuild.host.cachedir import CacheDir, Held
+from neffbuild.documents.refs import ResolvedRelease
+from neffbuild.errors import DiskError, EnvironmentMismatch, NotFoundError, StateCorrupt
+from neffbuild.host.bundleunits import release_units
+from neffbuild.host.cachedir import CacheDir, find_target
 from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, serving_env, write_env_file
-from neffbuild.host.state import (
-    CacheState,
-    Installed,
-    Vouched,
-    encode_state,
-    find_target,
-    installed_unit,
-    parse_state,
-    release_in,
-    release_units,
+from neffbuild.host.landing import land_missing, make_serving_dirs
+from neffbuild.host.pullplan import (
+    VERIFY_MODES,
+    PullOptions,
+    installed_record,
+    missing_that_fits,
+    resolved_with_state,
 )
-from neffbuild.names import STATE_DIR, is_temp_name
-from neffbuild.pids import alive
+from neffbuild.host.scan import state_recorded
+from neffbuild.host.state import CacheState, Installed
+from neffbuild.retry.scope import Counts
 from neffbuild.store.base import Store
 
 if TYPE_CHECKING:  # host/trust.py is imported only where trusted keys are given
-    from neffbuild.host.trust import Trust, Verified
-
-HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
-# Files this large on average are hashed by several threads (their reads and hashes run without
-# the GIL). Measured on 2 cores: 10,000 files of 34 KiB, 0.145 s in one thread, 0.17 s in two;
-# with BLAKE3 beside XXH3 (which drops the GIL even on 34 KiB), 0.40 s and 0.41 s (load 3.4).
-HASH_THREADED_MIN = 1 << 20
-LOCK_TIMEOUT_S = 300.0  # a pull waiting longer for another is stuck behind a stuck one: boot should fail and say so
-
-State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
-VERIFY_MODES = ("fast", "full")  # fast: trust (size, mtime) the state recorded; full: rehash every file
+    from neffbuild.host.trust import Verified
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +89,7 @@ class PullReport:
     state_replaced: str | None = (
         None  # why the state file found was corrupt (it was read as nothing known, and rewritten)
     )
-    # What the store put this pull through (retry.Counts): tries after a request's first, answers
+    # What the store put this pull through (retry.scope.Counts): tries after a request's first, answers
     # that throttled it (503 SlowDown, 429), seconds its requests waited (backoff and pacing,
     # summed over parallel requests), the rate it was paced down to (None: never throttled), and
     # the waiting split: in the pacer, in backoff, and the seconds its requests were in flight.
@@ -128,7 +105,7 @@ class PullReport:
     tag_version: int | None = None
     tag_expires: str | None = None
 
-    def with_counts(self, counts: retry.Counts) -> PullReport:
+    def with_counts(self, counts: Counts) -> PullReport:
         return replace(
             self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to,
             paced_s=counts.paced_s, backoff_s=counts.backoff_s, in_flight_s=counts.in_flight_s,
@@ -172,22 +149,6 @@ def installed_exports(
     return exports
 
 
-@dataclass(frozen=True, kw_only=True)
-class PullOptions:
-    """How a pull runs (each field is documented at `pull`); the CLI and ensure_cache fill it."""
-
-    jobs: int = 16
-    allow_env: tuple[str, ...] = ()
-    env_file: Path | None = None
-    host_env: Mapping[str, str] | None = None
-    lock_timeout: float | None = LOCK_TIMEOUT_S
-    timeout: float | None = None
-    verify: str = "fast"
-    direct_writes: bool = True
-    policy: retry.Policy | None = None
-    trust: Trust | None = None  # trusted keys (and a --release pin): host/trust.py says what they require
-
-
 def pull(
     store: Store, ref: str | None, cache_dir: Path | CacheDir, options: PullOptions | None = None, **changes: Any
 ) -> PullReport:
@@ -201,7 +162,7 @@ def pull(
     host is compared with every unit's bundle first: a breaking difference is EnvironmentMismatch.
     Another pull into cache_dir holding its lock for lock_timeout seconds is ConflictError.
 
-    timeout (seconds) is a wall-clock deadline on the whole pull (neffbuild/retry.py):
+    timeout (seconds) is a wall-clock deadline on the whole pull (neffbuild/retry/):
     every store request's socket timeouts end at it, a response still streaming is cut when it
     passes (a stalled or trickling server too), no retry starts after it, and it is checked
     between phases: past it, DeadlineExceeded (a StoreError, exit 3) naming the store and the
@@ -237,14 +198,15 @@ def pull(
         started = time.perf_counter()
         deadline = retry.current()
         retry.doing(f"resolving {label}")
-        resolved, verified, old = _resolved(store, ref, cache.read_state_data(), o.trust)
+        with _no_collection():
+            resolved, verified, old = resolved_with_state(store, ref, cache.read_state_data(), o.trust)
         accepted = verified.accepted(old.accepted) if verified else old.accepted
         expires = verified.expires(old.expires) if verified else old.expires
         retry.check(store.url)
         exports = release_exports(resolved, cache.path, o.allow_env)
         env_text = env_file_text(exports) if o.env_file is not None else ""
         retry.doing(f"reading the bundles of release {resolved.release_id}")
-        installed = _installed(store, resolved, exports, old, o.jobs, verified, fresh=o.verify == "full")
+        installed = installed_record(store, resolved, exports, old, o.jobs, verified, fresh=o.verify == "full")
         retry.check(store.url)
         lock_timeout = o.lock_timeout
         if deadline is not None:
@@ -252,15 +214,16 @@ def pull(
         o = replace(o, lock_timeout=lock_timeout)
         retry.doing("checking the cache dir")
         installed, warnings = _host_checked(store, resolved, installed, old, o, exports)
-        scan, missing = _missing_that_fits(cache, installed, old.files, o)
+        with _no_collection():
+            scan, missing = missing_that_fits(cache, installed, old.files, o)
         cache.make()
-        if missing or not _recorded(old, installed, scan) or (accepted, expires) != (old.accepted, old.expires):
+        if missing or not state_recorded(old, installed, scan) or (accepted, expires) != (old.accepted, old.expires):
             retry.check(store.url)
             files = len(installed.release.files)
             retry.doing(f"fetching {len(missing)} of {files} files ({sum(f.size for f in missing)} bytes)")
             log.info("%s: release %s, fetching %d of %d files", label, resolved.release_id, len(missing), files)
             with _repairing(old, cache.state_path):
-                missing = _complete(store, resolved, cache, scan, installed, o, (accepted, expires))
+                missing = land_missing(store, resolved, cache, scan, installed, o, (accepted, expires))
         else:
             log.info("%s: release %s already complete in %s", label, resolved.release_id, cache.path)
         make_serving_dirs(cache.path, serving_dirs(resolved.release.backend))
@@ -286,39 +249,18 @@ def pull(
         ).with_counts(op.counts())
 
 
-def _resolved(
-    store: Store, ref: str | None, data: bytes | CacheState, trust: Trust | None
-) -> tuple[ResolvedRelease, Verified | None, CacheState]:
-    """(REF's release, its check against the trusted keys, the cache dir's state from data).
-    With trusted keys the release is read from the bytes that were checked, never from the
-    state. Without, where the state holds the release exactly as the store serves it under REF
-    (the bytes a pull parsed strictly and recorded), neither is decoded entry by entry again."""
-    if trust is not None:
-        from neffbuild.host.trust import verify_release
-
-        old = data if isinstance(data, CacheState) else parse_state(data)
-        verified = verify_release(store, ref, trust, old.accepted)
-        return verified.resolved, verified, old
-    if ref is None:
-        raise ValueError("pull needs a ref unless trust pins a release")
-    if isinstance(data, CacheState) or (found := release_in(data)) is None:
-        old = data if isinstance(data, CacheState) else parse_state(data)
-        installed = old.installed
-        known = None if installed is None else (installed.release_id, lambda _: installed.release)
-        return resolve(store, ref, known=known), None, old
-    served: list[Release] = []  # the release decoded from the store's bytes, where they are the state's
-
-    def as_recorded(got: bytes) -> Release | None:
-        release = trusted_release(got) if got == found[1] else None
-        served.extend(() if release is None else (release,))
-        return release
-
-    resolved = resolve(store, ref, known=(found[0], as_recorded))
-    vouched = Vouched(found[0], found[1], resolved.release) if served and resolved.release is served[0] else None
-    old = parse_state(data, vouched)
-    if vouched is not None and (old.installed is None or old.installed.release is not vouched.release):
-        resolved = resolve(store, ref)  # a state corrupt elsewhere vouches for nothing: the store's bytes, strictly
-    return resolved, None, old
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """Decoding the state and the release and scanning the files build tens of thousands of
+    objects and no cycle: collections during them would scan all of them for nothing. Collection
+    resumes after, as it was."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _signed(verified: Verified | None) -> dict[str, Any]:
@@ -349,35 +291,6 @@ def _repairing(old: CacheState, shown: Path) -> Iterator[None]:
         ) from None
 
 
-def _trusted(state: State, verify: str) -> State:
-    """What of the state may stand in for reading the files: nothing with verify="full"."""
-    return state if verify == "fast" else {}
-
-
-def _missing_that_fits(
-    cache: CacheDir, installed: Installed, state: State, o: PullOptions
-) -> tuple[Scan, list[FileEntry]]:
-    """(what the cache holds, the files to fetch), once its filesystem has room for them: else
-    DiskError, with nothing written. Short of room while another pull holds the lock, whatever
-    that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
-    scan, missing, sizes = _missing(cache, installed, _trusted(state, o.verify), o.jobs)
-    if missing and cache.exists and not room_for(cache.path, sizes).fits and cache.wait_for_other_pull(o.lock_timeout):
-        fresh = cache.read_state()[1].files
-        scan, missing, sizes = _missing(cache, installed, _trusted(fresh, o.verify), o.jobs)
-    if missing:
-        require_room(cache.path, sizes, f"pulling {len(missing)} files of {installed.release.name}")
-    return scan, missing
-
-
-def _missing(cache: CacheDir, installed: Installed, state: State, jobs: int) -> tuple[Scan, list[FileEntry], list[int]]:
-    """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
-    files = installed.release.files
-    scan = _scan(cache, files, state, jobs) if cache.exists else Scan(dict.fromkeys(f.path for f in files))
-    missing = [f for f in files if scan.found[f.path] is None]
-    sizes = [*(f.size for f in missing), _state_size(installed)] if missing else []  # a no-op pull encodes nothing
-    return scan, missing, sizes
-
-
 def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ...]:
     """Compare this host, as the server will run (serving), with each unit's bundle: breaking
     differences refuse the pull (before any byte moves); informational ones are returned."""
@@ -394,233 +307,6 @@ def preflight(installed: Installed, serving: Mapping[str, str]) -> tuple[str, ..
             hint="serve it where the build's environment is (or rebuild it here); `neffbuild status` shows each unit; --no-host-check pulls anyway",
         )
     return tuple(d.line() for d in report.informational)
-
-
-def _complete(
-    store: Store,
-    resolved: ResolvedRelease,
-    cache: CacheDir,
-    scan: Scan,
-    installed: Installed,
-    o: PullOptions,
-    trusted: tuple[Mapping[str, int], Mapping[str, str]],
-) -> list[FileEntry]:
-    """Fetch what is missing and record the state, under the lock; the files fetched."""
-    # The lock only saves duplicate downloads when two pulls race; rename keeps each file whole anyway.
-    with cache.locked(o.lock_timeout) as held:
-        old_state, state = held.state()
-        found = scan.found
-        # Another pull may have landed some while we waited for the lock.
-        missing = [f for f in resolved.release.files if found[f.path] is None]
-        found.update(_scan(cache, missing, _trusted(state.files, o.verify), o.jobs).found)
-        missing = [f for f in missing if found[f.path] is None]
-        # Killed pulls' temp files: in the whole tree when files move, else only where a
-        # state file was being written (all files in: the next pull fetches nothing).
-        remove_stale_temp_files(cache.path if missing else cache.path / STATE_DIR)
-        if missing:
-            root = cache.path
-            targets = [
-                BlobTarget(
-                    f.digest, f.size, root / f.path, fsync=False, root=root, direct=o.direct_writes, blake3=f.blake3
-                )
-                for f in missing
-            ]
-            try:
-                store.download_blobs(targets, o.jobs, release=resolved.release_id)
-            except IntegrityError as exc:
-                raise _what_landed(exc, cache, missing) from None
-            with cache.beneath() as tree:
-                found.update({f.path: _stat(tree, f.path, root) for f in missing})
-        # The tag versions accepted go in with the files: only a pull that passed every check records them.
-        _save_state(held, cache.path, _state_bytes(installed, found, *trusted), old_state)
-    return missing
-
-
-@dataclass(frozen=True)
-class Scan:
-    """What the cache dir holds of a release's files."""
-
-    found: dict[str, os.stat_result | None]  # path -> status of a file holding its bytes, else None
-    hashed: int = 0  # files read back and hashed (the state did not vouch for them)
-    damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
-    recorded: State | None = None  # the state scanned, where it vouched for every file and no other
-
-
-def _scan(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
-    """What the cache already holds of files (only reads). One stat per file; a file of the right
-    size the state does not vouch for is read and hashed, in parallel where that pays. With no
-    state to vouch for anything (verify="full", a first pull), each file is opened once instead:
-    its fstat stands in for the stat."""
-    found: dict[str, os.stat_result | None] = {}
-    damaged = set()
-    absent = False
-    if state:
-        unsure = []
-        with cache.beneath() as tree:
-            for f in files:
-                st = found[f.path] = _stat(tree, f.path, cache.path)
-                if st is None:
-                    absent = True
-                    continue
-                if st.st_size != f.size:
-                    found[f.path] = None
-                    damaged.add(f.path)
-                elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
-                    unsure.append(f)
-    else:
-        unsure = list(files)
-    hashed = 0
-    for f, look in zip(unsure, _look_all(cache, unsure, jobs), strict=True):
-        found[f.path] = None
-        if look is None:  # absent, a link, not a regular file
-            continue
-        st, digests = look
-        hashed += st.st_size == f.size  # look reads a file only then
-        if digests is not None and digests[0] == f.digest and digests[1] == f.blake3:
-            found[f.path] = st
-        else:
-            damaged.add(f.path)
-    # Every file found as the state recorded it, and the state holds no other: it is what this
-    # pull would record (_recorded then needs no second table of 10,000 entries to compare).
-    whole = bool(state) and not (absent or unsure or damaged) and len(state) == len(found)
-    return Scan(found, hashed, frozenset(damaged), state if whole else None)
-
-
-def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, Hashed | None] | None]:
-    """Beneath.look of each file, in runs of neighbouring files (their directories stay open)
-    spread over up to jobs threads, each with its own Beneath."""
-
-    def looks(run: list[FileEntry]) -> list[tuple[os.stat_result, Hashed | None] | None]:
-        done: list[tuple[os.stat_result, Hashed | None] | None] = []
-        with cache.beneath() as tree:
-            try:
-                for f in run:
-                    done.append(tree.look(f.path, f.size, crypto=bool(f.blake3)))
-            except OSError as exc:
-                raise disk_error(exc, cache.path / run[len(done)].path) from None
-        return done
-
-    jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
-    if jobs == 1 or sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
-        return looks(files)  # small files cost Python work per file, under the GIL: threads only contend for it
-    runs = _runs(files, jobs)
-    if len(runs) <= 1:
-        return looks(files)
-    with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
-        return [d for run in pool.map(looks, runs) for d in run]
-
-
-def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
-    """files cut into runs of about HASH_RUN bytes (at least one file), at most 4 per thread
-    and never so small that handing one to a thread costs more than reading it."""
-    per_run = max(HASH_RUN, sum(f.size for f in files) // (4 * max(jobs, 1)) + 1)
-    runs: list[list[FileEntry]] = [[]]
-    size = 0
-    for f in files:
-        if size >= per_run:
-            runs.append([])
-            size = 0
-        runs[-1].append(f)
-        size += f.size
-    return [r for r in runs if r]
-
-
-def make_serving_dirs(cache_dir: Path, names: Collection[str]) -> None:
-    """Make the dirs the server writes even on a hit, now, while the cache dir is writable: a
-    host serving it read-only mounts a writable dir over each (docs/hosts.md, read-only cache dir)."""
-    for name in names:
-        try:
-            (cache_dir / name).mkdir(exist_ok=True)
-        except OSError as exc:
-            raise disk_error(exc, cache_dir / name) from None
-
-
-def remove_stale_temp_files(cache_dir: Path) -> int:
-    """Delete `*.incomplete` files left by pulls that were killed (their pid is gone).
-
-    os.fwalk descends into no symlinked directory and names every file relative to its
-    directory's descriptor, so a link can neither lead the walk outside nor redirect a delete.
-    """
-    removed = 0
-    try:
-        for _, _, names, dir_fd in os.fwalk(cache_dir, follow_symlinks=False):
-            for name in names:
-                if is_temp_name(name) and _is_stale(name) and _is_regular(name, dir_fd):
-                    os.unlink(name, dir_fd=dir_fd)
-                    removed += 1
-    except OSError as exc:
-        raise disk_error(exc, cache_dir) from None
-    return removed
-
-
-def _is_stale(name: str) -> bool:
-    """`.<name>.<pid>.<random>.incomplete` whose pid is not running."""
-    parts = name.rsplit(".", 3)
-    pid = parts[1] if len(parts) == 4 else ""
-    return pid.isascii() and pid.isdigit() and len(pid) <= 10 and not alive(int(pid))
-
-
-def _is_regular(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except FileNotFoundError:
-        return False
-
-
-def _stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
-    """rel's status if it is a regular file (a link, a directory, a FIFO... count as absent)."""
-    try:
-        st = tree.lstat(rel)
-    except OSError as exc:
-        raise disk_error(exc, cache_dir / rel) from None
-    return st if st is not None and stat.S_ISREG(st.st_mode) else None
-
-
-def _what_landed(exc: IntegrityError, cache: CacheDir, missing: list[FileEntry]) -> IntegrityError:
-    """A corrupt blob stops the pull while others land beside it (in parallel): the hint says
-    what the cache dir now holds, not that nothing was written."""
-    with cache.beneath() as tree:
-        landed = sum(_stat(tree, f.path, cache.path) is not None for f in missing)
-    if not landed:
-        return exc
-    return IntegrityError(
-        exc.message,
-        hint=f"the store object is corrupt: rebuild or re-push the release. {landed} other of the {len(missing)} files"
-        f" this pull fetched landed in {cache.path}, each verified against the release; the state is unchanged"
-        " (the next pull of a good release keeps or replaces them)",
-    )
-
-
-def _state_bytes(
-    installed: Installed,
-    found: Mapping[str, os.stat_result | None],
-    accepted: Mapping[str, int],
-    expires: Mapping[str, str],
-) -> bytes:
-    return encode_state(installed, _state_files(installed, found), accepted, expires)
-
-
-def _state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:
-    files = {}
-    for entry in installed.release.files:
-        st = found.get(entry.path)
-        if st is not None:
-            files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
-    return files
-
-
-def _recorded(old: CacheState, installed: Installed, scan: Scan) -> bool:
-    """Whether the state file already says what this pull would write: compared as data, not
-    encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes. A scan that
-    found every file as the state's table says (scan.recorded) is that table."""
-    if old.version != 2 or old.installed != installed:
-        return False
-    return scan.recorded is old.files or old.files == _state_files(installed, scan.found)
-
-
-def _state_size(installed: Installed) -> int:
-    """The state file's size once every file is in (an mtime of 19 digits, as in ns today)."""
-    return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
 
 
 def _host_checked(
@@ -646,45 +332,3 @@ def _host_checked(
     log.warning("%s: the state's unit fingerprints refuse this host; reading them from the bundles", resolved.where)
     installed = replace(installed, units=release_units(store, resolved, o.jobs))
     return installed, preflight(installed, serving)
-
-
-def _installed(
-    store: Store,
-    resolved: ResolvedRelease,
-    exports: Mapping[str, str],
-    old: CacheState,
-    jobs: int,
-    verified: Verified | None = None,
-    *,
-    fresh: bool = False,
-) -> Installed:
-    """What the state will record for this pull. The units and the install time carry over from
-    the state when it already holds this release, so a no-op pull reads no bundle and writes
-    nothing (fresh, as `--verify full` asks: the units are read from the bundles again); a
-    verified release's units come from the bundles its check read."""
-    same = old.installed if old.installed and old.installed.release_id == resolved.release_id else None
-    if verified is not None:
-        units = tuple(installed_unit(u, b) for u, b in zip(resolved.release.units, verified.bundles, strict=True))
-    else:
-        units = same.units if same and not fresh else release_units(store, resolved, jobs)
-    return Installed(
-        release_id=resolved.release_id,
-        tag=resolved.tag or "",
-        store=store.url,
-        installed_at=same.installed_at if same else datetime.now(UTC).isoformat(timespec="seconds"),
-        release=resolved.release,
-        exports=dict(exports),
-        units=units,
-    )
-
-
-def _save_state(held: Held, cache_dir: Path, data: bytes, old: bytes | None) -> None:
-    """Replace the state file with data, unless it already holds exactly that; first flush the
-    filesystem (one syncfs for all files), as the state is the commit point: it may vouch only
-    for durable bytes. Also for files this pull only re-hashed: a killed pull may have landed
-    them without its flush. A file lost to a power cut before the flush is not in the state, so
-    the next pull re-hashes it and fetches it again."""
-    if data == old:
-        return
-    sync_filesystem(cache_dir)
-    held.write_state(data)

@@ -34,22 +34,16 @@ writes version 2; a pull into a complete v1 cache writes version 2 once (then ne
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import re
-import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neffbuild.documents.records import (
-    BundleRecord,
     Release,
-    ReleaseUnit,
     checked,
     decode_doc,
     digest_problem,
@@ -57,20 +51,14 @@ from neffbuild.documents.records import (
     path_problem,
     to_json,
 )
-from neffbuild.errors import InputError, IntegrityError, NotFoundError, StateCorrupt
+from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.formats import FORMATS
-from neffbuild.fs.confined import disk_error, open_dir_beneath
 from neffbuild.hashing import all_digests, canonical_json, hash_bytes, is_digest
-from neffbuild.names import STATE_DIR, tag_problem
+from neffbuild.names import tag_problem
 from neffbuild.printable import printable
-
-if TYPE_CHECKING:
-    from neffbuild.documents.refs import ResolvedRelease
-    from neffbuild.store.base import Store
 
 STATE_FORMAT, STATE_FORMAT_3 = FORMATS["cache state"].writes  # /3 only where it records expiries
 STATE_FILE = "state.json"
-STATE_MAX = 256 << 20  # a larger state file is not ours: ignored (it only saves re-hashing)
 
 Files = dict[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
 
@@ -146,22 +134,22 @@ def parse_state(data: bytes, vouched: Vouched | None = None) -> CacheState:
     try:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError):
-        return _corrupt("not valid JSON")
+        return corrupt_state("not valid JSON")
     except RecursionError:
-        return _corrupt("nested too deeply")
+        return corrupt_state("nested too deeply")
     if not isinstance(raw, dict):
-        return _corrupt(f"expected a JSON object, got {type(raw).__name__}")
+        return corrupt_state(f"expected a JSON object, got {type(raw).__name__}")
     try:
         if "format" not in raw:
             return _version_1(raw)
         if raw["format"] in (STATE_FORMAT, STATE_FORMAT_3):
             return _version_2(raw)
     except IntegrityError as exc:
-        return _corrupt(exc.message)
+        return corrupt_state(exc.message)
     found = raw["format"]
     if isinstance(found, str) and _NEWER.fullmatch(found):
         return CacheState()  # a newer neffbuild's: its hashes may mean something else; it is not ours to judge
-    return _corrupt(f"format {printable(str(found)[:80])!r} is not one neffbuild writes")
+    return corrupt_state(f"format {printable(str(found)[:80])!r} is not one neffbuild writes")
 
 
 _NEWER = re.compile(r"neffbuild\.cache-state/[1-9][0-9]*")
@@ -205,10 +193,10 @@ def _parse_vouched(data: bytes, vouched: Vouched) -> CacheState | None:
     try:
         return _version_2(raw, vouched)
     except IntegrityError as exc:
-        return _corrupt(exc.message)
+        return corrupt_state(exc.message)
 
 
-def _corrupt(problem: str) -> CacheState:
+def corrupt_state(problem: str) -> CacheState:
     return CacheState(problem=problem)
 
 
@@ -367,150 +355,3 @@ def encode_state(
     if expires:
         doc["expires"] = dict(expires)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-
-def open_state_dir(root: int, cache_dir: Path, *, create: bool) -> int | None:
-    """cache_dir/.neffbuild, made if create, else None when missing; a symlink there is refused
-    (state and lock are never read or written outside the cache dir)."""
-    try:
-        return open_dir_beneath(root, cache_dir, (STATE_DIR,), create=create)
-    except OSError as exc:
-        if isinstance(exc, FileNotFoundError) and not create:
-            return None
-        raise disk_error(exc, cache_dir / STATE_DIR) from None
-
-
-def load_state(state_dir: int) -> tuple[bytes | None, CacheState]:
-    """(the state file's bytes, its content); a missing, foreign or broken file reads as empty."""
-    data = load_state_data(state_dir)
-    return (None, data) if isinstance(data, CacheState) else (data, parse_state(data))
-
-
-def load_state_data(state_dir: int) -> bytes | CacheState:
-    """The state file's bytes, unparsed; else what a missing, foreign or broken file reads as."""
-    try:
-        fd = os.open(STATE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=state_dir)
-    except OSError as exc:
-        return _corrupt("a symbolic link") if exc.errno == errno.ELOOP else CacheState()
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            return _corrupt("not a regular file")
-        if info.st_size > STATE_MAX:
-            os.close(fd)
-            return _corrupt(f"{info.st_size} bytes, larger than any state neffbuild writes")
-        with os.fdopen(fd, "rb") as src:
-            return src.read(STATE_MAX + 1)
-    except OSError:
-        return CacheState()
-
-
-def read_state(root: int, cache_dir: Path) -> tuple[bytes | None, CacheState]:
-    """The state of the cache dir open at root, without making anything."""
-    data = read_state_data(root, cache_dir)
-    return (None, data) if isinstance(data, CacheState) else (data, parse_state(data))
-
-
-def read_state_data(root: int, cache_dir: Path) -> bytes | CacheState:
-    """load_state_data of the cache dir open at root, without making anything."""
-    state_dir = open_state_dir(root, cache_dir, create=False)
-    if state_dir is None:
-        return CacheState()
-    try:
-        return load_state_data(state_dir)
-    finally:
-        os.close(state_dir)
-
-
-def open_existing(cache_dir: Path) -> int | None:
-    """cache_dir open, or None if it does not exist (nothing is made)."""
-    try:
-        return os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise disk_error(exc, cache_dir) from None
-
-
-def state_path(cache_dir: Path) -> Path:
-    return cache_dir / STATE_DIR / STATE_FILE
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A release named for a cache dir (the installed one, or REF's), with its units' key parts."""
-
-    release_id: str
-    release: Release
-    tag: str | None
-    units: tuple[InstalledUnit, ...]
-    source: str
-
-
-def find_target(
-    state: CacheState,
-    cache_dir: Path,
-    ref: str | None,
-    open_store: Callable[[], Store] | None,
-    *,
-    store_named: bool = False,
-    with_units: bool = True,
-) -> Target:
-    """REF's release (and its units' key parts): from the cache dir's state when it is the
-    installed one (a tag only while no store is named: it may have moved), else from the store."""
-    installed = state.installed
-    if installed is not None and ref in (None, installed.release_id, *(() if store_named else (installed.tag,))):
-        return Target(
-            installed.release_id, installed.release, installed.tag or None, installed.units, str(state_path(cache_dir))
-        )
-    if ref is None:
-        raise NotFoundError(
-            f"{cache_dir}: no installed release recorded (never pulled, or pulled by an older neffbuild)",
-            hint="pull it (a complete cache fetches nothing and records it), or name the release and its store: TAG --store S",
-        )
-    if open_store is None:
-        raise InputError(
-            f"{ref}: not the release installed in {cache_dir}", hint="pass --store to read it from the store"
-        )
-    from neffbuild.documents.refs import resolve
-
-    store = open_store()
-    resolved = resolve(store, ref)
-    if installed is not None and installed.release_id == resolved.release_id:
-        return Target(
-            installed.release_id, installed.release, resolved.tag, installed.units, str(state_path(cache_dir))
-        )
-    units = release_units(store, resolved, 16) if with_units else ()
-    return Target(resolved.release_id, resolved.release, resolved.tag, units, store.url)
-
-
-def installed_unit(unit: ReleaseUnit, record: BundleRecord) -> InstalledUnit:
-    return InstalledUnit(
-        unit.unit_id,
-        unit.key,
-        record.backend,
-        record.unit,
-        record.fingerprint,
-        tuple(f.path for f in record.files),
-        env_reads=record.env_reads,
-    )
-
-
-def release_units(store: Store, resolved: ResolvedRelease, jobs: int) -> tuple[InstalledUnit, ...]:
-    """Each unit of the release as its bundle records it (read in parallel); a bundle the store
-    lacks or that does not match its key is an error: the store is damaged."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from neffbuild.documents.refs import release_bundle
-    from neffbuild.retry import carried
-
-    def load(unit: ReleaseUnit) -> InstalledUnit:
-        return installed_unit(unit, release_bundle(store, resolved, unit))
-
-    units = resolved.release.units
-    with ThreadPoolExecutor(
-        max_workers=max(1, min(jobs, len(units), 32)), thread_name_prefix="neffbuild-bundles"
-    ) as pool:
-        loads = [pool.submit(carried(partial(load, u))) for u in units]  # under the pull's deadline
-        return tuple(f.result() for f in loads)

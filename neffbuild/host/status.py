@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Literal
 
 from neffbuild.errors import StatusMiss
 from neffbuild.fs.confined import disk_error
-from neffbuild.host.cachedir import CacheDir
+from neffbuild.host.cachedir import CacheDir, Target, find_target
 from neffbuild.host.exports import exports_for, serving_env
 from neffbuild.host.hostcheck import FieldDiff, check_host
-from neffbuild.host.state import CacheState, Files, Target, find_target
+from neffbuild.host.state import CacheState, Files
 
 if TYPE_CHECKING:
     from neffbuild.documents.records import FileEntry

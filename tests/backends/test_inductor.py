@@ -137,3 +137,39 @@ def test_package_versions_read_from_dist_info_are_importlib_metadatas(package: s
     except metadata.PackageNotFoundError:
         expected = ""
     assert _version(package) == expected
+
+
+def test_which_answers_as_shutil_which(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host check finds the compiler without importing shutil: same answer for every case."""
+    import shutil
+
+    from neffbuild.backends.inductor import which
+
+    plain, runnable, folder = tmp_path / "plain", tmp_path / "runnable", tmp_path / "folder"
+    for where in (plain, runnable, folder):
+        (where / "cc").parent.mkdir()
+    (plain / "cc").write_text("")  # not executable: skipped for a later one
+    (runnable / "cc").write_text("#!/bin/sh\n")
+    (runnable / "cc").chmod(0o755)
+    (folder / "cc").mkdir()  # a directory is no command
+    monkeypatch.chdir(runnable)
+    for path in (
+        f"{plain}:{folder}:{runnable}",
+        f"{folder}:{plain}",
+        f"{plain}::{runnable}:{runnable}",
+        "",
+        f"/usr/bin:/bin:{runnable}",
+    ):
+        monkeypatch.setenv("PATH", path)
+        for command in (
+            "cc",
+            "sh",
+            "no-such-compiler",
+            str(runnable / "cc"),
+            str(plain / "cc"),
+            "./cc",
+            str(folder / "cc"),
+        ):
+            assert which(command) == shutil.which(command), (path, command)
+    monkeypatch.delenv("PATH")
+    assert which("sh") == shutil.which("sh")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import unicodedata
 from typing import Any
@@ -423,3 +424,23 @@ def test_a_list_of_strings_decodes_at_once_with_the_same_verdicts() -> None:
     ):
         with pytest.raises(IntegrityError, match=problem):
             decode_doc(SharedPath, {"path": "a/b", "kept": DIGEST, "dropped": dropped}, "d")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Table:
+    table: dict[str, object]
+
+
+def test_a_table_of_json_values_decodes_at_once_with_the_same_verdicts() -> None:
+    """dict[str, object] fields (a cache state's 10,000-entry file table) are taken whole where
+    every key is ASCII; a key with a lone surrogate is still refused, naming it."""
+    from neffbuild.documents.records import decode_doc
+
+    table = {"a/b": [1, 2, "x"], "c": None}
+    ok = decode_doc(_Table, {"table": table}, "d")
+    assert ok.table == table and ok.table is not table
+    assert decode_doc(_Table, {"table": {"é": 1}}, "d").table == {"é": 1}
+    with pytest.raises(IntegrityError, match=r"table\.'a\\ud800': 'a\\ud800' holds a lone surrogate"):
+        decode_doc(_Table, {"table": {"b": 1, "a\ud800": 2}}, "d")
+    with pytest.raises(IntegrityError, match="table: expected an object, got list"):
+        decode_doc(_Table, {"table": [1]}, "d")

@@ -107,8 +107,8 @@ def test_waiting_for_another_pull_gives_up_after_its_timeout_while_the_holder_ho
 
 
 # What opens a cache dir's state or lock, or the dir itself: CacheDir (host/cachedir.py) over
-# host/state.py's codec, and fs/ below them. Anything else goes through CacheDir.
-_OWNERS = {"neffbuild/host/cachedir.py", "neffbuild/host/state.py"}
+# host/state.py's codec and host/statefile.py's reader, and fs/ below them. Anything else goes through CacheDir.
+_OWNERS = {"neffbuild/host/cachedir.py", "neffbuild/host/state.py", "neffbuild/host/statefile.py"}
 _INTERNALS = {
     "open_existing", "open_state_dir", "read_state", "read_state_data", "load_state", "load_state_data",
     "lock_in", "LOCK_FILE", "STATE_FILE", "state_path",
@@ -124,7 +124,11 @@ def cache_dir_openers(root: Path) -> list[str]:
         if rel in _OWNERS or rel.startswith("neffbuild/fs/"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
-            if isinstance(node, ast.ImportFrom) and node.module in ("neffbuild.host.state", "neffbuild.host.cachedir"):
+            if isinstance(node, ast.ImportFrom) and node.module in (
+                "neffbuild.host.state",
+                "neffbuild.host.statefile",
+                "neffbuild.host.cachedir",
+            ):
                 found += [f"{rel}:{node.lineno} imports {a.name}" for a in node.names if a.name in _INTERNALS]
             elif isinstance(node, ast.Call):
                 name = ast.unparse(node.func)

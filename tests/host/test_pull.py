@@ -27,10 +27,11 @@ from neffbuild.documents.records import (
     dump,
     parse,
 )
-from neffbuild.errors import IntegrityError
+from neffbuild.errors import IntegrityError, NotFoundError
 from neffbuild.hashing import canonical_json, hash_bytes, hash_file
-from neffbuild.host.pull import STATE_DIR, pull, remove_stale_temp_files
-from neffbuild.names import INCOMPLETE_SUFFIX
+from neffbuild.host.landing import remove_stale_temp_files
+from neffbuild.host.pull import pull
+from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.store.base import BlobSource, blob_key
 from neffbuild.store.local import LocalStore
 from tests.procs import wait_for
@@ -113,6 +114,26 @@ def test_complete_cache_makes_pull_a_no_op(store: LocalStore, tmp_path: Path) ->
     second = pull(store, "t", cache, jobs=4)
     assert (first.files_fetched, second.files_fetched, second.bytes_fetched) == (len(FILES), 0, 0)
     assert {rel: (cache / rel).stat().st_mtime_ns for rel in FILES} == mtimes
+
+
+def test_pull_leaves_garbage_collection_as_it_found_it(store: LocalStore, tmp_path: Path) -> None:
+    # A no-op pull decodes and scans with collection paused (host/pull.py _no_collection).
+    publish_files(store, FILES, tmp_path)
+    cache = tmp_path / "cache"
+    pull(store, "t", cache)
+    try:
+        for enabled in (True, False):
+            if enabled:
+                gc.enable()
+            else:
+                gc.disable()
+            assert pull(store, "t", cache).files_fetched == 0
+            assert gc.isenabled() is enabled
+            with pytest.raises(NotFoundError):
+                pull(store, "no-such-tag", cache)
+            assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 def test_damaged_or_deleted_local_files_are_fetched_again(store: LocalStore, tmp_path: Path) -> None:

@@ -232,6 +232,7 @@ def test_paths_outside_the_installed_release_are_still_checked(installed) -> Non
         (lambda d: d["installed"]["units"][0]["paths"].append("../escape.so"), "installed.units: unsafe path"),
         (lambda d: d["files"].update({"../escape.so": [1, 1, "0" * 32]}), "files: unsafe path"),
         (lambda d: d["installed"]["release"].update({"name": "\ud800"}), "lone surrogate"),
+        (lambda d: d["files"].update({"a\ud800": [1, 1, "0" * 32]}), "lone surrogate"),
     ):
         edited = copy.deepcopy(doc)
         edit(edited)

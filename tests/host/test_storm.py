@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild import retry
+from neffbuild.retry.policy import SCALE_ENV, THROTTLED_HINT
 from neffbuild.store import open_store
 from tests.stormkit import holds, partial_files, publish_fleet_release, storm
 from tests.tcpproxy import TcpProxy
@@ -49,7 +50,7 @@ def test_a_fleet_throttled_longer_than_the_old_try_budget_comes_up_whole(
     )  # the storm outlasts what one request used to get, three times
     caches = [tmp_path / f"host{i}" for i in range(HOSTS)]
     with TcpProxy(_port(s3_server.endpoint), mode="limit", limit=limit) as proxy:
-        done = storm(proxy, s3_url, {**s3_env, retry.SCALE_ENV: str(SCALE)}, caches, timeout=600)
+        done = storm(proxy, s3_url, {**s3_env, SCALE_ENV: str(SCALE)}, caches, timeout=600)
     assert [p.code for p in done.pulls] == [0] * HOSTS, [p.stderr[-500:] for p in done.pulls if p.code]
     assert all(holds(c, fleet) for c in caches)
     assert done.forwarded >= HOSTS * PER_PULL and done.slowed > 0  # the store did throttle
@@ -73,14 +74,14 @@ def test_a_storm_past_the_deadline_fails_every_pull_naming_it_and_a_rerun_comple
     fleet, s3_url, s3_env, s3_server, tmp_path: Path
 ) -> None:
     caches = [tmp_path / f"host{i}" for i in range(HOSTS)]
-    env = {**s3_env, retry.SCALE_ENV: str(SCALE)}
+    env = {**s3_env, SCALE_ENV: str(SCALE)}
     # 1 request/s: the fleet's requests would take over a minute; the deadline is 4 s.
     with TcpProxy(_port(s3_server.endpoint), mode="limit", limit=1.0) as proxy:
         failed = storm(proxy, s3_url, env, caches, timeout=4)
         assert [p.code for p in failed.pulls] == [3] * HOSTS, [p.stderr[-500:] for p in failed.pulls]
         for pull in failed.pulls:
             assert pull.report["kind"] == "DeadlineExceeded" and "went past its 4 s deadline" in pull.report["error"]
-            assert "the store throttled it: " in pull.report["error"] and pull.report["hint"] == retry.THROTTLED_HINT
+            assert "the store throttled it: " in pull.report["error"] and pull.report["hint"] == THROTTLED_HINT
         assert not [
             partial_files(c, fleet) for c in caches if c.exists() and partial_files(c, fleet)
         ]  # nothing half-written

@@ -28,7 +28,7 @@ def pull(console: Console, report: PullReport) -> None:
             f"{report.tag or report.release_id} ({report.release_id}), installed {report.installed_at}: stale"
         )
     if report.throttled:  # on stderr, --json or not: a journal should show that boot was slowed by the store
-        from neffbuild.retry import Counts
+        from neffbuild.retry.scope import Counts
 
         counts = Counts(
             report.retries, report.throttled, report.waited_s, report.paced_to, report.paced_s, report.backoff_s,

@@ -46,7 +46,7 @@ def botocore_client(location: S3Location, endpoint: str | None, env: Mapping[str
 
 
 def _client_config(endpoint: str | None) -> Any:
-    """botocore retries nothing itself: S3Medium._sent retries each call under neffbuild/retry.py's
+    """botocore retries nothing itself: S3Medium._sent retries each call under neffbuild/retry/'s
     policy, so writes back off and give up like reads. A call in flight is bounded by the socket
     timeouts here; the deadline is checked before each try and bounds the sleeps between them."""
     from botocore.config import Config

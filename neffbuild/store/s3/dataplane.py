@@ -4,7 +4,7 @@ botocore costs milliseconds of Python per request, and large bodies must not be 
 needed, so reads bypass it: the store presigns each request (store/s3/sigv4.py, or botocore when only
 it can resolve the credentials or endpoint) and this module moves the bytes, receiving them into
 reused buffers and handing them to confined.write_verified as they arrive. Connection failures,
-throttling and 5xx are retried under neffbuild/retry.py's policy and deadline (a retried body
+throttling and 5xx are retried under neffbuild/retry/'s policy and deadline (a retried body
 continues with a ranged GET from the bytes it has); S3's error codes become typed errors naming the
 object and what needed it.
 No read trusts the server to end a body: each stops at the size it expects (a blob's, a range's)
@@ -381,7 +381,7 @@ class DataPlane:
         raise http_error(self.base, rel, response.status, body, needed)
 
     def retried(self, rel: str, attempt: Callable[[], _T]) -> _T:
-        """attempt() under the retry policy (neffbuild/retry.py), naming rel's URL when it gives up."""
+        """attempt() under the retry policy (neffbuild/retry/), naming rel's URL when it gives up."""
         return retry.retried(self.where(rel), attempt)
 
 

@@ -195,7 +195,7 @@ class S3Medium:
         return self.client.delete_objects(Bucket=self.location.bucket, Delete=delete)
 
     def _sent(self, rel: str, call: Callable[[], _T]) -> _T:
-        """A botocore call under the retry policy (neffbuild/retry.py); its errors typed."""
+        """A botocore call under the retry policy (neffbuild/retry/); its errors typed."""
 
         def attempt() -> _T:
             with translated(self.location, rel, transient=True):

@@ -1,0 +1,159 @@
+"""What a cache dir holds of a release's files (it only reads: one stat per file, a hash where the
+state does not vouch for one), and the state table a pull records of them."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from neffbuild.documents.records import FileEntry
+from neffbuild.fs.confined import Beneath, Hashed, disk_error
+from neffbuild.host.cachedir import CacheDir
+from neffbuild.host.state import CacheState, Installed, encode_state
+
+HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
+# Files this large on average are hashed by several threads (their reads and hashes run without
+# the GIL). Measured on 2 cores: 10,000 files of 34 KiB, 0.145 s in one thread, 0.17 s in two;
+# with BLAKE3 beside XXH3 (which drops the GIL even on 34 KiB), 0.40 s and 0.41 s (load 3.4).
+HASH_THREADED_MIN = 1 << 20
+
+State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What the cache dir holds of a release's files."""
+
+    found: dict[str, os.stat_result | None]  # path -> status of a file holding its bytes, else None
+    hashed: int = 0  # files read back and hashed (the state did not vouch for them)
+    damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
+    recorded: State | None = None  # the state scanned, where it vouched for every file and no other
+
+
+def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs: int) -> Scan:
+    """What the cache already holds of files (only reads). One stat per file; a file of the right
+    size the state does not vouch for is read and hashed, in parallel where that pays. With no
+    state to vouch for anything (verify="full", a first pull), each file is opened once instead:
+    its fstat stands in for the stat."""
+    found: dict[str, os.stat_result | None] = {}
+    damaged = set()
+    absent = False
+    if state:
+        unsure = []
+        with cache.beneath() as tree:
+            for f in files:
+                st = found[f.path] = regular_stat(tree, f.path, cache.path)
+                if st is None:
+                    absent = True
+                    continue
+                if st.st_size != f.size:
+                    found[f.path] = None
+                    damaged.add(f.path)
+                elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
+                    unsure.append(f)
+    else:
+        unsure = list(files)
+    hashed = 0
+    for f, look in zip(unsure, _look_all(cache, unsure, jobs), strict=True):
+        found[f.path] = None
+        if look is None:  # absent, a link, not a regular file
+            continue
+        st, digests = look
+        hashed += st.st_size == f.size  # look reads a file only then
+        if digests is not None and digests[0] == f.digest and digests[1] == f.blake3:
+            found[f.path] = st
+        else:
+            damaged.add(f.path)
+    # Every file found as the state recorded it, and the state holds no other: it is what this
+    # pull would record (state_recorded then needs no second table of 10,000 entries to compare).
+    whole = bool(state) and not (absent or unsure or damaged) and len(state) == len(found)
+    return Scan(found, hashed, frozenset(damaged), state if whole else None)
+
+
+def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, Hashed | None] | None]:
+    """Beneath.look of each file, in runs of neighbouring files (their directories stay open)
+    spread over up to jobs threads, each with its own Beneath."""
+
+    def looks(run: list[FileEntry]) -> list[tuple[os.stat_result, Hashed | None] | None]:
+        done: list[tuple[os.stat_result, Hashed | None] | None] = []
+        with cache.beneath() as tree:
+            try:
+                for f in run:
+                    done.append(tree.look(f.path, f.size, crypto=bool(f.blake3)))
+            except OSError as exc:
+                raise disk_error(exc, cache.path / run[len(done)].path) from None
+        return done
+
+    jobs = min(jobs, os.cpu_count() or 1)  # reading from the page cache and hashing is CPU work
+    if jobs == 1 or sum(f.size for f in files) < HASH_THREADED_MIN * len(files):
+        return looks(files)  # small files cost Python work per file, under the GIL: threads only contend for it
+    runs = _runs(files, jobs)
+    if len(runs) <= 1:
+        return looks(files)
+    with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
+        return [d for run in pool.map(looks, runs) for d in run]
+
+
+def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
+    """files cut into runs of about HASH_RUN bytes (at least one file), at most 4 per thread
+    and never so small that handing one to a thread costs more than reading it."""
+    per_run = max(HASH_RUN, sum(f.size for f in files) // (4 * max(jobs, 1)) + 1)
+    runs: list[list[FileEntry]] = [[]]
+    size = 0
+    for f in files:
+        if size >= per_run:
+            runs.append([])
+            size = 0
+        runs[-1].append(f)
+        size += f.size
+    return [r for r in runs if r]
+
+
+def regular_stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
+    """rel's status if it is a regular file (a link, a directory, a FIFO... count as absent)."""
+    try:
+        st = tree.lstat(rel)
+    except OSError as exc:
+        raise disk_error(exc, cache_dir / rel) from None
+    return st if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
+def state_trusted(state: State, verify: str) -> State:
+    """What of the state may stand in for reading the files: nothing with verify="full"."""
+    return state if verify == "fast" else {}
+
+
+def state_bytes(
+    installed: Installed,
+    found: Mapping[str, os.stat_result | None],
+    accepted: Mapping[str, int],
+    expires: Mapping[str, str],
+) -> bytes:
+    return encode_state(installed, state_files(installed, found), accepted, expires)
+
+
+def state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:
+    files = {}
+    for entry in installed.release.files:
+        st = found.get(entry.path)
+        if st is not None:
+            files[entry.path] = (entry.size, st.st_mtime_ns, entry.digest)
+    return files
+
+
+def state_recorded(old: CacheState, installed: Installed, scan: Scan) -> bool:
+    """Whether the state file already says what this pull would write: compared as data, not
+    encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes. A scan that
+    found every file as the state's table says (scan.recorded) is that table."""
+    if old.version != 2 or old.installed != installed:
+        return False
+    return scan.recorded is old.files or old.files == state_files(installed, scan.found)
+
+
+def state_size(installed: Installed) -> int:
+    """The state file's size once every file is in (an mtime of 19 digits, as in ns today)."""
+    return len(encode_state(installed, {f.path: (f.size, 1 << 62, f.digest) for f in installed.release.files}))
