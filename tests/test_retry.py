@@ -29,7 +29,8 @@ from neffbuild.retry.pacer import Pacer
 from neffbuild.retry.policy import THROTTLED_HINT
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
-from neffbuild.store.s3.dataplane import PART, http_error
+from neffbuild.store.s3.dataplane import PART
+from neffbuild.store.s3.responses import http_error
 from tests.fleetsim import Fleet, simulate
 from tests.s3server import S3Server, client_for
 from tests.storekit import publish_release_of, write_files

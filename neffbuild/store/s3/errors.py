@@ -1,4 +1,4 @@
-"""botocore's exceptions as neffbuild's typed errors (the write path; store/s3/dataplane.py maps the
+"""botocore's exceptions as neffbuild's typed errors (the write path; store/s3/responses.py maps the
 HTTP answers of reads). botocore is imported only when an error is being translated."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError, StoreError
 from neffbuild.retry import Transient
-from neffbuild.store.s3 import dataplane
+from neffbuild.store.s3 import responses
 
 if TYPE_CHECKING:
     from neffbuild.store.s3.location import S3Location
@@ -70,7 +70,7 @@ def translated(location: S3Location, rel: str, *, transient: bool = False) -> It
                 hint="create it (e.g. aws s3 mb), or open the store with create=True as publishing commands do",
             ) from None
         if code in DENIED:
-            raise StoreError(f"access denied to {where} ({code})", hint=dataplane.CREDENTIALS_HINT) from None
+            raise StoreError(f"access denied to {where} ({code})", hint=responses.CREDENTIALS_HINT) from None
         if code in CORRUPT:
             raise IntegrityError(
                 f"upload of {where} was rejected by the server: its checksum did not match ({code})",
@@ -80,7 +80,7 @@ def translated(location: S3Location, rel: str, *, transient: bool = False) -> It
             raise NotFoundError(f"{where} not found") from None
         raise StoreError(f"{where}: {code}: {message}".rstrip(": ")) from None
     except (NoCredentialsError, PartialCredentialsError) as exc:
-        raise StoreError(f"no AWS credentials for {location.url} ({exc})", hint=dataplane.CREDENTIALS_HINT) from None
+        raise StoreError(f"no AWS credentials for {location.url} ({exc})", hint=responses.CREDENTIALS_HINT) from None
     except ProfileNotFound as exc:
         raise StoreError(str(exc), hint="check AWS_PROFILE and ~/.aws/config") from None
     except (BotoConnectionError, HTTPClientError) as exc:

@@ -18,7 +18,7 @@ from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import packs
 from neffbuild.store.base import blob_key
-from neffbuild.store.s3 import dataplane
+from neffbuild.store.s3 import dataplane, responses
 
 HEAD_LIMIT = 256  # up to this many blobs to check: HEAD each; more: list their shards
 Where = tuple[packs.PackIndex, packs.PackEntry]  # where a packed blob lies
@@ -164,7 +164,7 @@ class PackCatalog:
         try:
             index = packs.decode_index(pack_id, bytes(data), self._reader.where(key))
         except IntegrityError as exc:
-            raise IntegrityError(f"{exc.message}{dataplane.needed_for(str(needed))}", hint=exc.hint) from None
+            raise IntegrityError(f"{exc.message}{responses.needed_for(str(needed))}", hint=exc.hint) from None
         with self._lock:
             self._remember(index)
         return index

@@ -39,7 +39,7 @@ from neffbuild.store import packs
 from neffbuild.store.base import STORE_FORMAT, BlobSource, blob_key
 from neffbuild.store.layout import LayoutStore
 from neffbuild.store.raw import Content, ObjectInfo
-from neffbuild.store.s3 import dataplane, sigv4
+from neffbuild.store.s3 import dataplane, responses, sigv4
 from neffbuild.store.s3.client import S3Location, botocore_client, bucket_region, endpoint_of
 from neffbuild.store.s3.errors import ABSENT_BUCKET, LOST_RACE, client_error, error_code, translated
 from neffbuild.store.s3.packs import PackCatalog
@@ -51,7 +51,7 @@ DELETE_BATCH = 1000  # S3's DeleteObjects takes at most this many keys per reque
 
 
 class S3Medium:
-    corrupt_hint = dataplane.CORRUPT_HINT
+    corrupt_hint = responses.CORRUPT_HINT
     missing_hint = "publish or push into it first (that creates it), or check the URL"
 
     def __init__(
@@ -138,7 +138,7 @@ class S3Medium:
         try:
             yield response  # type: ignore[misc]  # urllib3's response is a readable stream
         finally:
-            dataplane.finish(response)
+            responses.finish(response)
 
     def open(self, key: str) -> Any:
         return self._streamed(key) if self.reader.exists(key) else None
@@ -282,7 +282,7 @@ class S3Blobs:
         try:
             yield response  # type: ignore[misc]  # urllib3's response is a readable stream
         finally:
-            dataplane.finish(response)
+            responses.finish(response)
 
     def pack_indexes(self) -> tuple[dict[str, packs.PackIndex], dict[str, str]]:
         return self.catalog.indexes()

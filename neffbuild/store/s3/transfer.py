@@ -27,7 +27,7 @@ from neffbuild.fs.confined import BlobTarget, Parents, write_verified
 from neffbuild.hashing import CHUNK
 from neffbuild.store import packs
 from neffbuild.store.base import BlobSource, blob_key
-from neffbuild.store.s3 import dataplane
+from neffbuild.store.s3 import dataplane, responses
 from neffbuild.store.s3.packs import PackCatalog, Where
 
 STREAM_MIN = 4  # with this many large blobs or more, stream each with one GET instead of ranges
@@ -203,7 +203,7 @@ class Transfers:
                         landed += 1
                         retry.landed()
             finally:
-                dataplane.finish(response)
+                responses.finish(response)
 
         self._reader.retried(key, attempt)
 
