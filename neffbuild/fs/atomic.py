@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from neffbuild.fs.confined import disk_error, opened_dir, temp_name_for, unlink_quietly
+from neffbuild.fs.beneath import opened_dir
+from neffbuild.fs.confined import disk_error, temp_name_for, unlink_quietly
 
 Content = bytes | Callable[[BinaryIO], None]  # the bytes, or a function that writes them
 

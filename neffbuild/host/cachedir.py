@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from neffbuild.documents.records import Release
 from neffbuild.errors import InputError, NotFoundError
 from neffbuild.fs.atomic import write_atomic_at
-from neffbuild.fs.confined import Beneath, disk_error
+from neffbuild.fs.beneath import Beneath
+from neffbuild.fs.confined import disk_error
 from neffbuild.fs.locks import acquire
 from neffbuild.host.bundleunits import release_units
 from neffbuild.host.state import STATE_FILE, CacheState, InstalledUnit

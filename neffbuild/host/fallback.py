@@ -19,7 +19,7 @@ from pathlib import Path
 
 from neffbuild.documents.records import FileEntry
 from neffbuild.errors import NeffbuildError, StateCorrupt, StoreError, TrustError
-from neffbuild.fs.confined import Beneath
+from neffbuild.fs.beneath import Beneath
 from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.exports import env_file_text, exports_for, serving_env, write_env_file
 from neffbuild.host.pull import PullOptions, PullReport, preflight, pull

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.documents.records import FileEntry
-from neffbuild.fs.confined import Beneath, Hashed, disk_error
+from neffbuild.fs.beneath import Beneath, Hashed
+from neffbuild.fs.confined import disk_error
 from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.state import CacheState, Installed, encode_state
 

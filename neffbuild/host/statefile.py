@@ -9,7 +9,8 @@ import os
 import stat
 from pathlib import Path
 
-from neffbuild.fs.confined import disk_error, open_dir_beneath
+from neffbuild.fs.beneath import open_dir_beneath
+from neffbuild.fs.confined import disk_error
 from neffbuild.host.state import STATE_FILE, CacheState, corrupt_state, parse_state
 from neffbuild.names import STATE_DIR
 

@@ -13,7 +13,8 @@ import xxhash
 
 from neffbuild.errors import DiskError, IntegrityError
 from neffbuild.fs import confined as materialize
-from neffbuild.fs.confined import DIRECT_MIN, HASH_CHUNK, BlobTarget, Parents, aligned_buffer, write_verified
+from neffbuild.fs.beneath import HASH_CHUNK, Beneath
+from neffbuild.fs.confined import DIRECT_MIN, BlobTarget, Parents, aligned_buffer, write_verified
 from tests.pagecache import direct_io_possible, resident_fraction
 
 
@@ -267,7 +268,7 @@ def test_beneath_never_reports_a_link_or_a_fifo_as_a_file(cache_and_outside) -> 
     (cache / "dir").symlink_to(outside)
     root = os.open(cache, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with materialize.Beneath(root, cache) as tree:
+        with Beneath(root, cache) as tree:
             assert stat.S_ISLNK(tree.lstat("f.bin").st_mode)
             assert tree.hash_file("f.bin", 100) is None  # not followed, though its target matches
             assert tree.hash_file("pipe.bin", 100) is None  # opened without blocking, not read
@@ -297,7 +298,7 @@ def test_look_hashes_every_byte_at_each_size_around_the_read_buffer(tmp_path: Pa
     (tmp_path / "a" / "f").write_bytes(data)
     root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with materialize.Beneath(root, tmp_path) as tree:
+        with Beneath(root, tmp_path) as tree:
             # Both digests from the one read (verify --full and pull's re-hash of version 2 releases).
             whole = (xxhash.xxh3_128_hexdigest(data), blake3.blake3(data).hexdigest())
             assert tree.look("a/f", size, crypto=True)[1] == whole

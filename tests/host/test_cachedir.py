@@ -152,7 +152,7 @@ def test_the_opener_check_finds_a_planted_opener(tmp_path: Path) -> None:
     (tmp_path / "neffbuild" / "host").mkdir(parents=True)
     (tmp_path / "neffbuild" / "host" / "status.py").write_text(
         "import os\nfrom neffbuild.host.state import STATE_FILE, CacheState\n"
-        "from neffbuild.fs.confined import Beneath\n"
+        "from neffbuild.fs.beneath import Beneath\n"
         "def look(p):\n    root = os.open(p, os.O_RDONLY)\n    return Beneath(root, p)\n"
     )
     assert cache_dir_openers(tmp_path / "neffbuild") == [
