@@ -92,7 +92,7 @@ def tp_problems(entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
 
 def _transformer_config(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, Any]:
     """The local model's transformer/config.json, or {} (hub model, or unreadable)."""
-    from neffbuild.documents.manifest import is_local_model
+    from neffbuild.documents.manifest_types import is_local_model
 
     if not is_local_model(entry.model):
         return {}
