@@ -13,7 +13,7 @@ from neffbuild.documents.manifest import manifest_json_schema
 ROOT = Path(__file__).resolve().parents[1]
 # String constants equal to a backend's name that are something else: the recipe's `inductor`
 # table (Inductor's settings) is a manifest field, not the backend. Counted, so a new one fails.
-NOT_A_BACKEND = {"neffbuild/documents/manifest.py": 2}
+NOT_A_BACKEND = {"neffbuild/documents/compile_recipe.py": 2}
 
 
 def test_each_descriptor_names_the_backend_that_implements_it() -> None:

@@ -41,7 +41,8 @@ from neffbuild.backends.components import (
 from neffbuild.errors import NotFoundError, UnlistedShape
 
 if TYPE_CHECKING:
-    from neffbuild.documents.manifest import ModelEntry, ResolvedRecipe
+    from neffbuild.documents.compile_recipe import ResolvedRecipe
+    from neffbuild.documents.manifest import ModelEntry
 
 log = logging.getLogger(__name__)
 

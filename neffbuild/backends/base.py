@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from neffbuild.backends.components import GRAPH_PREFIX, graph_counters
 
 if TYPE_CHECKING:
-    from neffbuild.documents.manifest import LoadedManifest, ModelEntry, ResolvedRecipe
+    from neffbuild.documents.compile_recipe import ResolvedRecipe
+    from neffbuild.documents.manifest import LoadedManifest, ModelEntry
 
 
 @dataclass(frozen=True)

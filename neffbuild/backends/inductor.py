@@ -31,7 +31,8 @@ from neffbuild.servingenv import INDUCTOR
 from neffbuild.version import installed_version
 
 if TYPE_CHECKING:
-    from neffbuild.documents.manifest import LoadedManifest, ModelEntry, ResolvedRecipe
+    from neffbuild.documents.compile_recipe import ResolvedRecipe
+    from neffbuild.documents.manifest import LoadedManifest, ModelEntry
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
 # two builds may write the same path with different bytes (e.g. .so files embed their build

@@ -31,21 +31,43 @@ seam can never carry the key of a real Neuron build):
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import json
 import os
 import platform
-import re
-import shutil
-import subprocess
 import sys
-from collections.abc import Callable, Mapping
-from importlib import metadata
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters, load_arguments, pipeline_class
+from neffbuild.backends.neuron_cache_layout import (
+    cache_files,
+    is_content_keyed,
+    subprocess_entry_count,
+    unrecognised_files,
+)
+from neffbuild.backends.neuron_entry_checks import recipe_refusals, tp_problems
+from neffbuild.backends.neuron_toolchain import (
+    ABSENT,
+    DEFAULT_LNC,
+    DMI_PRODUCT_NAME,
+    ModuleVersion,
+    PackageDir,
+    RequiresPython,
+    RunVersion,
+    VersionOf,
+    build_type,
+    compile_target,
+    compiler_version,
+    find_compiler,
+    installed_version,
+    instance_family,
+    module_version,
+    package_dir,
+    pin_compiler,
+    python_excluded,
+    requires_python,
+)
 from neffbuild.names import STATE_DIR
 from neffbuild.servingenv import NEURON, NEURON_COMPILER
 
@@ -55,43 +77,8 @@ if TYPE_CHECKING:
 COMPILE_BACKEND_ENV = "NEFFBUILD_NEURON_COMPILE_BACKEND"
 DEVICE_ENV = "NEFFBUILD_NEURON_DEVICE"
 TARGET_ENV = "NEFFBUILD_NEURON_TARGET"
-ABSENT = "absent"
 UNSET = "(unset)"
-DMI_PRODUCT_NAME = Path("/sys/devices/virtual/dmi/id/product_name")
 
-# Instance family -> (neuronx-cc target, default logical NeuronCores), as torch-neuronx maps them
-# (PlatformUtils.cpp). An inf2 compiles for trn1; trn2u for trn2.
-_FAMILIES = {
-    "inf1": ("inf1", "1"), "inf2": ("trn1", "1"), "trn1": ("trn1", "1"), "trn1n": ("trn1", "1"),
-    "trn2": ("trn2", "2"), "trn2n": ("trn2", "2"), "trn2u": ("trn2", "2"),
-    "trn3": ("trn3", "2"), "trn3u": ("trn3", "2"),
-}  # fmt: skip
-_DEFAULT_LNC = {target: lnc for target, lnc in _FAMILIES.values()}
-
-# TorchNeuron: $DIR/ab/cd/<32 hex>.neff, written to `.tmp.*` then renamed (locks live elsewhere).
-_NEFF_ENTRY = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2})/(\1\2[0-9a-f]{28})\.neff$")
-# Its Python compiler path (synchronous eager ops): $DIR/<sha256>/<sha256>.neff, written to a
-# `tmp*.tmp` file beside it then renamed (kernels/cache_utils.py:28-38).
-_SUBPROCESS_ENTRY = re.compile(r"^([0-9a-f]{64})/\1\.neff$")
-# What upstream leaves only after a crash between write and rename: never bundled, not unknown.
-_TEMP_FILE = re.compile(r"^(?:[0-9a-f]{2}/[0-9a-f]{2}/\.tmp\.[A-Za-z0-9]{6}|[0-9a-f]{64}/tmp[^/]*\.tmp)$")
-# libneuronxla (torch-xla based): neuronxcc-<ver>/MODULE_<graph hash>+<flags hash>/<file>.
-_MODULE_FILE = re.compile(r"^neuronxcc-[^/]+/MODULE_[^/]+/[^/]+$")
-_MODULE_KEEP = frozenset(
-    {"model.neff", "model.done", "compile_flags.json", "compile_flags.txt", "model.hlo_module.pb", "model.hlo.pb"}
-)
-
-# Transformers whose class declares a `_tp_plan` in diffusers 0.42 (a test checks this list
-# against the installed diffusers); planning must not import torch, so it is a table.
-TP_TRANSFORMERS = frozenset(
-    {
-        "FluxTransformer2DModel",
-        "Flux2Transformer2DModel",
-        "QwenImageTransformer2DModel",
-        "QwenImage21Transformer2DModel",
-    }
-)
-_TP_PIPELINES = re.compile(r"^(Flux|Flux2|QwenImage)\w*Pipeline$")
 
 # Variables that change what neuronx-cc is given or produces are keyed (serving.NEURON_COMPILER,
 # the exact list with the upstream file of each: docs/trainium.md); those named as fields below
@@ -106,7 +93,6 @@ IMPORT_DEFAULTS = {"TORCH_NEURONX_MLIR_ATEN_OPS": "1"}
 # missing file: __init__.py:33-38) to asynchronous.
 BUILD_FACT = "torch-neuronx.build"
 _SYNC_DEFAULT = {"RELEASE": "1"}
-_BUILD_TYPE = re.compile(r"""^BUILD_TYPE\s*=\s*["']([A-Za-z_]+)["']""", re.M)
 # Builds wait this long for another rank's compile of the same graph before breaking its lock
 # and compiling too (upstream's default is 1200 s, FileLock.h:16); a large transformer block
 # can take longer than that. Serving never waits: a hit takes no lock.
@@ -138,109 +124,6 @@ _VERSION_FIELDS = (*_DISTRIBUTIONS, *HLO_MODULES, "python")
 # Where the model code lives (source locations are in the key) and which neuronx-cc runs.
 _PLACE_FIELDS = ("venv", "neuronx-cc.bin", "neuronx-cc.bin-version")
 _REQUIRED_FACTS = (*_VERSION_FIELDS, "target")  # what a [toolchain] table must give
-
-VersionOf = Callable[[str], str | None]
-ModuleVersion = Callable[[str], str | None]
-RequiresPython = Callable[[str], str | None]
-PackageDir = Callable[[str], Path | None]
-RunVersion = Callable[[str], str | None]
-
-
-def package_dir(name: str) -> Path | None:
-    """The directory a top-level package would be imported from, without importing it."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    return Path(locations[0]) if locations else None
-
-
-def build_type(package: Path | None) -> str:
-    """torch_neuronx's BUILD_TYPE from its _build_config.py file ('absent' without the package)."""
-    if package is None:
-        return ABSENT
-    try:
-        found = _BUILD_TYPE.search((package / "_build_config.py").read_text())
-    except OSError:
-        return "DEV"  # an editable install without the generated file takes the dev defaults
-    return found.group(1) if found else "unknown"
-
-
-def compiler_version(executable: str) -> str | None:
-    """`neuronx-cc --version` of an executable outside this venv (its version, or None)."""
-    try:
-        done = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"\b(\d+\.\d+(?:\.[0-9A-Za-z+]+)*)", done.stdout + done.stderr)
-    return found.group(1) if done.returncode == 0 and found else None
-
-
-def find_compiler(env: Mapping[str, str]) -> Path | None:
-    """The neuronx-cc that `execvp` finds on env's PATH (made absolute), or None."""
-    found = shutil.which("neuronx-cc", path=env.get("PATH", os.defpath))
-    return Path(os.path.abspath(found)) if found else None
-
-
-def installed_version(distribution: str) -> str | None:
-    """A distribution's version from its metadata; importing torch_neuronx would start the runtime."""
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def requires_python(distribution: str) -> str | None:
-    """A distribution's Requires-Python (None: not installed, or it says nothing)."""
-    try:
-        return metadata.metadata(distribution)["Requires-Python"]  # None when absent
-    except metadata.PackageNotFoundError:
-        return None
-
-
-_SPEC = re.compile(r"^\s*(>=|<=|==|!=|~=|>|<)\s*(\d+(?:\.\d+)*)(\.\*)?\s*$")
-
-
-def python_excluded(spec: str, version: tuple[int, ...]) -> bool:
-    """True when a Requires-Python spec (PEP 440 clauses over release numbers) excludes version.
-    A clause this cannot read excludes nothing: refusing on a guess would be worse."""
-    for clause in spec.split(","):
-        found = _SPEC.match(clause)
-        if not found:
-            continue
-        op, wanted, star = found.group(1), tuple(int(n) for n in found.group(2).split(".")), found.group(3)
-        have = tuple(version[: len(wanted)]) if star or op == "~=" else tuple(version[:3])
-        want = wanted if star or op == "~=" else (*wanted, 0, 0)[:3]
-        ok = {
-            ">=": have >= want, "<=": have <= want, ">": have > want, "<": have < want,
-            "==": have == want, "!=": have != want,
-            "~=": have >= wanted and version[: len(wanted) - 1] == wanted[:-1],
-        }[op]  # fmt: skip
-        if not ok:
-            return True
-    return False
-
-
-@functools.cache
-def _distributions_by_module() -> Mapping[str, list[str]]:
-    return metadata.packages_distributions()
-
-
-def module_version(module: str) -> str | None:
-    """'<distribution> <version>' of what provides a top-level module, without importing it."""
-    found = sorted({f"{d} {installed_version(d)}" for d in _distributions_by_module().get(module, [])})
-    return ", ".join(found) or None
-
-
-def instance_family(product_name: str) -> str | None:
-    """'trn2.48xlarge' -> 'trn2'; None for anything that is not a known Neuron instance."""
-    family = product_name.strip().split(".", 1)[0].lower()
-    return family if family in _FAMILIES else None
-
-
-def compile_target(family: str | None) -> str | None:
-    return _FAMILIES[family][0] if family in _FAMILIES else None
 
 
 class NeuronBackend(Backend):
@@ -321,7 +204,7 @@ class NeuronBackend(Backend):
             "neuron.target": target,
             # Set but empty is not unset: upstream passes "" on (PlatformUtils.cpp:86-88,
             # KernelExecution.cpp:70-82), which changes its key.
-            "neuron.lnc": _DEFAULT_LNC.get(target, "unknown")
+            "neuron.lnc": DEFAULT_LNC.get(target, "unknown")
             if (lnc := env.get("NEURON_LOGICAL_NC_CONFIG")) is None
             else lnc,
             "neuron.opt_level": env.get("NEURON_COMPILER_OPT_LEVEL", UNSET),
@@ -335,44 +218,7 @@ class NeuronBackend(Backend):
         return dict(sorted(fields.items()))
 
     def validate(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
-        return recipe_refusals(entry) or self._tp_problems(entry, loaded)
-
-    def _tp_problems(self, entry: ModelEntry, loaded: LoadedManifest) -> list[Problem]:
-        if entry.tensor_parallel == 1:
-            return []
-        n = entry.tensor_parallel
-        config = _transformer_config(loaded, entry)
-        class_name = config.get("_class_name")
-        problems = []
-        if isinstance(class_name, str) and class_name not in TP_TRANSFORMERS:
-            problems.append(
-                Problem(
-                    "tensor_parallel",
-                    f"{class_name} has no _tp_plan in diffusers; "
-                    f"tensor parallel works for {', '.join(sorted(TP_TRANSFORMERS))}",
-                    "use tensor_parallel = 1",
-                )
-            )
-        elif class_name is None and not _TP_PIPELINES.match(entry.pipeline):
-            problems.append(
-                Problem(
-                    "tensor_parallel",
-                    f"cannot confirm that {entry.pipeline}'s transformer has a _tp_plan "
-                    "(only Flux, Flux2 and QwenImage transformers do)",
-                    "use tensor_parallel = 1",
-                )
-            )
-        heads = config.get("num_attention_heads")
-        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 and heads % n:
-            divisors = [d for d in range(2, min(heads, 4096) + 1) if heads % d == 0]
-            problems.append(
-                Problem(
-                    "tensor_parallel",
-                    f"{n} does not divide the transformer's num_attention_heads ({heads})",
-                    f"use one of {divisors or [1]}",
-                )
-            )
-        return problems
+        return recipe_refusals(entry) or tp_problems(entry, loaded)
 
     def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
         if declared or env.get(COMPILE_BACKEND_ENV):
@@ -456,30 +302,13 @@ class NeuronBackend(Backend):
         }
 
     def select_files(self, cache_dir: Path) -> list[str]:
-        selected = []
-        for path in sorted(cache_dir.rglob("*.neff")):
-            rel = path.relative_to(cache_dir).as_posix()
-            if (_NEFF_ENTRY.match(rel) or _SUBPROCESS_ENTRY.match(rel)) and _is_plain_file(path):
-                selected.append(rel)
-        selected.extend(_complete_module_files(cache_dir))
-        return sorted(selected)
+        return cache_files(cache_dir)
 
     def unrecognised_files(self, cache_dir: Path) -> list[str]:
-        selected = set(self.select_files(cache_dir))
-        found = []
-        for path in sorted(cache_dir.rglob("*")):
-            if path.is_dir() and not path.is_symlink():
-                continue
-            rel = path.relative_to(cache_dir).as_posix()
-            if rel.startswith(f"{STATE_DIR}/"):
-                continue  # pull's own state in a pulled dir
-            if rel not in selected and not _TEMP_FILE.match(rel) and not _MODULE_FILE.match(rel):
-                found.append(rel)
-        return found
+        return unrecognised_files(cache_dir, set(self.select_files(cache_dir)), STATE_DIR)
 
     def is_content_keyed(self, path: str) -> bool:
-        # Every layout names entries by a hash of what they compile: any copy of a path serves.
-        return bool(_NEFF_ENTRY.match(path) or _SUBPROCESS_ENTRY.match(path) or _MODULE_FILE.match(path))
+        return is_content_keyed(path)
 
     def launch_command(self, entry: ModelEntry, job_file: Path) -> list[str]:
         if entry.tensor_parallel == 1:
@@ -554,39 +383,7 @@ class NeuronBackend(Backend):
 
     def _subprocess_entries(self) -> int:
         raw = self._env.get(self.cache_env)
-        if not raw:
-            return 0
-        root = Path(raw)
-        return sum(
-            1
-            for p in root.glob("*/*.neff")
-            if _SUBPROCESS_ENTRY.match(p.relative_to(root).as_posix()) and _is_plain_file(p)
-        )
-
-
-def recipe_refusals(entry: ModelEntry) -> list[Problem]:
-    """What a recipe asks that torch.compile(backend="neuron") cannot do: neuronx-cc compiles
-    static shapes only and takes no Inductor settings or modes; torchao's int8 kernels are CPU/CUDA ones."""
-    problems = []
-    for spec in entry.components:
-        recipe = entry.recipe_for(spec)
-        if recipe.dynamic:
-            problems.append(Problem("compile.dynamic", "the neuron backend compiles static shapes only (neuronx-cc)",
-                                    "remove dynamic; list every shape in shapes"))  # fmt: skip
-        if recipe.mode != "default" or recipe.inductor:
-            problems.append(Problem("compile.mode" if recipe.mode != "default" else "compile.inductor",
-                                    "Inductor's modes and settings do not reach neuronx-cc",
-                                    "remove mode and inductor; neuronx-cc flags go in [model.env] NEURON_CC_FLAGS"))  # fmt: skip
-        if recipe.artifact != "cache":
-            problems.append(Problem("compile.artifact", f"{recipe.artifact!r}: AOTInductor packages are Inductor's "
-                                    "(C++/Triton), and nothing here has verified a TorchNeuron path that reaches its "
-                                    "NEFF cache without tracing",
-                                    "use artifact = 'cache' (the NEFF cache); the documented counterpart is "
-                                    "vLLM-Neuron's Precompile Cache (docs/serving.md, 'Neuron')"))  # fmt: skip
-        if recipe.quantize is not None:
-            problems.append(Problem("compile.quantize", "torchao's int8 kernels do not run on Neuron",
-                                    "remove quantize (quantize for Neuron before saving the model)"))  # fmt: skip
-    return list({str(p): p for p in problems}.values())
+        return subprocess_entry_count(Path(raw)) if raw else 0
 
 
 def _target(facts: Mapping[str, str], env: Mapping[str, str]) -> str:
@@ -619,52 +416,11 @@ def _keyed_env(env: Mapping[str, str], unit: UnitScope) -> dict[str, str]:
     }
 
 
-def _transformer_config(loaded: LoadedManifest, entry: ModelEntry) -> dict[str, Any]:
-    """The local model's transformer/config.json, or {} (hub model, or unreadable)."""
-    from neffbuild.documents.manifest import is_local_model
-
-    if not is_local_model(entry.model):
-        return {}
-    try:
-        data = json.loads((Path(loaded.resolve_model(entry)) / "transformer" / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _complete_module_files(cache_dir: Path) -> list[str]:
-    """libneuronxla entries that finished: model.done beside model.neff and no *.lock. An entry
-    with only model.log is a cached failure (poisoned); one with a lock is still compiling."""
-    selected = []
-    for entry in sorted(cache_dir.glob("neuronxcc-*/MODULE_*")):
-        names = {p.name for p in entry.iterdir()} if entry.is_dir() else set()
-        if not {"model.done", "model.neff"} <= names or any(n.endswith(".lock") for n in names):
-            continue
-        for name in sorted(names & _MODULE_KEEP):
-            if _is_plain_file(entry / name):
-                selected.append((entry / name).relative_to(cache_dir).as_posix())
-    return selected
-
-
-def _is_plain_file(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink()
-
-
 def _read_text(path: Path) -> str:
     try:
         return path.read_text().strip()
     except OSError:
         return ""
-
-
-def pin_compiler(environ: dict[str, str] | Any) -> Path | None:
-    """Put the dir of the neuronx-cc PATH finds now first on PATH, as an absolute path: upstream
-    runs it by name from a temp dir (NeuronCompiler.cpp:237-256), where a relative PATH entry
-    would find another, and the fingerprint names this one."""
-    found = find_compiler(environ)
-    if found is not None:
-        environ["PATH"] = os.pathsep.join([str(found.parent), environ.get("PATH", "")])
-    return found
 
 
 def _import_torch_neuronx() -> None:

@@ -230,7 +230,7 @@ def _component_class(library: str, class_name: str) -> type | None:
 def model_index(model_ref: str, revision: str | None, local: bool) -> Mapping[str, Any] | None:
     """A model's model_index.json: from its directory, or from the local Hugging Face cache for a
     hub model (never from the network); None when this host does not have it."""
-    from neffbuild.documents.manifest import read_json_object
+    from neffbuild.documents.manifest_reading import read_json_object
 
     if local:
         return read_json_object(Path(model_ref) / "model_index.json")
@@ -285,7 +285,7 @@ class _ConfigView:
     def __init__(self, root: Path, guidance: Any) -> None:
         from types import SimpleNamespace
 
-        from neffbuild.documents.manifest import read_json_object
+        from neffbuild.documents.manifest_reading import read_json_object
 
         self._guidance_scale = guidance
         self._root = root
@@ -297,7 +297,7 @@ class _ConfigView:
     def __getattr__(self, name: str) -> Any:
         from types import SimpleNamespace
 
-        from neffbuild.documents.manifest import read_json_object
+        from neffbuild.documents.manifest_reading import read_json_object
 
         path = self._root / name / "config.json"
         if name.startswith("_") or not path.is_file():

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from neffbuild.backends.components import GraphCounter, recorded
 
 if TYPE_CHECKING:
-    from neffbuild.documents.manifest import ModelEntry, ResolvedRecipe
+    from neffbuild.documents.compile_recipe import ResolvedRecipe
+    from neffbuild.documents.manifest import ModelEntry
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def describe(recipe: ResolvedRecipe) -> str:
     """One line for a log: what differs from the defaults."""
     from dataclasses import fields
 
-    from neffbuild.documents.manifest import ResolvedRecipe as Default
+    from neffbuild.documents.compile_recipe import ResolvedRecipe as Default
 
     default = Default()
     changed = [

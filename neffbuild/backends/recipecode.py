@@ -19,7 +19,8 @@ from neffbuild.backends.components import describe_input
 from neffbuild.backends.recipe import QUANTIZE_CONFIGS
 
 if TYPE_CHECKING:
-    from neffbuild.documents.manifest import ModelEntry, ResolvedRecipe
+    from neffbuild.documents.compile_recipe import ResolvedRecipe
+    from neffbuild.documents.manifest import ModelEntry
 
 
 def recipe_source(entry: ModelEntry, device: str, recompile_limit: int) -> str:

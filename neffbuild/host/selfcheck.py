@@ -188,7 +188,7 @@ def check_platform(backend: NeuronBackend, env: Mapping[str, str], run: Run) -> 
             "platform",
             "fail",
             f"the key would say {'; '.join(wrong)}",
-            "every unit would be keyed for another target: fix _FAMILIES in neffbuild/backends/neuron.py "
+            "every unit would be keyed for another target: fix _FAMILIES in neffbuild/backends/neuron_toolchain.py "
             f"(or set {TARGET_ENV} / NEURON_LOGICAL_NC_CONFIG for the build and the servers alike)",
         )
     return Check(

@@ -25,7 +25,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from neffbuild.backends import get_backend
-from neffbuild.documents.manifest import MAX_IMAGES, LoadedManifest, ModelEntry, Shape, load_manifest, shape_multiple
+from neffbuild.documents.manifest import LoadedManifest, ModelEntry, Shape, load_manifest, shape_multiple
+from neffbuild.documents.manifest_types import MAX_IMAGES
 from neffbuild.errors import ConflictError, DiskError, ManifestError
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.maint.events import EventsRead, Located, Skipped, read_events

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.documents.manifest import LoadedManifest, ModelEntry, Shape, is_local_model, join_problems
+from neffbuild.documents.manifest import LoadedManifest, ModelEntry, Shape
+from neffbuild.documents.manifest_messages import join_problems
+from neffbuild.documents.manifest_types import is_local_model
 from neffbuild.documents.records import unit_key
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.hashing import canonical_json, hash_bytes

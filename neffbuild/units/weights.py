@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from neffbuild.documents.manifest import ResolvedRecipe
+from neffbuild.documents.compile_recipe import ResolvedRecipe
 from neffbuild.formats import FORMATS, writes
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.hashing import canonical_json, hash_bytes, hash_file

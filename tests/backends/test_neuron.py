@@ -16,15 +16,9 @@ from pathlib import Path
 import pytest
 
 from neffbuild.backends import get_backend
-from neffbuild.backends.neuron import (
-    COMPILE_BACKEND_ENV,
-    DEVICE_ENV,
-    TARGET_ENV,
-    TP_TRANSFORMERS,
-    NeuronBackend,
-    compile_target,
-    instance_family,
-)
+from neffbuild.backends.neuron import COMPILE_BACKEND_ENV, DEVICE_ENV, TARGET_ENV, NeuronBackend
+from neffbuild.backends.neuron_entry_checks import TP_TRANSFORMERS
+from neffbuild.backends.neuron_toolchain import compile_target, instance_family
 from neffbuild.backends.worker import group_rank, import_seams, writes_result
 from neffbuild.documents.manifest import ModelEntry, ShapeSet, load_manifest
 from neffbuild.errors import ManifestError
@@ -233,7 +227,7 @@ def test_the_neuronx_cc_on_path_is_recorded_and_pinned(tmp_path):
     mine = backend.collect_facts({"PATH": f"{venv_bin}:{bin_dir}"}, "neuron")
     assert mine["neuronx-cc.bin-version"] == VERSIONS["neuronx-cc"]  # this venv's: its metadata
     # A worker puts the dir of the compiler it was keyed with first, absolute (it runs in a temp dir).
-    from neffbuild.backends.neuron import pin_compiler
+    from neffbuild.backends.neuron_toolchain import pin_compiler
 
     environ = {"PATH": "relative/bin:/usr/bin"}
     (tmp_path / "relative" / "bin").mkdir(parents=True)
@@ -1007,7 +1001,7 @@ def test_a_build_worker_turns_every_cpu_fallback_off_without_splitting_keys(tmp_
 
 
 def test_python_requirements_are_read_as_pep_440_release_clauses():
-    from neffbuild.backends.neuron import python_excluded
+    from neffbuild.backends.neuron_toolchain import python_excluded
 
     assert python_excluded(">=3.10,<3.11", (3, 11, 7)) and not python_excluded(">=3.10,<3.11", (3, 10, 14))
     assert python_excluded("==3.10.*", (3, 11, 0)) and not python_excluded("==3.11.*", (3, 11, 2))

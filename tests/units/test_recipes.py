@@ -224,7 +224,7 @@ def test_the_layer_filter_quantizes_what_it_keeps_only() -> None:
     import torch
 
     from neffbuild.backends.recipe import quantize
-    from neffbuild.documents.manifest import ResolvedRecipe
+    from neffbuild.documents.compile_recipe import ResolvedRecipe
 
     def model() -> torch.nn.Module:
         return torch.nn.ModuleDict(
