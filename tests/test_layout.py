@@ -1,6 +1,6 @@
-"""The floor plan, read from the source: no function outside the click layer takes more than 8
-parameters (group them into a frozen options object), and the views' signatures say what they
-print (no Any)."""
+"""The floor plan, read from the source: no module over 500 lines (split it by concern), no
+function outside the click layer takes more than 8 parameters (group them into a frozen options
+object), and the views' signatures say what they print (no Any)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tests.conftest import ROOT
 
 PACKAGE = ROOT / "neffbuild"
 MOST_PARAMETERS = 8
+MOST_LINES = 500
 
 
 def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -25,6 +26,14 @@ def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     tree = ast.parse(path.read_text(), filename=str(path))
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_module_is_over_500_lines() -> None:
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 50  # the package, not an empty glob
+    lengths = {path: len(path.read_text().splitlines()) for path in modules}
+    over = [f"{path.relative_to(ROOT)} ({n})" for path, n in lengths.items() if n > MOST_LINES]
+    assert over == [], "split these modules by concern: " + ", ".join(over)
 
 
 def test_no_function_outside_the_click_layer_takes_more_than_8_parameters() -> None:
