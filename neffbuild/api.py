@@ -93,7 +93,7 @@ def ensure_cache(
     pull_options = PullOptions(
         allow_env=host_allow(o.allow_env, environ), host_env=environ if o.host_check else None, timeout=o.timeout,
         verify=o.verify, policy=o.policy, trust=trust_from([Path(k) for k in o.trusted_keys], environ, o.release),
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     return pull_or_stale(
         opened, ref, Path(cache_dir), pull_options, allow_stale=o.allow_stale, allow_expired=o.allow_expired
     )

@@ -70,7 +70,7 @@ NEURON_COMPILER = frozenset(
         # Which collective ops a tensor-parallel rank runs (distributed/backend.py).
         "NEURON_USE_SPLIT_ALLGATHER", "NEURON_USE_SPLIT_REDUCE_SCATTER",
     }
-)  # fmt: skip
+)  # fmt: skip  # a table: its rows packed, not one item a line
 # The rest only the host may set (by --allow-env), and no key holds them:
 NEURON_PATHS = frozenset(
     {
@@ -79,7 +79,7 @@ NEURON_PATHS = frozenset(
         "TORCH_NEURONX_DEBUG_DIR", "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", "TORCH_NEURONX_LOG_FILE",
         "TORCH_NEURONX_METRICS_DIR", "TORCH_NEURONX_DUMP", "NEURON_ERROR_DUMP_DIR",
     }
-)  # fmt: skip
+)  # fmt: skip  # a table: its rows packed, not one item a line
 # Not read by 0.1.0; other Neuron stacks write caches there (not in the table).
 NEURON_OTHER_STACKS = frozenset({"TORCH_NEURONX_HLO_CACHE_DIR", "NEURON_COMPILE_CACHE_URL"})
 NEURON_SWITCHES = frozenset({"TORCH_NEURONX_NEFF_DISABLE_CACHE", "TORCH_NEURONX_DISABLE_NEFF_CACHE"})
@@ -98,7 +98,7 @@ NEURON_RUNTIME = frozenset(
         "NEURON_RT_ALLOW_LEGACY_NEFF", "NEURON_RT_DBG_ZEROCOPY", "NEURON_RT_ENABLE_HOST_CC",
         "NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID",
     }
-)  # fmt: skip
+)  # fmt: skip  # a table: its rows packed, not one item a line
 NEURON = ServingEnv(
     cache_env="TORCH_NEURONX_NEFF_CACHE_DIR",
     names=NEURON_COMPILER | {"OMP_NUM_THREADS"},

@@ -5,6 +5,7 @@ object), and the views' signatures say what they print (no Any)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -34,6 +35,17 @@ def test_no_module_is_over_500_lines() -> None:
     lengths = {path: len(path.read_text().splitlines()) for path in modules}
     over = [f"{path.relative_to(ROOT)} ({n})" for path, n in lengths.items() if n > MOST_LINES]
     assert over == [], "split these modules by concern: " + ", ".join(over)
+
+
+def test_every_fmt_skip_in_the_package_says_why() -> None:
+    """`# fmt: skip` keeps a hand-packed statement from the formatter; a second comment says why."""
+    bare = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"# fmt: skip\s*$", line)
+    ]
+    assert bare == [], "say why after it (`# fmt: skip  # a table: ...`), or let ruff format it: " + ", ".join(bare)
 
 
 def test_no_function_outside_the_click_layer_takes_more_than_8_parameters() -> None:

@@ -69,14 +69,14 @@ class InductorBackend(Backend):
     fact_names = (
         "torch", "torch.git", "python", "python.prefix", "platform", "cpu.isa", "cpu.capability",
         "threads.default", "cxx.default", "diffusers", "transformers", "triton", "cuda", "cuda.device", "torchao",
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     # Kernels and Inductor's keys: torch (version, sources), Triton and the GPU for CUDA kernels,
     # the vector ISA and thread count kernels are generated for, the C++ compiler, the Python
     # (headers and absolute include paths in every kernel's command line), compiler variables.
     breaking_fields = (
         "backend", "device", "torch", "torch.git", "triton", "cuda", "cuda.device", "cpu.isa",
         "cpu.capability", "cxx", "threads", "python", "python.prefix", "platform", "env.*", "torchao",
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     # Model code: Inductor keys the traced graph itself, so a new version misses at most where
     # the code it traces changed, and never serves a stale kernel.
     informational_fields = ("diffusers", "transformers")

@@ -137,7 +137,7 @@ class NeuronBackend(Backend):
     breaking_fields = (
         "backend", "device", "torch", "torch-neuronx", "neuronx-cc", "neuronx-cc.bin-version", "neuron.*", "env.*",
         "diffusers", "transformers", "python", "venv", *HLO_MODULES,
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     # Another path to the same compiler version compiles the same NEFFs.
     informational_fields = ("neuronx-cc.bin",)
     caches_eager = True  # eager mode compiles (and caches) each op on its first run
@@ -319,7 +319,7 @@ class NeuronBackend(Backend):
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={entry.tensor_parallel}",
             "-m", "neffbuild.backends.worker", str(job_file),
-        ]  # fmt: skip
+        ]  # fmt: skip  # arguments packed by meaning, not one a line
 
     # -- worker side ---------------------------------------------------------------------------
 

@@ -34,20 +34,20 @@ def recipe_refusals(entry: ModelEntry) -> list[Problem]:
         recipe = entry.recipe_for(spec)
         if recipe.dynamic:
             problems.append(Problem("compile.dynamic", "the neuron backend compiles static shapes only (neuronx-cc)",
-                                    "remove dynamic; list every shape in shapes"))  # fmt: skip
+                                    "remove dynamic; list every shape in shapes"))  # fmt: skip  # arguments packed by meaning, not one a line
         if recipe.mode != "default" or recipe.inductor:
             problems.append(Problem("compile.mode" if recipe.mode != "default" else "compile.inductor",
                                     "Inductor's modes and settings do not reach neuronx-cc",
-                                    "remove mode and inductor; neuronx-cc flags go in [model.env] NEURON_CC_FLAGS"))  # fmt: skip
+                                    "remove mode and inductor; neuronx-cc flags go in [model.env] NEURON_CC_FLAGS"))  # fmt: skip  # arguments packed by meaning, not one a line
         if recipe.artifact != "cache":
             problems.append(Problem("compile.artifact", f"{recipe.artifact!r}: AOTInductor packages are Inductor's "
                                     "(C++/Triton), and nothing here has verified a TorchNeuron path that reaches its "
                                     "NEFF cache without tracing",
                                     "use artifact = 'cache' (the NEFF cache); the documented counterpart is "
-                                    "vLLM-Neuron's Precompile Cache (docs/serving.md, 'Neuron')"))  # fmt: skip
+                                    "vLLM-Neuron's Precompile Cache (docs/serving.md, 'Neuron')"))  # fmt: skip  # arguments packed by meaning, not one a line
         if recipe.quantize is not None:
             problems.append(Problem("compile.quantize", "torchao's int8 kernels do not run on Neuron",
-                                    "remove quantize (quantize for Neuron before saving the model)"))  # fmt: skip
+                                    "remove quantize (quantize for Neuron before saving the model)"))  # fmt: skip  # arguments packed by meaning, not one a line
     return list({str(p): p for p in problems}.values())
 
 

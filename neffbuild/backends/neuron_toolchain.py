@@ -24,7 +24,7 @@ _FAMILIES = {
     "inf1": ("inf1", "1"), "inf2": ("trn1", "1"), "trn1": ("trn1", "1"), "trn1n": ("trn1", "1"),
     "trn2": ("trn2", "2"), "trn2n": ("trn2", "2"), "trn2u": ("trn2", "2"),
     "trn3": ("trn3", "2"), "trn3u": ("trn3", "2"),
-}  # fmt: skip
+}  # fmt: skip  # a table: its rows packed, not one item a line
 DEFAULT_LNC = {target: lnc for target, lnc in _FAMILIES.values()}
 
 _BUILD_TYPE = re.compile(r"""^BUILD_TYPE\s*=\s*["']([A-Za-z_]+)["']""", re.M)
@@ -106,7 +106,7 @@ def python_excluded(spec: str, version: tuple[int, ...]) -> bool:
             ">=": have >= want, "<=": have <= want, ">": have > want, "<": have < want,
             "==": have == want, "!=": have != want,
             "~=": have >= wanted and version[: len(wanted) - 1] == wanted[:-1],
-        }[op]  # fmt: skip
+        }[op]  # fmt: skip  # arguments packed by meaning, not one a line
         if not ok:
             return True
     return False

@@ -34,7 +34,7 @@ _TOKENIZER = re.compile(r"^tokenizer(_\d+)?$")
 _TOKENIZING_METHODS = {"apply_chat_template", "encode", "encode_plus", "batch_encode_plus", "__call__"}
 _COMPARE: Mapping[type, Callable[[Any, Any], bool]] = {
     ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Lt: operator.lt, ast.LtE: operator.le,
-}  # fmt: skip
+}  # fmt: skip  # a table: its rows packed, not one item a line
 _SYMBOL: Mapping[type, str] = {ast.Gt: ">", ast.GtE: ">=", ast.Lt: "<", ast.LtE: "<="}
 # Helpers that take a module only to read where or in which dtype its parameters are.
 _READS_ONLY = re.compile(r"(device|dtype)$")
@@ -131,12 +131,12 @@ def _popped(tree: ast.AST, var_kw: str) -> set[str]:
             isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("pop", "get")
             and isinstance(node.func.value, ast.Name) and node.func.value.id == var_kw
             and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-        ):  # fmt: skip
+        ):  # fmt: skip  # arguments packed by meaning, not one a line
             names.add(node.args[0].value)
         elif (
             isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == var_kw
             and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
-        ):  # fmt: skip
+        ):  # fmt: skip  # arguments packed by meaning, not one a line
             names.add(node.slice.value)
     return names
 
@@ -224,7 +224,7 @@ def _predicates(
         for node in ast.walk(call_tree)
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and _is_self_attr(node.targets[0])
         and node.targets[0].attr.startswith("_") and isinstance(node.value, ast.Name) and node.value.id == node.targets[0].attr[1:]
-    }  # fmt: skip
+    }  # fmt: skip  # arguments packed by meaning, not one a line
     found: dict[str, Predicate] = {}
     for arg in sorted(set(stored) & named):
         compared: list[Predicate] = []
@@ -253,7 +253,7 @@ def _comparison_of(tree: ast.AST, attr: ast.Attribute) -> tuple[str, float] | No
         if (
             isinstance(node, ast.Compare) and node.left is attr and len(node.ops) == 1 and type(node.ops[0]) in _SYMBOL
             and isinstance(node.comparators[0], ast.Constant) and isinstance(node.comparators[0].value, (int, float))
-        ):  # fmt: skip
+        ):  # fmt: skip  # arguments packed by meaning, not one a line
             return _SYMBOL[type(node.ops[0])], float(node.comparators[0].value)
     return None
 
@@ -290,7 +290,7 @@ def _passed_to_components(
                 param = _parameter(method, position) if method is not None and depth < 4 else None
                 if param is None or method is None or _stores(method, param) or _passed_to_components(
                     {owner.attr: method}, param, uses, depth + 1
-                ):  # fmt: skip
+                ):  # fmt: skip  # arguments packed by meaning, not one a line
                     return True
     return False
 

@@ -83,7 +83,7 @@ def _unreached_components(pipeline: type, entry: ModelEntry) -> list[Problem]:
         problems.append(
             Problem("components", f"{spec!r}: {pipeline.__name__}.__call__ never calls {name}.{wanted}; it calls {instead}",
                     f"list {instead} instead: only what the call runs is compiled and cached")
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
     return problems
 
 
@@ -93,7 +93,7 @@ def _pipeline_class(diffusers: Any, name: str, problems: list[Problem]) -> Any:
         problems.append(
             Problem("pipeline", f"diffusers {diffusers.__version__} has no pipeline {name!r}{_did_you_mean(name, known)}",
                     "use the class name of a diffusers pipeline, as in model_index.json's _class_name")
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
         return None
     try:
         cls = getattr(diffusers, name)
@@ -156,7 +156,7 @@ def _call_problems(pipeline: type, entry: ModelEntry) -> list[Problem]:
             problems.append(
                 Problem(f"call.{name}", f"{pipeline.__name__} takes a {length}-tuple, got {len(value)} items",
                         f"write {name} = [{', '.join(['…'] * length)}] (passed to the pipeline as a tuple)")
-            )  # fmt: skip
+            )  # fmt: skip  # arguments packed by meaning, not one a line
         elif value is not None and not isinstance(value, list):
             problems.append(
                 Problem(f"call.{name}", f"{pipeline.__name__} takes a tuple, got {value!r}", f"write {name} = [...]")
@@ -173,7 +173,7 @@ def _component_problems(entry: ModelEntry, index: Mapping[str, Any], unchecked: 
             problems.append(
                 Problem("components", f"{name!r} is not a component of this model{_did_you_mean(name, names)}",
                         f"model_index.json lists {', '.join(names) or 'none'}")
-            )  # fmt: skip
+            )  # fmt: skip  # arguments packed by meaning, not one a line
             continue
         library, class_name = listed[name]
         if not isinstance(library, str) or not isinstance(class_name, str):
@@ -208,12 +208,12 @@ def _class_problems(entry: ModelEntry, spec: str, name: str, method: str | None,
         return [
             Problem("components", f"{spec!r}: {cls.__name__} has no method {method!r}{_did_you_mean(method, methods)}",
                     f"name a method the pipeline calls on {name}, e.g. '{name}.decode' for a VAE")
-        ]  # fmt: skip
+        ]  # fmt: skip  # arguments packed by meaning, not one a line
     if entry.mode == "regional" and not getattr(cls, "_repeated_blocks", None):
         return [
             Problem("components", f"{name!r}: {cls.__name__} declares no _repeated_blocks, so regional compile has nothing to compile",
                     "use mode = 'full' for it (one entry per mode)")
-        ]  # fmt: skip
+        ]  # fmt: skip  # arguments packed by meaning, not one a line
     return []
 
 

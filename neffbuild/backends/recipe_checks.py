@@ -90,20 +90,20 @@ def module_recipe_problems(entry: ModelEntry, spec: str, name: str, cls: type) -
         problems.append(
             Problem("compile.fuse_qkv", f"{spec!r}: {cls.__name__} has no fuse_qkv_projections()",
                     f"set fuse_qkv only for a component that has it ([model.compile.components.{name}])")
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
     if recipe.attention_backend is not None:
         problems.extend(_attention_problems(spec, cls, recipe.attention_backend))
     if recipe.quantize is not None and importlib.util.find_spec("torchao") is None:
         problems.append(
             Problem("compile.quantize", f"{recipe.quantize!r} quantizes through torchao, which is not installed here",
                     "pip install 'neffbuild[quantize]' (torchao) on the build host and the servers, or remove quantize")
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
     if recipe.quantize == "float8-dynamic" and entry.device != "cuda":
         problems.append(
             Problem("compile.quantize", f"'float8-dynamic' on device {entry.device!r}: torchao's float8 matmuls "
                     "need a CUDA GPU (compute capability 8.9+)",
                     "use quantize = 'int8-dynamic' on CPU, or device = 'cuda'")
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
     return problems
 
 
@@ -116,10 +116,10 @@ def _attention_problems(spec: str, cls: type, backend: str) -> list[Problem]:
         return [
             Problem("compile.attention_backend", f"diffusers knows no attention backend {backend!r}"
                     + (f"; did you mean {close[0]!r}?" if close else ""), f"one of {', '.join(names)}")
-        ]  # fmt: skip
+        ]  # fmt: skip  # arguments packed by meaning, not one a line
     if not callable(getattr(cls, "set_attention_backend", None)):
         return [
             Problem("compile.attention_backend", f"{spec!r}: {cls.__name__} has no set_attention_backend()",
                     "set attention_backend only for a component that has it (a diffusers transformer)")
-        ]  # fmt: skip
+        ]  # fmt: skip  # arguments packed by meaning, not one a line
     return []

@@ -54,7 +54,7 @@ class RayBuild:
 def build_on_ray(
     manifest: Path, store: StoreChoice, *, env: Mapping[str, str], options: BuildOptions, address: str,
     report_file: Path | None = None,
-) -> RayBuild:  # fmt: skip
+) -> RayBuild:  # fmt: skip  # parameters packed by meaning, not one a line
     """Plan MANIFEST here, build each unit as a Ray task on the cluster at address, release."""
     ray = _ray()
     loaded = load_manifest(manifest)
@@ -82,7 +82,7 @@ def build_on_ray(
     report = merged(
         reports, release.units, store=release.store, name=release.name,
         release_id=release.release_id or "", tag=release.tag or "",
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     emit(report, report_file, env)
     return RayBuild(report, release)
 

@@ -118,7 +118,7 @@ def _unit(o: UnitOutcome, shard: str) -> ReportUnit:
         files=o.files, bytes=o.size, uploaded=o.uploaded, compiles=o.compiles, counters=dict(o.counters),
         attempts=o.attempts if o.status != "present" else 0, killed=o.killed or "", error=o.error or "",
         phases=dict(o.phases),
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def merged(

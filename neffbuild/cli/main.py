@@ -71,7 +71,7 @@ class _ByUser(click.Group):
 @click.option(
     "--log-format", type=click.Choice(["plain", "json"]), default="plain", show_default=True,
     help="json: one object per line (time, level, logger, message), for journald or CloudWatch agents.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 def cli(debug: bool, verbose: int, quiet: bool, log_format: str) -> None:
     """Build, publish and pull compiled-model caches for static-shape pipelines.
 

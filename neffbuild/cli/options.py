@@ -58,11 +58,11 @@ def signing_options(command: Callable[..., Any]) -> Callable[..., Any]:
     key = click.option(
         "--sign-key", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
         help="Sign the release (a DSSE in-toto statement beside it in the store) and the tag's statement with this private key (`neffbuild keygen`).",
-    )  # fmt: skip
+    )  # fmt: skip  # an option's names, type and help kept together
     expiry = click.option(
         "--expires", metavar="DURATION",
         help="With --sign-key: the signed tag statement expires after this long (7d, 12h, 30m) [default: 30d]; hosts with trusted keys refuse it after.",
-    )  # fmt: skip
+    )  # fmt: skip  # an option's names, type and help kept together
     return key(expiry(run))
 
 
@@ -81,7 +81,7 @@ def trust_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--trusted-key", "trusted_keys", type=click.Path(path_type=Path, dir_okay=False), metavar="PUBFILE", multiple=True,
         help="Serve only releases and tags signed by this public key (repeatable: several during a rotation) [env NEFFBUILD_TRUSTED_KEYS: files separated by commas].",
-    )(command)  # fmt: skip
+    )(command)  # fmt: skip  # an option's names, type and help kept together
 
 
 def trust(paths: tuple[Path, ...], pin: str | None = None) -> Trust | None:
@@ -97,19 +97,19 @@ def trust(paths: tuple[Path, ...], pin: str | None = None) -> Trust | None:
 plan_file_option = click.option(
     "--plan", "plan_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
     help="Use the units and keys of this plan document (`neffbuild plan --out`) instead of planning on this host.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 
 
 allow_env_option = click.option(
     "--allow-env", "allow_env", metavar="NAME", multiple=True,
     help="Accept this variable in the release's environment although its backend does not declare it (repeatable) [also env NEFFBUILD_ALLOW_ENV: names separated by commas].",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 
 
 env_file_option = click.option(
     "--env-file", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
     help="Also write the environment to PATH (atomically), for systemd's EnvironmentFile= or `set -a; source`.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 
 
 # gc's policy: `du` reports what `gc` would free under the same flags, defaults included.

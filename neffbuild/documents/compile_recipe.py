@@ -138,7 +138,7 @@ class ResolvedRecipe:
         return (
             self.memory_format, self.fuse_qkv, self.attention_backend, self.quantize,
             self.quantize_skip, self.quantize_min_features,
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
 
     def as_dict(self) -> dict[str, Any]:
         document = {**asdict(self), "inductor": dict(sorted(self.inductor.items()))}

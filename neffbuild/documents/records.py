@@ -424,7 +424,7 @@ def _file_entries(value: list[Any], loc: Loc) -> tuple[FileEntry, ...]:
             all(type(p) is str for p in paths) and all(type(n) is int for n in sizes)
             and all(type(d) is str for d in digests) and all(type(c) is str for c in crypto)
             and _column_ok(paths, digests, crypto) and all(0 <= n < 1 << 63 for n in sizes)
-        ):  # fmt: skip
+        ):  # fmt: skip  # arguments packed by meaning, not one a line
             return tuple(map(FileEntry, paths, sizes, digests, crypto))
     return tuple(_file_entry(v, (*loc, i)) for i, v in enumerate(value))
 
@@ -437,7 +437,7 @@ def _column_ok(paths: list[str], digests: list[str], crypto: list[str]) -> bool:
         and max(map(len, paths), default=0) <= PATH_MAX and _PATH_COLUMN.fullmatch(joined) is not None
         and _column(HEX32_COLUMN, digests)
         and _column(_BLAKE3_COLUMN, crypto)
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def _column(pattern: re.Pattern[str], values: list[str]) -> bool:
@@ -454,7 +454,7 @@ def _file_entry(value: Any, loc: Loc) -> FileEntry:
             type(path) is str and path.isascii() and type(size) is int and type(digest) is str
             and 0 <= size < 1 << 63 and HEX32.fullmatch(digest) and path_problem(path) is None
             and type(crypto) is str and (not crypto or HEX64.fullmatch(crypto))
-        ):  # fmt: skip
+        ):  # fmt: skip  # arguments packed by meaning, not one a line
             return FileEntry(path, size, digest, crypto)
     return _decode_doc(FileEntry, value, loc)
 

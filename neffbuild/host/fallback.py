@@ -80,7 +80,7 @@ def pull_or_stale(
         seconds=time.perf_counter() - started, exports=exports, host_checked=host_env is not None,
         host_warnings=warnings, stale=True, stale_reason=failure.message, installed_at=installed.installed_at,
         allowed=tuple(options.allow_env),
-    ).with_counts(counts)  # fmt: skip
+    ).with_counts(counts)  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def _check_fresh(tag: str, expires: str | None, failure: StoreError) -> None:

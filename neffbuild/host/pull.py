@@ -109,7 +109,7 @@ class PullReport:
         return replace(
             self, retries=counts.retries, throttled=counts.throttled, waited_s=counts.waited_s, paced_to=counts.paced_to,
             paced_s=counts.paced_s, backoff_s=counts.backoff_s, in_flight_s=counts.in_flight_s,
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def release_exports(resolved: ResolvedRelease, cache_dir: Path, allow_env: Collection[str] = ()) -> dict[str, str]:

@@ -34,7 +34,7 @@ WATCHED = (
     "NEURON_LAUNCH_BLOCKING", "TORCH_NEURONX_MLIR_ATEN_OPS", "TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS",
     "TORCH_NEURONX_RETAIN_DEVICE_MODE", "TORCH_NEURONX_ENABLE_ASYNC_NRT", "TORCH_NEURONX_ENABLE_STACK_TRACE",
     "NEURON_RT_ALLOW_LEGACY_NEFF", "NEURON_RT_DBG_ZEROCOPY",
-)  # fmt: skip
+)  # fmt: skip  # a table: its rows packed, not one item a line
 NAMES = ("import defaults", "platform", "venv paths", "eager ops", "tp keys", "read-only", "lock dir")
 DEFAULT_LOCK_DIR = Path("/tmp/local_cache")  # CompilationCache.cpp:50-57, kernels/cache_utils.py:15
 

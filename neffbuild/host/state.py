@@ -246,7 +246,7 @@ def _version_2(raw: dict[str, Any], vouched: Vouched | None = None) -> CacheStat
     return CacheState(
         files, installed, installed.release_id, installed.tag or None, version=2, accepted=v2.accepted,
         expires=v2.expires,
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def _expires_problem(expires: dict[str, str]) -> str | None:
@@ -277,7 +277,7 @@ def _files(value: dict[str, Any], checked: frozenset[str] | set[str] = frozenset
         if not (
             type(entry) is list and len(entry) == 3 and type(entry[0]) is int and type(entry[1]) is int
             and type(entry[2]) is str and 0 <= entry[0] < 1 << 63 and is_digest(entry[2])
-        ):  # fmt: skip
+        ):  # fmt: skip  # arguments packed by meaning, not one a line
             raise IntegrityError(f"files.{printable(path[:80])!r}: expected [size, mtime_ns, digest]")
         if path not in checked and (problem := path_problem(path)) is not None:
             raise IntegrityError(f"files: {problem}")
@@ -293,7 +293,7 @@ def _files_ok(value: dict[str, Any], checked: frozenset[str] | set[str]) -> bool
     return (
         all(type(n) is int and 0 <= n < 1 << 63 for n in sizes) and all(type(m) is int for m in mtimes)
         and all(type(d) is str for d in digests) and all_digests(digests)
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def _installed(value: dict[str, object], vouched: Vouched | None = None) -> Installed:
@@ -349,7 +349,7 @@ def encode_state(
     doc: dict[str, Any] = {
         "format": STATE_FORMAT_3 if expires else STATE_FORMAT, "installed": to_json(installed),
         "files": {p: list(v) for p, v in files.items()},
-    }  # fmt: skip
+    }  # fmt: skip  # arguments packed by meaning, not one a line
     if accepted:
         doc["accepted"] = dict(accepted)
     if expires:

@@ -139,7 +139,7 @@ def _diff_bundles(old: BundleRecord, new: BundleRecord) -> Diff:
     return Diff(
         "bundle", old.key, new.key, (), (), (),
         (new.unit_id,) if same else (), () if same else (change,), *file_changes(old.files, new.files),
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def _diff_releases(store: Store, old: ResolvedRelease, new: ResolvedRelease, jobs: int) -> Diff:
@@ -156,7 +156,7 @@ def _diff_releases(store: Store, old: ResolvedRelease, new: ResolvedRelease, job
         "release", old.release_id, new.release_id, release_changes(old.release, new.release),
         tuple(r.unit_id for r in added), tuple(r.unit_id for r in removed), unchanged, changed,
         *file_changes(old.release.files, new.release.files),
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def pair_units(

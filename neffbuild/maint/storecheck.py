@@ -110,12 +110,12 @@ def check_store(store: Store, *, deep: bool = False, jobs: int = DOC_JOBS) -> St
         or (k.startswith("bundles/") and k[8:-5] not in named_bundles)
         or (k.startswith("releases/") and k[9:-5] not in named_releases)
         or (k.startswith("locators/") and f"releases/{k[9:]}" not in objects)
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     return StoreCheck(
         store=store.url, deep=deep, documents=len(tags) + len(releases) + len(bundles), blobs=len(sizes),
         bytes=sum(sizes.values()), hashed_bytes=hashed, dangling=tuple(dangling), damaged=tuple(damaged),
         orphans=tuple(orphans), orphan_bytes=sum(objects[k].size for k in orphans),
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 def store_error(check: StoreCheck) -> NeffbuildError | None:

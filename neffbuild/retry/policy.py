@@ -45,7 +45,7 @@ class Policy:
         return replace(
             self, base_s=self.base_s * factor, cap_s=self.cap_s * factor, min_rate=self.min_rate / factor,
             window_s=self.window_s * factor, probe=self.probe / factor,
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
 DEFAULT = Policy()
@@ -57,7 +57,7 @@ class Transient(Exception):
 
     def __init__(
         self, message: str, hint: str = "the endpoint keeps failing; retry later", *, received: int = 0, throttled: bool = False
-    ) -> None:  # fmt: skip
+    ) -> None:  # fmt: skip  # parameters packed by meaning, not one a line
         super().__init__(message)
         self.hint = hint
         self.received = received

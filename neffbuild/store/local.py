@@ -247,7 +247,7 @@ def _open_regular(path: Path) -> BinaryIO:
 
 _KINDS = {
     stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket", stat.S_IFDIR: "directory",
-}  # fmt: skip
+}  # fmt: skip  # a table: its rows packed, not one item a line
 
 
 def _within(rel: str) -> str:

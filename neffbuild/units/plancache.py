@@ -49,13 +49,13 @@ _KIND = "plan cache"
 PACKAGES = (
     "neffbuild", "torch", "diffusers", "transformers", "huggingface_hub", "accelerate", "torchao", "triton",
     "torch-neuronx", "neuronx-cc",
-)  # fmt: skip
+)  # fmt: skip  # a table: its rows packed, not one item a line
 # Where each would be imported from (located, not imported): a module earlier on sys.path
 # (PYTHONPATH) replaces an installed one without changing its metadata.
 MODULES = (
     "neffbuild", "torch", "diffusers", "transformers", "huggingface_hub", "accelerate", "torchao", "triton",
     "torch_neuronx", "neuronxcc",
-)  # fmt: skip
+)  # fmt: skip  # a table: its rows packed, not one item a line
 # Variables that reach a compiler's keys whether or not a lookup saw them read (issue 32: torch
 # reads CI into AOTAutograd's key at import); every one present is part of the cache key.
 KEY_NAMES = ("CI", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "CXX", "CC")

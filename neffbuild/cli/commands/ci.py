@@ -104,7 +104,7 @@ def plan(
 @click.option(
     "--plan", "plan_file", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
     help="The fleet's plan document (`neffbuild plan --out`): this host must give its keys (exit 7 naming the facts that differ); its durations balance the shards.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @click.option(
     "--retries",
     type=click.IntRange(0, 100),
@@ -122,15 +122,15 @@ def plan(
 @click.option(
     "--unit-memory", metavar="SIZE|auto",
     help="Memory one unit's compile needs (e.g. 6GiB; auto: each unit's recorded peak + 25%, else 8GiB): a worker starts only while the units running fit in the memory budget [default: bounded by --jobs only].",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @click.option(
     "--memory-budget", metavar="SIZE",
     help="Memory the units may share, with --unit-memory [default: what is available when the build starts, within the cgroup's limit].",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @click.option(
     "--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
     help="Build each unit as a task on a Ray cluster (ADDRESS, e.g. auto or ray://head:10001; alone: a local Ray instance), then release [needs neffbuild[ray]].",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @signing_options
 @json_option
 def build(
@@ -138,7 +138,7 @@ def build(
     shard_text: str | None, shard_count: int | None, plan_file: Path | None, retries: int, report_file: Path | None,
     unit_memory: str | None, memory_budget: str | None, ray_address: str | None, signing: Signing | None,
     as_json: bool,
-) -> None:  # fmt: skip
+) -> None:  # fmt: skip  # parameters packed by meaning, not one a line
     """Warmup-compile every unit of MANIFEST (or one shard's), publish bundles; a build of every
     unit then publishes a release and moves its tag."""
     from neffbuild.build.compile import BuildOptions, FleetChoice, build_manifest, failure
@@ -154,7 +154,7 @@ def build(
         memory_auto=unit_memory == "auto",
         memory_budget=parse_size(memory_budget, "--memory-budget") if memory_budget is not None else None,
         signing=signing,
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     if ray_address is not None:
         if shard_text or shard_count or plan_file:
             raise InputError("--ray: Ray places every unit itself", hint="drop --shard, --shards and --plan")
@@ -268,7 +268,7 @@ def push(
     result = push_between(
         ref, StoreChoice(from_url, endpoint_url), StoreChoice(to_url, endpoint_url), env=os.environ, jobs=jobs or 16,
         signing=signing,
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     report_after_change(lambda: views.push(Console(as_json), result), f"pushed release {result.release_id}")
 
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 @click.option(
     "--lock-timeout", type=click.FloatRange(min=0), default=300.0, show_default=True, metavar="SECONDS",
     help="Give up (exit 9) if another pull holds the cache dir's lock this long; 0: at once. A dead holder's lock is dropped by the kernel.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
@@ -55,20 +55,20 @@ if TYPE_CHECKING:
 @click.option(
     "--allow-stale", is_flag=True,
     help="If the store is unreachable (exit 3 only), keep the release already fully installed in --cache-dir: exit 0 with a warning. With trusted keys, only until the tag's signed statement expires (else exit 16).",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @click.option(
     "--allow-expired", is_flag=True,
     help="With --allow-stale and trusted keys: keep the installed release even past its signed tag statement's expiry.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @click.option(
     "--verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
     help="fast: trust files whose (size, mtime) match what pull recorded; full: rehash every installed file and fetch again any that differ.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @trust_options
 @click.option(
     "--release", "pin", metavar="ID",
     help="With trusted keys: pull this signed release (a whole id), reading no tag (TAG_OR_RELEASE then not needed).",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @json_option
 def pull(
     ref: str,
@@ -102,7 +102,7 @@ def pull(
         jobs=jobs or 16, allow_env=host_allow(allow_env, os.environ), env_file=env_file,
         host_env=None if no_host_check else os.environ, lock_timeout=lock_timeout, timeout=timeout, verify=verify,
         policy=retry_policy(os.environ), trust=trust(trusted_keys, pin),
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     report = pull_or_stale(
         lambda: store.open(os.environ), ref, cache_dir, options, allow_stale=allow_stale, allow_expired=allow_expired
     )
@@ -205,7 +205,7 @@ def verify(
 @click.option(
     "--readiness-file", type=click.Path(path_type=Path, dir_okay=False), metavar="PATH",
     help="Removed first; written (atomically) once every listed shape hit: for a readinessProbe or ExecStartPost.",
-)  # fmt: skip
+)  # fmt: skip  # an option's names, type and help kept together
 @allow_env_option
 @json_option
 def warmup(
@@ -345,7 +345,7 @@ def status(
     report = status_of(
         ref, cache_dir, store, env=os.environ, verify=verify_digests, allow_env=host_allow(allow_env, os.environ),
         trust=trust(trusted_keys),
-    )  # fmt: skip
+    )  # fmt: skip  # arguments packed by meaning, not one a line
     views.status(Console(as_json), report)
     if error := status_error(report):
         raise error

@@ -33,7 +33,7 @@ def pull(console: Console, report: PullReport) -> None:
         counts = Counts(
             report.retries, report.throttled, report.waited_s, report.paced_to, report.paced_s, report.backoff_s,
             report.in_flight_s,
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
         say_err(f"note: the store throttled this pull: {counts.summary()}")
     _pulled(console, report)
 
@@ -85,7 +85,7 @@ def warmup(console: Console, reports: Sequence[WarmupReport]) -> None:
             [("shape", True), ("result", True), ("first call", False), ("compiles", False), ("graphs", False)],
             [(s.shape, "MISS" if s.compiles else "hit", f"{s.seconds:.2f} s", str(s.compiles), _graphs(s.counters))
              for s in r.shapes],
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
     missed = sum(len(r.missed) for r in reports)
     shapes = sum(len(r.shapes) for r in reports)
     console.out.print(f"{shapes - missed} of {shapes} shapes served from the cache", markup=False)

@@ -203,7 +203,7 @@ class DataPlane:
     def get(
         self, rel: str, start: int = 0, end: int | None = None, *, into: Buffer | None = None, needed: str | None = None,
         limit: int = DOC_MAX,
-    ) -> memoryview:  # fmt: skip
+    ) -> memoryview:  # fmt: skip  # parameters packed by meaning, not one a line
         """Bytes [start, end) of an object (all of it, at most `limit` bytes, if end is None),
         retried on transient failures.
 

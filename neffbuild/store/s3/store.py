@@ -179,7 +179,7 @@ class S3Medium:
                     Bucket=self.location.bucket, Key=self.location.key(rel), Body=body,
                     ContentLength=len(body) if length is None else length,
                     ChecksumCRC32C=base64.b64encode(crc.to_bytes(4, "big")).decode(), **condition,
-                )  # fmt: skip
+                )  # fmt: skip  # arguments packed by meaning, not one a line
             except client_error() as exc:  # evaluated (and botocore imported) only on an error
                 if error_code(exc) in LOST_RACE:
                     return False
@@ -310,7 +310,7 @@ class S3Store(LayoutStore):
             location, lambda: botocore_client(location, endpoint, env), dataplane.http_pool(endpoint, env),
             signer=sigv4.signer_from_env(location.bucket, endpoint, env),
             allow_unconditional=env.get(ALLOW_UNCONDITIONAL_ENV) == "1",
-        )  # fmt: skip
+        )  # fmt: skip  # arguments packed by meaning, not one a line
         return cls(medium, create=create)
 
     @property
