@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -85,3 +86,31 @@ def test_a_corrupt_memo_is_ignored_with_a_line_and_rewritten(
     assert {u.unit_id: u.key for u in plan.units} == keys(a)
     assert any("weights memo" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
     assert json.loads((memo / MEMO).read_bytes())["format"].startswith("neffbuild.weights-memo/")
+
+
+def test_a_memo_written_by_the_commit_that_introduced_it_still_reads(tmp_path: Path) -> None:
+    """tests/fixtures/formats/2b15c9d/weights.json was written by 2b15c9d's own weights_digest for
+    one 32-byte model.safetensors, which returned OLD_DIGEST. Here a file of other bytes gets the
+    recorded stamp (path and inode are this run's, the document's layout is the fixture's): the
+    digest that comes back is the memo's, so today's reader took the old document as a hit."""
+    from neffbuild.units.weights import weights_digest
+    from tests.conftest import ROOT
+
+    old_digest = "bd794c701b0993e38468f2e69e1dc1b7"  # what 2b15c9d's weights_digest returned
+    doc = json.loads((ROOT / "tests/fixtures/formats/2b15c9d" / MEMO).read_bytes())
+    ((_, (size, mtime_ns, _, digest)),) = doc["files"].items()
+    model, memo = tmp_path / "model", tmp_path / "memo"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"other bytes of the very same size"[:size])
+    (model / "config.json").write_text("{}")
+
+    def is_config(p: Path) -> bool:
+        return p.suffix == ".json"
+
+    fresh = weights_digest(model, is_config, None)
+    os.utime(weights, ns=(mtime_ns, mtime_ns))
+    doc["files"] = {str(weights.resolve()): [size, mtime_ns, weights.stat().st_ino, digest]}
+    memo.mkdir()
+    (memo / MEMO).write_text(json.dumps(doc))
+    assert weights_digest(model, is_config, memo) == old_digest != fresh
