@@ -201,6 +201,17 @@ class Scenario:
         assert report.files_fetched == 0 and report.files_rehashed == len(self.new), report
         return code, left
 
+    def killed_point(self, cache: Path, delay: float, *, from_old: bool, tries: int = 4) -> tuple[int, Aftermath]:
+        """point(), again at half the delay while the pull finished before its kill: the pull's
+        duration was measured beforehand and a busier machine may make it shorter than measured,
+        so a point is moved earlier until it lands inside a pull (each try checked all the same)."""
+        for attempt in range(tries):
+            code, left = self.point(cache.with_name(f"{cache.name}-{attempt}"), delay, from_old=from_old)
+            if code != 0:
+                break
+            delay /= 2
+        return code, left
+
     def pull_seconds(self, cache: Path, runs: int = 3, *, from_old: bool = False) -> float:
         """The median wall time of a whole pull process into an empty cache dir (or, from_old,
         one holding the old release: an upgrade, which fetches less and ends sooner)."""

@@ -26,7 +26,7 @@ from neffbuild.errors import DeadlineExceeded, IntegrityError, NotFoundError, St
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.retry.forecast import Forecast
 from neffbuild.retry.pacer import Pacer
-from neffbuild.retry.policy import THROTTLED_HINT
+from neffbuild.retry.policy import SCALE_ENV, THROTTLED_HINT
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
 from neffbuild.store.s3.dataplane import PART
@@ -540,7 +540,10 @@ def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, 
     with TcpProxy(
         _port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=retry.DEFAULT.attempts - 1
     ) as proxy:
-        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        # The policy's timings a tenth of a real pull's (its shape unchanged): at full scale, five 503s
+        # in a row pace a pull down to a request every ~9 s, a minute of waiting that a busy machine
+        # stretched past the deadline.
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint, SCALE_ENV: "0.1"}
         done = cli(
             "pull",
             "prod",
@@ -573,7 +576,7 @@ def test_a_throttling_store_is_backed_off_and_the_pull_succeeds(s3_url, s3_env, 
     with TcpProxy(_port(s3_server.endpoint), mode="slowdown", paths=("/",), slowdowns=2) as proxy:
         human = cli(
             "pull", "prod", "--store", s3_url, "--cache-dir", str(tmp_path / "human"), "--timeout", "60",
-            env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint},
+            env={**s3_env, "AWS_ENDPOINT_URL": proxy.endpoint, SCALE_ENV: "0.1"},
         )  # fmt: skip
     assert human.returncode == 0, human.stderr
     (note,) = [line for line in human.stderr.splitlines() if "throttled" in line]
