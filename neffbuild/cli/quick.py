@@ -8,6 +8,7 @@ printed, nothing written that a no-op does not write too)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ def quick_pull(args: Sequence[str], env: Mapping[str, str]) -> int | None:
     from neffbuild.host.pull import PullOptions
     from neffbuild.store import StoreChoice
 
+    gc.freeze()  # as cli/main.py's main: what start-up imported stays out of every later collection
     env_file = parsed.get("--env-file")
     try:
         options = PullOptions(  # as `pull`'s click command fills it, its defaults included
