@@ -51,6 +51,7 @@ from neffbuild.host.exports import env_file_text, exports_for, serving_dirs, ser
 from neffbuild.host.landing import land_missing, make_serving_dirs
 from neffbuild.host.pullplan import (
     VERIFY_MODES,
+    NotANoop,
     PullOptions,
     installed_record,
     missing_that_fits,
@@ -200,6 +201,8 @@ def pull(
         retry.doing(f"resolving {label}")
         with _no_collection():
             resolved, verified, old = resolved_with_state(store, ref, cache.read_state_data(), o.trust)
+        if o.noop_only and (old.installed is None or old.installed.release_id != resolved.release_id):
+            raise NotANoop  # another release: its bundles are read once, by the full pull
         accepted = verified.accepted(old.accepted) if verified else old.accepted
         expires = verified.expires(old.expires) if verified else old.expires
         retry.check(store.url)
@@ -216,8 +219,15 @@ def pull(
         installed, warnings = _host_checked(store, resolved, installed, old, o, exports)
         with _no_collection():
             scan, missing = missing_that_fits(cache, installed, old.files, o)
+        to_do = (
+            bool(missing)
+            or not state_recorded(old, installed, scan)
+            or (accepted, expires) != (old.accepted, old.expires)
+        )
+        if o.noop_only and (to_do or not cache.exists):
+            raise NotANoop
         cache.make()
-        if missing or not state_recorded(old, installed, scan) or (accepted, expires) != (old.accepted, old.expires):
+        if to_do:
             retry.check(store.url)
             files = len(installed.release.files)
             retry.doing(f"fetching {len(missing)} of {files} files ({sum(f.size for f in missing)} bytes)")

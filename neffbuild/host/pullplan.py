@@ -40,6 +40,13 @@ class PullOptions:
     direct_writes: bool = True
     policy: retry.Policy | None = None
     trust: Trust | None = None  # trusted keys (and a --release pin): host/trust.py says what they require
+    # The no-op entry's (host/noop.py): NotANoop, before anything is written, unless the cache
+    # dir holds the release its state records, every file as recorded (nothing to fetch or record).
+    noop_only: bool = False
+
+
+class NotANoop(Exception):  # noqa: N818 - not an error: the pull has work to do, which the full path does
+    """A pull with noop_only found something to do (nothing was written)."""
 
 
 def resolved_with_state(

@@ -45,17 +45,16 @@ def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs
     absent = False
     if state:
         unsure = []
-        with cache.beneath() as tree:
-            for f in files:
-                st = found[f.path] = regular_stat(tree, f.path, cache.path)
-                if st is None:
-                    absent = True
-                    continue
-                if st.st_size != f.size:
-                    found[f.path] = None
-                    damaged.add(f.path)
-                elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
-                    unsure.append(f)
+        stats = _regular_stats(cache, [f.path for f in files])
+        found = dict(zip((f.path for f in files), stats, strict=True))
+        for f, st in zip(files, stats, strict=True):
+            if st is None:
+                absent = True
+            elif st.st_size != f.size:
+                found[f.path] = None
+                damaged.add(f.path)
+            elif state.get(f.path) != (f.size, st.st_mtime_ns, f.digest):
+                unsure.append(f)
     else:
         unsure = list(files)
     hashed = 0
@@ -73,6 +72,17 @@ def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs
     # pull would record (state_recorded then needs no second table of 10,000 entries to compare).
     whole = bool(state) and not (absent or unsure or damaged) and len(state) == len(found)
     return Scan(found, hashed, frozenset(damaged), state if whole else None)
+
+
+def _regular_stats(cache: CacheDir, paths: list[str]) -> list[os.stat_result | None]:
+    """regular_stat of each path, in one bare loop (Beneath.regular_stats)."""
+    stats: list[os.stat_result | None] = []
+    with cache.beneath() as tree:
+        try:
+            tree.regular_stats(paths, stats)
+        except OSError as exc:
+            raise disk_error(exc, cache.path / paths[len(stats)]) from None
+    return stats
 
 
 def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, Hashed | None] | None]:

@@ -285,6 +285,16 @@ def test_beneath_never_reports_a_link_or_a_fifo_as_a_file(cache_and_outside) -> 
             assert tree.look("missing/x", 1) is None
             with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
                 tree.look("dir/keep.txt", 15)
+            # regular_stats: lstat's answer, a regular file's status or None, for many paths at once
+            (cache / "sub").mkdir()
+            (cache / "sub" / "a.bin").write_bytes(b"ab")
+            stats: list[os.stat_result | None] = []
+            tree.regular_stats(["f.bin", "pipe.bin", "real.bin", "sub", "sub/a.bin", "sub/no", "missing/x", "real.bin"], stats)  # fmt: skip
+            assert [st and st.st_size for st in stats] == [None, None, 7, None, 2, None, None, 7]
+            stats = []
+            with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
+                tree.regular_stats(["real.bin", "dir/keep.txt", "sub/a.bin"], stats)
+            assert len(stats) == 1  # says which path failed
     finally:
         os.close(root)
 

@@ -462,3 +462,27 @@ def test_trusted_release_is_the_strict_parse_or_none(installed) -> None:
         edit(edited)
         assert trusted_release(json.dumps(edited).encode()) is None
     assert trusted_release(b"[") is None and trusted_release(b"[]") is None
+
+
+# Written by e6d1870's own pull (the last commit writing format /2 with each path in the release,
+# the units and the file table): a tag `prod` of three files pulled into /tmp/fx/cache.
+FIXTURE_E6D1870 = Path(__file__).parent.parent / "fixtures" / "formats" / "e6d1870" / "state.json"
+
+
+def test_a_state_written_by_an_earlier_pull_reads_as_its_release_installed(tmp_path: Path) -> None:
+    data = FIXTURE_E6D1870.read_bytes()
+    state = parse_state(data)
+    assert state.problem is None and state.version == 2 and state.installed is not None
+    assert (state.release_id, state.tag) == ("320a8d50d2dbd21affb794f67d0002ea", "prod")
+    assert sorted(state.files) == ["a.bin", "sub/b.bin", "sub/c.bin"]
+    assert [u.paths for u in state.installed.units] == [("a.bin", "sub/b.bin", "sub/c.bin")]
+    assert state.files["sub/b.bin"][0] == 20 and state.installed.exports["OMP_NUM_THREADS"] == "2"
+    # As a cache dir's state: `env` answers from it, with no store.
+    (tmp_path / "cache" / ".neffbuild").mkdir(parents=True)
+    shutil.copy(FIXTURE_E6D1870, tmp_path / "cache" / ".neffbuild" / "state.json")
+    env = subprocess.run(
+        [sys.executable, "-m", "neffbuild", "env", "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert env.returncode == 0, env.stderr
+    assert "OMP_NUM_THREADS=2" in env.stdout and f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'cache'}" in env.stdout

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from neffbuild.cli.views.console import Console, human_size, say_err, view, view_as
+from neffbuild.cli.lines import human_size
+from neffbuild.cli.views.console import Console, say_err, view, view_as
 
 if TYPE_CHECKING:
     from neffbuild.build.fanin import ReleaseResult

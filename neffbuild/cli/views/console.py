@@ -58,14 +58,6 @@ def printed_document() -> bool:
     return _DOCUMENTS["printed"]
 
 
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def _is_tty(stream: TextIO) -> bool:
     """Colour and live lines only on a terminal. FORCE_COLOR is not honoured: a log or a pipe
     gets plain text, never an escape sequence (data cannot hide in one either)."""

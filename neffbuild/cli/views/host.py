@@ -8,7 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffbuild.cli.views.console import Console, human_size, json_fields, say_err, view, view_as
+from neffbuild.cli.lines import human_size, pull_summary
+from neffbuild.cli.views.console import Console, json_fields, say_err, view, view_as
 from neffbuild.printable import printable
 
 if TYPE_CHECKING:
@@ -58,15 +59,7 @@ def _pulled(console: Console, report: PullReport) -> None:
         say_err(f"warning: {warning} (informational: kernels are unaffected)")
     if report.signed_by:
         say_err(_signed_line(report.signed_by, report.tag, report.tag_version, report.tag_expires))
-    say_err(
-        f"{'kept (stale)' if report.stale else 'pulled'} {report.tag or report.release_id}: {report.files_fetched} of {report.files_total} files fetched "
-        f"({human_size(report.bytes_fetched)} of {human_size(report.bytes_total)}) in {report.seconds:.2f} s"
-        + (
-            f"; {report.files_rehashed} rehashed, {report.files_repaired} repaired"
-            if report.files_rehashed or report.files_repaired
-            else ""
-        )
-    )
+    say_err(pull_summary(report))
     exports(console, report.exports)
 
 

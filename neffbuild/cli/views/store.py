@@ -8,7 +8,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from neffbuild.cli.views.console import Console, human_size, json_fields, say_err, view, view_as
+from neffbuild.cli.lines import human_size
+from neffbuild.cli.views.console import Console, json_fields, say_err, view, view_as
 
 if TYPE_CHECKING:
     from neffbuild.host.prune import CachePrune
