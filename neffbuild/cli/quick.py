@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from neffbuild.cli.lines import pull_summary
@@ -18,6 +19,10 @@ from neffbuild.cli.lines import pull_summary
 _VALUED = ("--store", "--cache-dir", "--env-file")
 _FLAGS = ("--no-host-check", "--allow-stale")  # --allow-stale acts on a store error only, which is not a no-op
 _FULL_ONLY_ENV = ("NEFFBUILD_TRUSTED_KEYS", "NEFFBUILD_RETRY_SCALE")
+# The attempt never waits: one try per request, a short deadline, no waiting for another pull's
+# lock. What it cannot answer at once is the full command's, which retries and waits as it always
+# did: a store that is down at boot costs one failed request more, not a second round of retries.
+_ATTEMPT_S = 5.0
 
 
 def quick_pull(args: Sequence[str], env: Mapping[str, str]) -> int | None:
@@ -25,6 +30,7 @@ def quick_pull(args: Sequence[str], env: Mapping[str, str]) -> int | None:
     parsed = parse(args)
     if parsed is None or "--cache-dir" not in parsed or any(name in env for name in _FULL_ONLY_ENV):
         return None
+    from neffbuild import retry
     from neffbuild.host.exports import host_allow, shell_lines
     from neffbuild.host.noop import noop_pull
     from neffbuild.host.pull import PullOptions
@@ -33,9 +39,10 @@ def quick_pull(args: Sequence[str], env: Mapping[str, str]) -> int | None:
     gc.freeze()  # as cli/main.py's main: what start-up imported stays out of every later collection
     env_file = parsed.get("--env-file")
     try:
-        options = PullOptions(  # as `pull`'s click command fills it, its defaults included
+        options = PullOptions(  # as `pull`'s click command fills it, but for waiting (above)
             allow_env=host_allow((), env), env_file=None if env_file is None else Path(env_file),
-            host_env=None if "--no-host-check" in parsed else env, lock_timeout=300.0, timeout=600.0,
+            host_env=None if "--no-host-check" in parsed else env, lock_timeout=0.0, timeout=_ATTEMPT_S,
+            policy=replace(retry.DEFAULT, attempts=1, throttled_attempts=1),
         )  # fmt: skip  # arguments packed by meaning, not one a line
     except Exception:  # noqa: BLE001 - an unusable NEFFBUILD_ALLOW_ENV: the full command says so
         return None

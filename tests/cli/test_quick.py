@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,46 @@ def test_a_closed_stdout_is_said_as_the_full_command_says_it(pulled: tuple[Path,
 )
 def test_parse_knows_only_the_boot_forms(args: list[str], parsed: dict[str, str] | None) -> None:
     assert parse(args) == parsed
+
+
+class _Refusing:
+    """A TCP endpoint that accepts each connection and closes it at once (a store that is down in
+    the way that is retried), counting the connections."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.sock.getsockname()[1]}", "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true",
+        }  # fmt: skip  # one endpoint's settings, packed
+
+
+def test_a_store_that_is_down_is_tried_once_before_the_full_commands_retries(pulled: tuple[Path, Path]) -> None:
+    _, cache = pulled
+    server = _Refusing()
+    args = ("pull", "t", "--store", "s3://bucket/prefix", "--cache-dir", str(cache))
+    full = _run(FULL, *args, env=server.env)
+    alone = server.accepted
+    fast, full_ran = _entry(*args, env=server.env)
+    server.sock.close()
+    assert full.returncode == 3 and full_ran and alone > 1, (full.stderr, alone)
+    # As the full command alone says it (how the connection ended varies: reset or closed).
+    assert fast.returncode == 3 and fast.stderr.splitlines()[1:] == full.stderr.splitlines()[1:], fast.stderr
+    assert "(6 tries, pulling t: opening the store)" in fast.stderr, fast.stderr
+    # The attempt made one request and gave up; the full command then retried as it does alone.
+    assert server.accepted - alone == alone + 1, (alone, server.accepted)
