@@ -90,7 +90,7 @@ class Parents:
     """
 
     def __init__(self) -> None:
-        self._fds: dict[tuple[Path | None, Path], int] = {}
+        self._fds: dict[tuple[Path | None, str], int] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> Parents:
@@ -106,7 +106,8 @@ class Parents:
         """A descriptor of target.dest's directory (borrowed: closed on exit)."""
         if target.dest.name == "..":  # the walk's check, for a directory already walked
             raise ValueError(f"{target.dest} is not a file beneath {target.root}")
-        key = (target.root, target.dest.parent)
+        # The directory as a string: a new Path for it would cost more than the rest of this call.
+        key = (target.root, str(target.dest).rpartition("/")[0])
         fd = self._fds.get(key)
         if fd is None:
             opened = _open_parent(target)
