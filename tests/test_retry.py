@@ -690,7 +690,7 @@ def test_a_fatal_error_cuts_the_pulls_reads_in_flight_within_a_second(
     """Fail fast for requests reading a body (issue 26, scope 3): two large files' ranged GETs
     stall after their heads (each read would wait READ_S, and the deadline is 600 s) while the
     third's blob is gone (404): the pull fails within a second of the 404, its stalled reads cut."""
-    large = {f"large{i}.bin": PART + i for i in range(3)}  # fewer than --jobs: fetched as ranges
+    large = {f"large{i}.bin": ranged.RANGED_MIN + i for i in range(3)}  # fewer than --jobs: fetched as ranges
     _published(s3_url, s3_env, tmp_path / "src", large)
     digests = {f.path: f.digest for f in resolve(open_store(s3_url, env=s3_env), "prod").release.files}
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
@@ -805,7 +805,7 @@ def test_a_cut_large_download_resumes_from_the_bytes_received(
 ) -> None:
     # Every GET (a blob's last range included) answers more than the 64 KiB the proxy lets through,
     # so the one it cuts is cut whichever of the concurrent GETs it is.
-    sizes = {f"big{i}.bin": PART + (128 << 10) + i for i in range(large)}
+    sizes = {f"big{i}.bin": ranged.RANGED_MIN + (128 << 10) + i for i in range(large)}
     store = open_store(s3_url, create=True, env=s3_env)
     sources = write_files(tmp_path / "src", sizes)
     store.put_blobs(sources, jobs=4)

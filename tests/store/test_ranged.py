@@ -20,7 +20,7 @@ from tests.storekit import s3_client, write_files
 from tests.tcpproxy import TcpProxy
 
 pytestmark = pytest.mark.s3
-SIZE = 3 * ranged.PART_MIN + (200 << 10) + 45  # four parts, the last one short (not block-aligned)
+SIZE = ranged.RANGED_MIN + (200 << 10) + 45  # parts of PART_MIN, the last one short (not block-aligned)
 
 
 def test_plan_keeps_parts_aligned_and_buffers_bounded() -> None:

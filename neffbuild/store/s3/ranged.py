@@ -28,6 +28,9 @@ from neffbuild.store.s3.responses import Buffer, Version
 # stall the in-order hashing and fault in more fresh buffer memory.
 PART_MIN = 4 << 20
 PART_MAX = 64 << 20
+# Smaller large blobs stream as one GET each: three parts of a 9 MiB file gain little and would
+# triple its requests (a fleet's boots are counted in requests: docs/hosts.md).
+RANGED_MIN = 4 * PART_MIN
 PARTS_PER_JOB = 16  # parts per connection over the whole download, so all stay busy to the end
 MEMORY = 256 << 20  # receive buffers held at once, all large blobs together
 CHANGED_TRIES = 3  # a blob whose object keeps changing under us fails after this many starts

@@ -135,11 +135,11 @@ class Transfers:
         for wanted in by_pack.values():
             fetches = packs.plan_ranges(packed[wanted[0].digest][0], wanted, size)
             tasks += [partial(self._stream_range, f, chunks, parents) for f in fetches]
-        if len(large) >= STREAM_PER_JOB * jobs:
-            # Enough blobs to keep the connections busy: one GET each, received into a small buffer
-            # and written in order (no reordering, no big buffers).
-            tasks += [partial(self._stream_loose, t, chunks, parents) for t in large]
-            large = []
+        # Enough blobs to keep the connections busy, or small ones: one GET each, received into a
+        # small buffer and written in order (no reordering, no big buffers).
+        many = len(large) >= STREAM_PER_JOB * jobs
+        tasks += [partial(self._stream_loose, t, chunks, parents) for t in large if many or t.size < ranged.RANGED_MIN]
+        large = [t for t in large if not many and t.size >= ranged.RANGED_MIN]
         split = ranged.plan([t.size for t in large], jobs)
         retry.expect(len(tasks) + split.requests([t.size for t in large]))  # one GET each, a range each
         self._run_with_ranges(large, split, tasks, jobs, parents)
