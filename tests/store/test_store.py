@@ -268,7 +268,7 @@ def large_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     from neffbuild.store.s3 import transfer as s3transfer
 
     if request.param == "stream":
-        monkeypatch.setattr(s3transfer, "STREAM_PER_JOB", 0)
+        monkeypatch.setattr(s3transfer, "STREAM_MIN", 1)
     return request.param
 
 

@@ -304,7 +304,7 @@ def _endless_loose(store, env, tmp_path, s3_server, **_):  # write_verified: lon
 def _endless_large_stream(store, env, tmp_path, s3_server, monkeypatch, **_):  # one GET per large blob
     from neffbuild.store.s3 import transfer as s3transfer
 
-    monkeypatch.setattr(s3transfer, "STREAM_PER_JOB", 0)
+    monkeypatch.setattr(s3transfer, "STREAM_MIN", 1)
     _, [src] = publish(store, tmp_path, LARGE)
     with proxied(s3_server, env, store.url, ("/blobs/",)) as (via_proxy, _, _proxy):
         yield via_proxy, blob_key(src.digest)

@@ -1,6 +1,6 @@
 """Large blobs as concurrent ranged GETs, each part written in place at its offset.
 
-One GET per large blob leaves connections idle when a pull has fewer large blobs than --jobs,
+One GET per large blob leaves connections idle when a pull has only a few large blobs,
 and on a busy host the server then gets less done per second (s5cmd and the AWS CLI fetch parts
 concurrently for the same reason; bench/RESULTS.md). Each part is received into a reused buffer
 and written at its offset (pwrite) by the thread that fetched it, so parts land in any order; the

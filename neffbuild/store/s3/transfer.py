@@ -6,9 +6,8 @@ server checks, so bytes corrupted in transit are rejected there, and every file 
 still hash to the digest it is published under.
 
 Down: small blobs by streaming ranged GETs of their packs, split across about `jobs` connections;
-as many large blobs as connections or more by one streaming GET each; fewer by concurrent ranges
-written at their offsets (store/s3/ranged.py), so that a few big NEFFs still keep every connection
-busy. Each blob is landed as its bytes arrive and checked against its XXH3-128 (and BLAKE3) before
+many large blobs by one streaming GET each; a few (fewer than STREAM_MIN) by concurrent ranges
+written at their offsets (store/s3/ranged.py), so that one big NEFF still gets several connections. Each blob is landed as its bytes arrive and checked against its XXH3-128 (and BLAKE3) before
 it is linked into place (confined.write_verified, write_placed).
 """
 
@@ -33,7 +32,7 @@ from neffbuild.store.s3 import dataplane, ranged, responses
 from neffbuild.store.s3.packs import PackCatalog, Where
 
 logger = logging.getLogger(__name__)
-STREAM_PER_JOB = 1  # with this many large blobs per connection or more, stream each with one GET instead of ranges
+STREAM_MIN = 4  # with this many large blobs or more (or --jobs, if fewer), stream each with one GET instead of ranges
 STREAM_CHUNK = 4 << 20  # receive buffer of a streamed blob
 PACK_UPLOADS = 4  # packs built in memory at once (each up to packs.PACK_TARGET)
 SINGLE_PUT_MAX = 5 << 30  # S3's limit for one PUT
@@ -137,7 +136,9 @@ class Transfers:
             tasks += [partial(self._stream_range, f, chunks, parents) for f in fetches]
         # Enough blobs to keep the connections busy, or small ones: one GET each, received into a
         # small buffer and written in order (no reordering, no big buffers).
-        many = len(large) >= STREAM_PER_JOB * jobs
+        # (A/B on 8 x 128 MiB, bench/RESULTS.md: streams cost 0.4 s less CPU per GiB than ranges
+        # and the CLI was not faster with ranges there.)
+        many = len(large) >= min(STREAM_MIN, jobs)
         tasks += [partial(self._stream_loose, t, chunks, parents) for t in large if many or t.size < ranged.RANGED_MIN]
         large = [t for t in large if not many and t.size >= ranged.RANGED_MIN]
         split = ranged.plan([t.size for t in large], jobs)
