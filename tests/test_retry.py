@@ -29,6 +29,7 @@ from neffbuild.retry.pacer import Pacer
 from neffbuild.retry.policy import SCALE_ENV, THROTTLED_HINT
 from neffbuild.store import open_store
 from neffbuild.store.base import blob_key
+from neffbuild.store.s3 import ranged
 from neffbuild.store.s3.dataplane import PART
 from neffbuild.store.s3.responses import http_error
 from tests.fleetsim import Fleet, simulate
@@ -692,7 +693,7 @@ def test_a_fatal_error_cuts_the_pulls_reads_in_flight_within_a_second(
     """Fail fast for requests reading a body (issue 26, scope 3): two large files' ranged GETs
     stall after their heads (each read would wait READ_S, and the deadline is 600 s) while the
     third's blob is gone (404): the pull fails within a second of the 404, its stalled reads cut."""
-    large = {f"large{i}.bin": PART + i for i in range(3)}  # fewer than STREAM_MIN: fetched as ranges
+    large = {f"large{i}.bin": ranged.RANGED_MIN + i for i in range(3)}  # fewer than --jobs: fetched as ranges
     _published(s3_url, s3_env, tmp_path / "src", large)
     digests = {f.path: f.digest for f in resolve(open_store(s3_url, env=s3_env), "prod").release.files}
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
@@ -807,7 +808,7 @@ def test_a_cut_large_download_resumes_from_the_bytes_received(
 ) -> None:
     # Every GET (a blob's last range included) answers more than the 64 KiB the proxy lets through,
     # so the one it cuts is cut whichever of the concurrent GETs it is.
-    sizes = {f"big{i}.bin": PART + (128 << 10) + i for i in range(large)}
+    sizes = {f"big{i}.bin": ranged.RANGED_MIN + (128 << 10) + i for i in range(large)}
     store = open_store(s3_url, create=True, env=s3_env)
     sources = write_files(tmp_path / "src", sizes)
     store.put_blobs(sources, jobs=4)
@@ -824,10 +825,12 @@ def test_a_cut_large_download_resumes_from_the_bytes_received(
         if m == "GET" and "/blobs/" in p and "range" in h
     ]
     # The proxy cut the body after 64 KiB of response (head included): the retry asks for the rest.
-    resumed = [s % PART for s in starts if s % PART]
+    part = ranged.plan([s.size for s in sources], 4).part
+    resumed = [s % part for s in starts if s % part]
     assert len(resumed) == 1 and 64 * 1024 - 2048 < resumed[0] < 64 * 1024, starts
     gets = [p for m, p, _ in proxy.seen if m == "GET" and "/blobs/" in p]
-    assert len(gets) == (large + 1 if large > 1 else 2 + 1)  # one GET per blob or range, plus the resumed one
+    per_blob = large if large > 1 else -(-sizes["big0.bin"] // part)  # one GET per blob, or one per range
+    assert len(gets) == per_blob + 1  # and the resumed one
 
 
 # ---- a server killed mid-pull -------------------------------------------------------------------

@@ -32,7 +32,7 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +90,7 @@ class Parents:
     """
 
     def __init__(self) -> None:
-        self._fds: dict[tuple[Path | None, Path], int] = {}
+        self._fds: dict[tuple[Path | None, str], int] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> Parents:
@@ -106,7 +106,8 @@ class Parents:
         """A descriptor of target.dest's directory (borrowed: closed on exit)."""
         if target.dest.name == "..":  # the walk's check, for a directory already walked
             raise ValueError(f"{target.dest} is not a file beneath {target.root}")
-        key = (target.root, target.dest.parent)
+        # The directory as a string: a new Path for it would cost more than the rest of this call.
+        key = (target.root, str(target.dest).rpartition("/")[0])
         fd = self._fds.get(key)
         if fd is None:
             opened = _open_parent(target)
@@ -122,6 +123,46 @@ def write_verified(
 ) -> None:
     """Write chunks to target.dest atomically; IntegrityError (nothing left behind) on mismatch.
     parents: directories kept open across the blobs of one download."""
+
+    def copy(fd: int, direct: bool, hasher: Hasher) -> int:
+        size = 0
+        for chunk in _bounded(chunks, target, origin):
+            hasher.update(chunk)
+            direct = _write_all(fd, chunk, direct)
+            size += len(chunk)
+        return size
+
+    _landed(target, origin, parents, copy)
+
+
+def write_placed(
+    target: BlobTarget,
+    place: Callable[[int, bool], Generator[memoryview, None, None]],
+    *,
+    origin: str,
+    parents: Parents | None = None,
+) -> None:
+    """write_verified for bytes written out of order: place(fd, direct) writes them at their
+    offsets itself (write_at, from any threads) and yields them in order once written, to be
+    hashed; it must have stopped writing when it returns or is closed. The same checks as
+    write_verified hold before the file is linked into place."""
+
+    def copy(fd: int, _direct: bool, hasher: Hasher) -> int:
+        size = 0
+        placed = place(fd, _direct)
+        try:
+            for chunk in _bounded(placed, target, origin):
+                hasher.update(chunk)
+                size += len(chunk)
+        finally:
+            placed.close()  # its writers have stopped before the file is closed
+        return size
+
+    _landed(target, origin, parents, copy)
+
+
+def _landed(target: BlobTarget, origin: str, parents: Parents | None, copy: Callable[[int, bool, Hasher], int]) -> None:
+    """A temp file beside target.dest, filled by copy(fd, direct, hasher) -> size, checked, linked into place."""
     dest = target.dest
     parent = -1  # dest's directory, reached without links (see the module docstring)
     named: str | None = None  # the temp file's name in parent, when it has one
@@ -131,11 +172,7 @@ def write_verified(
         fd, named, direct = _open_temp(parent, dest.name, direct=target.direct and target.size >= DIRECT_MIN)
         try:
             hasher = Hasher(crypto=bool(target.blake3))
-            size = 0
-            for chunk in _bounded(chunks, target, origin):
-                hasher.update(chunk)
-                direct = _write_all(fd, chunk, direct)
-                size += len(chunk)
+            size = copy(fd, direct, hasher)
             if target.fsync:
                 os.fsync(fd)
             _check_written(target, origin, size, hasher)
@@ -268,17 +305,17 @@ def _unnamed_files_possible() -> bool:
     return hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 
 
-def _write_all(fd: int, chunk: bytes | memoryview, direct: bool) -> bool:
-    """Write all of chunk; returns whether the fd still writes directly.
+def _write_all(fd: int, chunk: bytes | memoryview, direct: bool, offset: int | None = None) -> bool:
+    """Write all of chunk (at offset, if given: pwrite); returns whether the fd still writes directly.
 
-    O_DIRECT needs block-aligned memory and lengths: the aligned buffers of the S3 data plane
-    qualify except for a blob's last chunk. The kernel refuses the others (EINVAL, nothing
+    O_DIRECT needs block-aligned memory, lengths and offsets: the aligned buffers of the S3 data
+    plane qualify except for a blob's last chunk. The kernel refuses the others (EINVAL, nothing
     written), and the rest of the file then goes through the page cache.
     """
     view = memoryview(chunk)
     while view:
         try:
-            written = os.write(fd, view)
+            written = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
@@ -286,7 +323,14 @@ def _write_all(fd: int, chunk: bytes | memoryview, direct: bool) -> bool:
             direct = False
             continue
         view = view[written:]
+        if offset is not None:
+            offset += written
     return direct
+
+
+def write_at(fd: int, chunk: bytes | memoryview, offset: int, direct: bool) -> None:
+    """All of chunk at offset in a file write_placed lends (safe from several threads at once)."""
+    _write_all(fd, chunk, direct, offset)
 
 
 def aligned_buffer(size: int) -> mmap.mmap:

@@ -319,3 +319,37 @@ def test_look_hashes_every_byte_at_each_size_around_the_read_buffer(tmp_path: Pa
                 assert changed is not None and changed[0] != whole[0] and changed[1] != whole[1]
     finally:
         os.close(root)
+
+
+def _placing(data: bytes, part: int, *, yielded: bytes | None = None):
+    """A write_placed `place` that writes the parts last first, then yields them in order
+    (`yielded`: other bytes to hand to the hash than those written)."""
+
+    def place(fd: int, direct: bool):
+        starts = list(range(0, len(data), part))
+        for start in reversed(starts):
+            materialize.write_at(fd, data[start : start + part], start, direct)
+        shown = data if yielded is None else yielded
+        for start in starts:
+            yield memoryview(shown)[start : start + part]
+
+    return place
+
+
+def test_write_placed_lands_parts_written_out_of_order(tmp_path: Path, temp_kind: str) -> None:
+    data = os.urandom(3 * 4096 + 77)
+    target = target_for(data, tmp_path / "d" / "f.bin")
+    materialize.write_placed(target, _placing(data, 4096), origin="parts")
+    assert target.dest.read_bytes() == data
+    assert os.listdir(target.dest.parent) == ["f.bin"]
+
+
+def test_write_placed_refuses_what_does_not_hash_to_the_release(tmp_path: Path, temp_kind: str) -> None:
+    data = os.urandom(2 * 4096 + 5)
+    target = target_for(data, tmp_path / "d" / "f.bin")
+    other = bytes(len(data))
+    with pytest.raises(IntegrityError):
+        materialize.write_placed(target, _placing(other, 4096), origin="parts")
+    with pytest.raises(IntegrityError):  # written right, but the bytes hashed are not the release's
+        materialize.write_placed(target, _placing(data, 4096, yielded=other), origin="parts")
+    assert os.listdir(target.dest.parent) == []

@@ -257,7 +257,7 @@ def test_a_damaged_locator_is_passed_over(s3_url: str, s3_env: dict[str, str], t
 # Each scenario publishes a release, damages the store, and returns the store to pull from (perhaps
 # through a proxy) and the store object the message must name.
 
-SMALL, LARGE = {"x.bin": 5000}, {"big.bin": 9 << 20}
+SMALL, LARGE = {"x.bin": 5000}, {"big.bin": 17 << 20}  # LARGE: fetched in ranges (ranged.RANGED_MIN)
 
 
 @contextmanager

@@ -17,8 +17,6 @@ import html
 import re
 import threading
 import urllib.parse
-import urllib.request
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -30,12 +28,14 @@ import urllib3
 
 from neffbuild import retry
 from neffbuild.errors import StoreError
-from neffbuild.fs.confined import BlobTarget, aligned_buffer
+from neffbuild.fs.confined import aligned_buffer
 from neffbuild.retry import Transient
 from neffbuild.store.base import DOC_MAX, ObjectInfo
 from neffbuild.store.s3.responses import (
     READ_ERRORS,
     Buffer,
+    ObjectChanged,
+    Version,
     body_socket,
     content_length,
     direct_readinto,
@@ -62,38 +62,6 @@ _LIST_KEY = re.compile(rb"<Key>([^<]*)</Key>")
 _LIST_SIZE = re.compile(rb"<Size>([0-9]{1,19})</Size>")
 _LIST_MTIME = re.compile(rb"<LastModified>([^<]{1,64})</LastModified>")
 _LIST_NEXT = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
-
-
-def ranges_in_order(
-    data: DataPlane, key: str, target: BlobTarget, fetchers: ThreadPoolExecutor, buffers: Buffers
-) -> Iterator[memoryview]:
-    """The blob's bytes in order, fetched as parallel ranges with WINDOW of them in flight."""
-
-    def fetch(start: int) -> tuple[Buffer, memoryview]:
-        buf = buffers.take()
-        try:
-            return buf, data.get(key, start, min(start + PART, target.size), into=buf, needed=str(target.dest))
-        except BaseException:
-            buffers.give(buf)
-            raise
-
-    pending = deque(
-        fetchers.submit(retry.carried(partial(fetch, start)))
-        for start in range(0, min(target.size, WINDOW * PART), PART)
-    )
-    next_start = WINDOW * PART
-    try:
-        while pending:
-            buf, view = pending.popleft().result()
-            yield view  # write_verified has written it when we resume
-            buffers.give(buf)
-            if next_start < target.size:
-                pending.append(fetchers.submit(retry.carried(partial(fetch, next_start))))
-                next_start += PART
-    finally:
-        for f in pending:  # on failure: give back what was fetched, cancel the rest
-            if not f.cancel() and f.exception() is None:
-                buffers.give(f.result()[0])
 
 
 def received(response: urllib3.BaseHTTPResponse, buf: Buffer) -> Iterator[memoryview]:
@@ -202,13 +170,14 @@ class DataPlane:
 
     def get(
         self, rel: str, start: int = 0, end: int | None = None, *, into: Buffer | None = None, needed: str | None = None,
-        limit: int = DOC_MAX,
+        limit: int = DOC_MAX, version: Version | None = None,
     ) -> memoryview:  # fmt: skip  # parameters packed by meaning, not one a line
         """Bytes [start, end) of an object (all of it, at most `limit` bytes, if end is None),
         retried on transient failures.
 
         They land in `into` when it is large enough (the caller owns it until done with the view).
-        `needed` names what needed the object (a cache file), for the errors.
+        `needed` names what needed the object (a cache file), for the errors; a range read with
+        a `version` is of the object's version that answered its other ranges (ObjectChanged if not).
         """
 
         if end is None:
@@ -228,7 +197,7 @@ class DataPlane:
 
         def rest() -> memoryview:
             nonlocal got
-            response = self._get(rel, start + got, end, needed)
+            response = self._get(rel, start + got, end, needed, version)
             try:
                 read_body(response, self.where(rel), end - start - got, view[got:], needed=needed, limit=limit)
             except Transient as failure:
@@ -373,10 +342,20 @@ class DataPlane:
             retry.watch(id(response), lambda: shut(sock))
         return response
 
-    def _get(self, rel: str, start: int, end: int | None, needed: str | None) -> urllib3.BaseHTTPResponse:
+    def _get(
+        self, rel: str, start: int, end: int | None, needed: str | None, version: Version | None = None
+    ) -> urllib3.BaseHTTPResponse:
         headers = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
+        if version is not None:
+            headers.update(version.condition())
         response = self._request("GET", rel, headers=headers, preload_content=False)
         if response.status == (200 if end is None else 206):
+            if version is not None:
+                try:
+                    version.check(response.headers.get("ETag", ""))
+                except ObjectChanged:
+                    finish(response)
+                    raise
             return response
         try:
             body = read_error_body(response)
@@ -408,8 +387,12 @@ def http_pool(endpoint: str | None, env: Mapping[str, str]) -> urllib3.PoolManag
         if k.lower() in ("http_proxy", "https_proxy", "no_proxy")
     }
     proxy = proxies.get(scheme)
-    if proxy and not urllib.request.proxy_bypass_environment(host, proxies):  # type: ignore[attr-defined]  # undocumented: not in typeshed
-        return urllib3.ProxyManager(proxy, **kwargs)
+    if proxy:
+        # 10 ms of imports, for proxied hosts only; undocumented, so not in typeshed
+        from urllib.request import proxy_bypass_environment  # type: ignore[attr-defined]
+
+        if not proxy_bypass_environment(host, proxies):
+            return urllib3.ProxyManager(proxy, **kwargs)
     return urllib3.PoolManager(**kwargs)
 
 

@@ -8,6 +8,7 @@ import http.client
 import mmap
 import re
 import socket
+import threading
 from collections.abc import Callable
 
 import urllib3
@@ -25,6 +26,39 @@ CREDENTIALS_HINT = (
 READ_ERRORS = (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
 Buffer = bytearray | mmap.mmap  # a reusable receive buffer
+
+
+class ObjectChanged(StoreError):
+    """The object was replaced while its parts were being fetched (412 to If-Match, or another ETag)."""
+
+
+class Version:
+    """The ETag the parts of one object must share: the first answered sets it, later requests
+    ask for it (If-Match) and any answer with another is refused, so one download never mixes
+    the bytes of two versions of an object (thread-safe)."""
+
+    __slots__ = ("_etag", "_lock", "where")
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self._etag = ""
+        self._lock = threading.Lock()
+
+    def condition(self) -> dict[str, str]:
+        return {"If-Match": self._etag} if self._etag else {}
+
+    def check(self, etag: str) -> None:
+        with self._lock:
+            if not self._etag:
+                self._etag = etag
+                return
+        if etag != self._etag:
+            raise self.changed()
+
+    def changed(self) -> ObjectChanged:
+        return ObjectChanged(
+            f"{self.where} was replaced while it was being fetched", hint="pull again once the store is done changing"
+        )
 
 
 def body_socket(response: urllib3.BaseHTTPResponse) -> socket.socket | None:
@@ -184,6 +218,8 @@ def http_error(base: str, rel: str, status: int, body: bytes, needed: str | None
         return IntegrityError(
             f"{where} is shorter than its index or release says{needed_for(needed)}", hint=CORRUPT_HINT
         )
+    if status == 412:  # only a Version asks with If-Match
+        return ObjectChanged(f"{where} was replaced while it was being fetched{needed_for(needed)}", hint="pull again")
     if status >= 500 or status == 429:  # throttled (503 SlowDown, 429) or failing: worth another try
         shown = code if code.isascii() and code.isalnum() else ""  # the server's words, printed: only a plain code
         return Transient(f"HTTP {status} {shown}".rstrip(), throttled=status in (429, 503))

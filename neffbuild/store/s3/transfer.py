@@ -6,13 +6,14 @@ server checks, so bytes corrupted in transit are rejected there, and every file 
 still hash to the digest it is published under.
 
 Down: small blobs by streaming ranged GETs of their packs, split across about `jobs` connections;
-many large blobs by one streaming GET each; a few large blobs by parallel ranges, so that a single
-big NEFF still gets several connections. Each blob is landed as its bytes arrive and checked
-against its XXH3-128 when it lands (confined.write_verified).
+many large blobs by one streaming GET each; a few (fewer than STREAM_MIN) by concurrent ranges
+written at their offsets (store/s3/ranged.py), so that one big NEFF still gets several connections. Each blob is landed as its bytes arrive and checked against its XXH3-128 (and BLAKE3) before
+it is linked into place (confined.write_verified, write_placed).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +24,15 @@ import xxhash
 
 from neffbuild import retry
 from neffbuild.errors import IntegrityError, StoreError
-from neffbuild.fs.confined import BlobTarget, Parents, write_verified
+from neffbuild.fs.confined import BlobTarget, Parents, write_placed, write_verified
 from neffbuild.hashing import CHUNK
 from neffbuild.store import packs
 from neffbuild.store.base import BlobSource, blob_key
-from neffbuild.store.s3 import dataplane, responses
+from neffbuild.store.s3 import dataplane, ranged, responses
 from neffbuild.store.s3.packs import PackCatalog, Where
 
-STREAM_MIN = 4  # with this many large blobs or more, stream each with one GET instead of ranges
+logger = logging.getLogger(__name__)
+STREAM_MIN = 4  # with this many large blobs or more (or --jobs, if fewer), stream each with one GET instead of ranges
 STREAM_CHUNK = 4 << 20  # receive buffer of a streamed blob
 PACK_UPLOADS = 4  # packs built in memory at once (each up to packs.PACK_TARGET)
 SINGLE_PUT_MAX = 5 << 30  # S3's limit for one PUT
@@ -132,34 +134,42 @@ class Transfers:
         for wanted in by_pack.values():
             fetches = packs.plan_ranges(packed[wanted[0].digest][0], wanted, size)
             tasks += [partial(self._stream_range, f, chunks, parents) for f in fetches]
-        if len(large) >= STREAM_MIN:
-            # Enough blobs to keep the connections busy: one GET each, received into a small buffer
-            # and written in order (measured faster than ranges: no reordering, no big buffers).
-            tasks += [partial(self._stream_loose, t, chunks, parents) for t in large]
-            large = []
-        retry.expect(len(tasks) + sum(-(-t.size // dataplane.PART) for t in large))  # one GET each, a range each
-        self._run_with_ranges(large, tasks, jobs, parents)
+        # Enough blobs to keep the connections busy, or small ones: one GET each, received into a
+        # small buffer and written in order (no reordering, no big buffers).
+        # (A/B on 8 x 128 MiB, bench/RESULTS.md: streams cost 0.4 s less CPU per GiB than ranges
+        # and the CLI was not faster with ranges there.)
+        many = len(large) >= min(STREAM_MIN, jobs)
+        tasks += [partial(self._stream_loose, t, chunks, parents) for t in large if many or t.size < ranged.RANGED_MIN]
+        large = [t for t in large if not many and t.size >= ranged.RANGED_MIN]
+        split = ranged.plan([t.size for t in large], jobs)
+        retry.expect(len(tasks) + split.requests([t.size for t in large]))  # one GET each, a range each
+        self._run_with_ranges(large, split, tasks, jobs, parents)
 
     def _run_with_ranges(
-        self, large: list[BlobTarget], tasks: list[Callable[[], None]], jobs: int, parents: Parents
+        self, large: list[BlobTarget], split: ranged.Plan, tasks: list[Callable[[], None]], jobs: int, parents: Parents
     ) -> None:
-        """Run tasks, and fetch a few large blobs as parallel ranges so one big file still gets
-        several connections. Each writer waits on its ranges, fetched by a pool of their own (a task
-        never waits on its own pool); the semaphore bounds memory to writers * WINDOW * PART."""
+        """Run tasks, and fetch a few large blobs as concurrent ranges (store/s3/ranged.py). Each
+        writer waits on its ranges, fetched by a pool of their own (a task never waits on its own
+        pool); the semaphore bounds memory to writers * window * part."""
         if not large:
             dataplane.run_all(tasks, jobs)
             return
-        buffers = dataplane.Buffers(dataplane.PART)
-        writers = threading.BoundedSemaphore(max(1, jobs // dataplane.WINDOW))
-        with ThreadPoolExecutor(
-            max_workers=jobs, thread_name_prefix="neffbuild-s3-part"
-        ) as parts:  # tasks carry the deadline (ranges_in_order)
+        buffers = dataplane.Buffers(split.part)
+        writers = threading.BoundedSemaphore(split.writers)
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="neffbuild-s3-part") as parts:
 
             def write_large(target: BlobTarget) -> None:
+                key = blob_key(target.digest)
                 with writers:
-                    key = blob_key(target.digest)
-                    chunks = dataplane.ranges_in_order(self._reader, key, target, parts, buffers)
-                    write_verified(target, chunks, origin=self._reader.where(key), parents=parents)
+                    for tries_left in reversed(range(ranged.CHANGED_TRIES)):
+                        try:
+                            place = ranged.placed(self._reader, key, target, split, parts, buffers)
+                            write_placed(target, place, origin=self._reader.where(key), parents=parents)
+                            break
+                        except responses.ObjectChanged:
+                            if not tries_left:
+                                raise
+                            logger.info("%s was replaced mid-way: fetching it again", self._reader.where(key))
                 retry.landed()
 
             dataplane.run_all([lambda t=t: write_large(t) for t in large] + tasks, jobs)
