@@ -33,6 +33,13 @@ if [ $linked = -1 ] || [ ${#sources[@]} != 1 ] || [[ "$out" != /* ]] || { [ $com
   exec "$real" "$@"
 fi
 source="${sources[0]}"
+# The suite's two workers build the same kernels at the same time (e.g. `built` beside
+# `packaged_build` at the start): both missed and ran g++. One compile per kernel at a time, so
+# the second waits for the first's object and hits. Inductor names each file by its code's and
+# command line's hash: its name is the lock's. Held until this compile ends (ccache inherits it).
+mkdir -p "$CCACHE_DIR/locks"
+exec 9>"$CCACHE_DIR/locks/$(basename "$source").lock"
+if command -v flock >/dev/null; then flock 9; fi
 cd "$(dirname "$source")"
 export CCACHE_BASEDIR="$PWD"
 if [ $compile_only = 1 ]; then
