@@ -86,6 +86,8 @@ def _stop_at_compile(counter: str) -> None:
 def _call(job: WorkerJob, backend: Backend, runner: Any, shape: Shape) -> tuple[MeasuredCall, bool]:
     """The shape's measured call, and whether it was stopped at its first compile (then no
     images, and what the counters showed until then: one compile)."""
+    if not job.fail_fast:
+        return measured_call(backend, runner, job.entry, shape), False
     before = backend.counters()
     started = time.perf_counter()
     try:
