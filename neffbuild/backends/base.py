@@ -283,25 +283,25 @@ def dynamo_counters(*groups: str) -> dict[str, int]:
 
 def watch_dynamo_counters(names: Collection[str], on_rise: Callable[[str], None]) -> None:
     """Call on_rise(`group.name`) whenever one of these torch._dynamo.utils.counters rises (torch
-    counts a cache miss at the lookup that failed, before it compiles). Each named group is
-    replaced by a counting copy of itself; torch only ever adds to a group in place."""
+    counts a cache miss at the lookup that failed, before it compiles). Each named group becomes a
+    watching Counter of its own class: a copy torch takes and puts back (its pattern matcher's
+    lazy_init does) is of that class too, so it watches on."""
     from collections import Counter
 
     from torch._dynamo.utils import counters
 
-    class Watched(Counter[str]):
-        def __init__(self, group: str, values: Mapping[str, int]) -> None:
-            super().__init__(values)
-            self.group = group
+    def watching(group: str) -> type[Counter[str]]:
+        class Watched(Counter[str]):
+            def __setitem__(self, key: str, value: int) -> None:
+                rose = value > self.get(key, 0)
+                super().__setitem__(key, value)
+                if rose and f"{group}.{key}" in names:
+                    on_rise(f"{group}.{key}")
 
-        def __setitem__(self, key: str, value: int) -> None:
-            rose = value > self.get(key, 0)
-            super().__setitem__(key, value)
-            if rose and f"{self.group}.{key}" in names:
-                on_rise(f"{self.group}.{key}")
+        return Watched
 
     for group in {name.split(".", 1)[0] for name in names}:
-        counters[group] = Watched(group, counters[group])
+        counters[group] = watching(group)(counters[group])
 
 
 def cpu_isa_flags(cpuinfo: str) -> str:

@@ -122,6 +122,6 @@ def test_a_fail_fast_replay_says_where_it_stopped_and_which_units_it_did_not_rep
     assert doc["units"][0]["stopped"] is True
     after_call = ReplayReport(Path("/srv/cache"), (replace(first, stopped=False),), fail_fast=True)
     views.replay(Console(as_json=False), after_call)
-    assert "klein/128x128x1 after its call (this backend cannot tell a compile before it has run)" in (
+    assert "klein/128x128x1 after its call (no cache miss announced its compile before it ran)" in (
         capfd.readouterr().out
     )

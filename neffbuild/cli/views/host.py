@@ -136,7 +136,7 @@ def replay(console: Console, report: ReplayReport, trace_to: Path | None = None)
             + (
                 "at its first compile, before the compiler ran"
                 if first.stopped
-                else "after its call (this backend cannot tell a compile before it has run)"
+                else "after its call (no cache miss announced its compile before it ran)"
             )
             + f"; not replayed: {', '.join(report.not_replayed) or 'none'}",
             markup=False,
