@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -242,6 +242,13 @@ class Backend(ABC):
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         """How many compiles (cache misses) a counter delta shows."""
 
+    def watch_compiles(self, on_compile: Callable[[str], None]) -> bool:
+        """From now on, call on_compile(the counter's name) the moment this process starts a
+        compile, before the compiler does its work (`verify --replay --fail-fast` stops there).
+        False where this backend cannot tell a compile before it has run: a replay then stops
+        after the call that compiled."""
+        return False
+
 
 def recompile_limit(shape_count: int) -> int:
     """Dynamo's recompile limit for a process that serves `shape_count` static shapes."""
@@ -272,6 +279,29 @@ def dynamo_counters(*groups: str) -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {f"{group}.{name}": int(value) for group in groups for name, value in counters[group].items()}
+
+
+def watch_dynamo_counters(names: Collection[str], on_rise: Callable[[str], None]) -> None:
+    """Call on_rise(`group.name`) whenever one of these torch._dynamo.utils.counters rises (torch
+    counts a cache miss at the lookup that failed, before it compiles). Each named group becomes a
+    watching Counter of its own class: a copy torch takes and puts back (its pattern matcher's
+    lazy_init does) is of that class too, so it watches on."""
+    from collections import Counter
+
+    from torch._dynamo.utils import counters
+
+    def watching(group: str) -> type[Counter[str]]:
+        class Watched(Counter[str]):
+            def __setitem__(self, key: str, value: int) -> None:
+                rose = value > self.get(key, 0)
+                super().__setitem__(key, value)
+                if rose and f"{group}.{key}" in names:
+                    on_rise(f"{group}.{key}")
+
+        return Watched
+
+    for group in {name.split(".", 1)[0] for name in names}:
+        counters[group] = watching(group)(counters[group])
 
 
 def cpu_isa_flags(cpuinfo: str) -> str:

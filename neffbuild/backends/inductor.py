@@ -14,7 +14,7 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from neffbuild.backends.base import (
     cpu_isa_flags,
     dynamo_counters,
     relevant_env,
+    watch_dynamo_counters,
 )
 from neffbuild.backends.envreads import NOT_KEYED
 from neffbuild.servingenv import INDUCTOR
@@ -225,6 +226,11 @@ class InductorBackend(Backend):
 
     def compiles_in(self, delta: Mapping[str, int]) -> int:
         return sum(delta.get(name, 0) for name in _MISS_COUNTERS)
+
+    def watch_compiles(self, on_compile: Callable[[str], None]) -> bool:
+        # Both misses are counted at the failed cache lookup, before AOTAutograd or Inductor work.
+        watch_dynamo_counters(_MISS_COUNTERS, on_compile)
+        return True
 
 
 def count_autotuning() -> None:

@@ -35,7 +35,7 @@ import importlib.util
 import os
 import platform
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -380,6 +380,11 @@ class NeuronBackend(Backend):
         # neuronx-cc runs; a NEFF loaded from the persistent cache is a hit, not a compile. The
         # Python path counts nothing: each compile there leaves one new entry.
         return delta.get(f"neuron.{TOTAL_COMPILATIONS}", 0) + max(0, delta.get(SUBPROCESS_FILES, 0))
+
+    def watch_compiles(self, on_compile: Callable[[str], None]) -> bool:
+        # TorchNeuron counts a compile in C++ (torch_neuronx.metrics) once neuronx-cc has run,
+        # asynchronously, and the Python path only by the entry it leaves: nothing fires before.
+        return False
 
     def _subprocess_entries(self) -> int:
         raw = self._env.get(self.cache_env)

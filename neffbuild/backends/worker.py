@@ -18,7 +18,7 @@ from typing import Any
 
 from neffbuild.backends import artifacts, envreads, get_backend
 from neffbuild.backends.base import Backend
-from neffbuild.backends.calls import measured_call
+from neffbuild.backends.calls import MeasuredCall, measured_call
 from neffbuild.backends.components import input_signatures
 from neffbuild.documents.manifest import Shape
 from neffbuild.runner.jobfiles import (
@@ -52,11 +52,14 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
         runner = backend.apply_mode(pipe, job.entry, _served_packages(job, backend, env))
         loaded = _delta(before, backend.counters())
         load_s = time.perf_counter() - started
+    if job.fail_fast:
+        backend.watch_compiles(_stop_at_compile)
+    runs: list[ShapeRun] = []
     with _packaging(job, backend, env, runner):
-        runs = [
-            _run_shape(job, backend, runner, unit_id, shape)
-            for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True)
-        ]
+        for unit_id, shape in zip(job.unit_ids, job.shapes, strict=True):
+            runs.append(_run_shape(job, backend, runner, unit_id, shape))
+            if job.fail_fast and (runs[-1].compiles or runs[-1].written):
+                break  # the replay has its answer: a miss; the rest would only compile
     if runs and artifacts.package_compiles(loaded):
         runs[0] = _with_load(runs[0], loaded)
     reads = envreads.recorder()
@@ -68,6 +71,30 @@ def run_job(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> WorkerR
         env_reads=reads.recorded() if reads else {},
         compiler_keys=keys,
     )
+
+
+class FirstCompile(BaseException):
+    """Raised from the compiler's own miss count (Backend.watch_compiles) to stop a fail-fast
+    replay's call before the compiler works. A BaseException: torch falls back from an Exception
+    in its cache lookup (to a bypass that compiles anyway) but lets this one through."""
+
+
+def _stop_at_compile(counter: str) -> None:
+    raise FirstCompile(counter)
+
+
+def _call(job: WorkerJob, backend: Backend, runner: Any, shape: Shape) -> tuple[MeasuredCall, bool]:
+    """The shape's measured call, and whether it was stopped at its first compile (then no
+    images, and what the counters showed until then: one compile)."""
+    if not job.fail_fast:
+        return measured_call(backend, runner, job.entry, shape), False
+    before = backend.counters()
+    started = time.perf_counter()
+    try:
+        return measured_call(backend, runner, job.entry, shape), False
+    except FirstCompile:
+        delta = _delta(before, backend.counters())
+        return MeasuredCall(time.perf_counter() - started, delta, max(1, backend.compiles_in(delta)), None), True
 
 
 def _served_packages(job: WorkerJob, backend: Backend, env: Mapping[str, str]) -> Path | None:
@@ -120,12 +147,12 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
     files_before = _snapshot(backend, watched)
     inputs_before = input_signatures()
     with _traced(job) as opened:
-        call = measured_call(backend, runner, job.entry, shape)
+        call, stopped = _call(job, backend, runner, shape)
     files_after = _snapshot(backend, watched)
     written = _changes(files_before, files_after)
     inputs = {k: tuple(s for s in v if s not in inputs_before.get(k, ())) for k, v in input_signatures().items()}
     output = None
-    if job.outputs_dir:
+    if job.outputs_dir and not stopped:
         output = str(Path(job.outputs_dir) / f"{unit_id.replace('/', '__')}.pt")
         torch.save(call.images.detach().cpu(), output)
     return ShapeRun(
@@ -139,6 +166,7 @@ def _run_shape(job: WorkerJob, backend: Backend, runner: Any, unit_id: str, shap
         written=written,
         inputs={k: v for k, v in inputs.items() if v},
         opened=opened.paths if opened else (),
+        stopped=stopped,
     )
 
 

@@ -18,6 +18,7 @@ fails as the server's would, naming the file the compiler could not write.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import shutil
@@ -68,6 +69,7 @@ class UnitReplay:
     counters: Mapping[str, int]
     output: str | None = None
     opened: tuple[str, ...] = ()  # with trace: cache files its call opened (host/trace.py)
+    stopped: bool = False  # fail-fast: its call was stopped at its first compile
 
     @property
     def hit(self) -> bool:
@@ -96,6 +98,8 @@ class ReplayReport:
     view: ViewCopy = ViewCopy()
     in_place: bool = False  # against cache_dir itself, read-only to the replay (no copy)
     trace: ReplayTrace | None = None  # asked for: which cache files the replay opened
+    fail_fast: bool = False  # stopped at the first miss: the units after it are not_replayed
+    not_replayed: tuple[str, ...] = ()
 
     @property
     def misses(self) -> list[UnitReplay]:
@@ -111,6 +115,18 @@ class _Replay:
     env: Mapping[str, str]  # the caller's environment with the manifest's runtime env
     outputs_dir: Path | None
     trace: bool
+    fail_fast: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayHow:
+    """How a replay runs: in place (against the checked dir itself, which it must not be able to
+    write) rather than a private copy; traced (each worker records which cache files it opened);
+    fail-fast (stopped at the first miss, at its first compile where the backend can tell: no later unit replayed)."""
+
+    in_place: bool = False
+    trace: bool = False
+    fail_fast: bool = False
 
 
 def verify_replay(
@@ -121,11 +137,11 @@ def verify_replay(
     work_dir: Path | None = None,
     outputs_dir: Path | None = None,
     progress: Progress = no_progress,
-    in_place: bool = False,
+    how: ReplayHow = ReplayHow(),
     trace_to: Path | None = None,
 ) -> ReplayReport:
-    """`neffbuild verify --replay [--in-place] [--trace PATH]`: replay the manifest against
-    cache_dir (see replay); with trace_to, write the trace document there (host/trace.py)."""
+    """`neffbuild verify --replay [--in-place] [--fail-fast] [--trace PATH]`: replay the manifest
+    against cache_dir (see replay); with trace_to, traced, the trace document written there (host/trace.py)."""
     plan = _plan_for(manifest, cache_dir, env)[1]
     if trace_to is not None:
         _check_trace_path(trace_to, cache_dir)
@@ -138,7 +154,7 @@ def verify_replay(
             outputs_dir=outputs_dir,
             logs_dir=logs_dir_for(work_dir),
             notify=notify,
-            how=ReplayHow(in_place, trace=trace_to is not None),
+            how=dataclasses.replace(how, trace=trace_to is not None),
         )
     if trace_to is not None and report.trace is not None:
         write_trace(trace_to, report.trace)
@@ -186,15 +202,6 @@ def _plan_for(manifest: Path, cache_dir: Path, env: Mapping[str, str]) -> tuple[
     return loaded, plan
 
 
-@dataclass(frozen=True, slots=True)
-class ReplayHow:
-    """How a replay runs: in place (against the checked dir itself, which it must not be able to
-    write) rather than a private copy; traced (each worker records which cache files it opened)."""
-
-    in_place: bool = False
-    trace: bool = False
-
-
 def replay(
     plan: Plan,
     cache_dir: Path,
@@ -234,9 +241,11 @@ def replay(
                 f"replay scratch {worker.root} is inside the checked cache dir {cache_dir}", hint=_ELSEWHERE
             )
         view = cache_dir if in_place else worker.root / "view"
-        run = _Replay(worker, view, {**env, **plan.runtime_env}, outputs_dir, trace)
+        run = _Replay(worker, view, {**env, **plan.runtime_env}, outputs_dir, trace, how.fail_fast)
         dirty = not in_place
         for units in plan.by_entry().values():
+            if how.fail_fast and any(not r.hit for r in results):
+                break
             if dirty:  # every entry starts from the checked dir's bytes, not another entry's writes
                 remove_tree(run.view)
                 copy = _add(copy, make_view(cache_dir, run.view))
@@ -250,7 +259,8 @@ def replay(
         traced = trace_of(
             backend, cache_dir, results, loading, state.release_id if state else None, state.tag if state else None
         )
-    return ReplayReport(cache_dir, tuple(results), copy, in_place, traced)
+    skipped = tuple(u.unit_id for u in plan.units if u.unit_id not in {r.unit_id for r in results})
+    return ReplayReport(cache_dir, tuple(results), copy, in_place, traced, how.fail_fast, skipped)
 
 
 def trace_of(
@@ -293,6 +303,7 @@ def _replay_entry(units: list[BuildUnit], run: _Replay) -> tuple[list[UnitReplay
         outputs_dir=str(run.outputs_dir) if run.outputs_dir else None,
         watch_dir=str(run.view),
         trace=run.trace,
+        fail_fast=run.fail_fast,
     )
     try:
         result = run.worker.run(job, worker_env, scratch)
@@ -303,7 +314,7 @@ def _replay_entry(units: list[BuildUnit], run: _Replay) -> tuple[list[UnitReplay
             run.worker.notify(u.unit_id, "failed")
         raise _with_kept_log(exc, run.worker.keep_log(scratch, units[0].unit_id)) from None
     replays = [
-        UnitReplay(r.unit_id, r.first_call_s, r.compiles, r.written, r.counters, r.output, r.opened)
+        UnitReplay(r.unit_id, r.first_call_s, r.compiles, r.written, r.counters, r.output, r.opened, r.stopped)
         for r in result.runs
     ]
     for r in replays:
@@ -324,9 +335,17 @@ def _with_kept_log(exc: NeffbuildError, kept: KeptLog) -> BuildError:
 def miss_error(report: ReplayReport) -> ReplayMissError | None:
     if not report.misses:
         return None
+    first, total = report.misses[0], len(report.units) + len(report.not_replayed)
+    message = (
+        f"replay stopped at the first miss (--fail-fast): {first.unit_id} compiled, stopped "
+        f"{'at its first compile' if first.stopped else 'after its call'}; {len(report.not_replayed)} of {total} "
+        "units not replayed"
+        if report.fail_fast
+        else f"{len(report.misses)} of {total} units compiled during replay: "
+        + ", ".join(u.unit_id for u in report.misses)
+    )
     return ReplayMissError(
-        f"{len(report.misses)} of {len(report.units)} units compiled during replay: "
-        + ", ".join(u.unit_id for u in report.misses),
+        message,
         hint="the cache does not cover them (nothing was written to it): rebuild, "
         "or compare `neffbuild plan --json` with the build host's",
     )
@@ -409,9 +428,8 @@ def tree_state(root: Path) -> dict[str, tuple[int, int, int, int]]:
 
 
 def _add(a: ViewCopy, b: ViewCopy) -> ViewCopy:
-    methods = Counter(a.methods)
-    methods.update(b.methods)
-    return ViewCopy(a.copies + b.copies, a.files + b.files, a.bytes + b.bytes, a.seconds + b.seconds, dict(methods))
+    methods = dict(Counter(a.methods) + Counter(b.methods))
+    return ViewCopy(a.copies + b.copies, a.files + b.files, a.bytes + b.bytes, a.seconds + b.seconds, methods)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class WorkerJob(_Frozen):
     watch_dir: str | None = None  # replay: report cache files each call creates, modifies or deletes
     events_file: str | None = None  # where the worker appends its phase events (JSON lines)
     trace: bool = False  # replay: also report which files under watch_dir each call opened (runner/opened.py)
+    fail_fast: bool = False  # replay: stop at the first compile (or after the first call that compiled)
 
 
 class WrittenFile(_Frozen):
@@ -68,6 +69,7 @@ class ShapeRun(_Frozen):
     # With job.trace: files under watch_dir (relative) opened during this call. A kernel an
     # earlier unit of the same process loaded is not opened again: the union is what was read.
     opened: tuple[str, ...] = ()
+    stopped: bool = False  # job.fail_fast: the call was stopped at its first compile, before the compiler ran
 
 
 class WorkerResult(_Frozen):

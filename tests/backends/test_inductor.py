@@ -1,11 +1,15 @@
 """The inductor backend on real compiles: every listed component is proven compiled, and what
 the key leaves out really changes no graph. One shape, one build (`built_with_decode`, made once
 per run in tests/conftest.py), shared by the slow tests here and bench/firstcall.py's smoke run.
-Which files of a cache dir a bundle takes is tested fast, on a layout Inductor writes."""
+Which files of a cache dir a bundle takes is tested fast, on a layout Inductor writes; what
+`verify --replay --fail-fast` stops at (watch_compiles), on one tiny function."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +177,46 @@ def test_which_answers_as_shutil_which(tmp_path: Path, monkeypatch: pytest.Monke
             assert which(command) == shutil.which(command), (path, command)
     monkeypatch.delenv("PATH")
     assert which("sh") == shutil.which("sh")
+
+
+# A fresh interpreter: the watch stays on torch's counters for the life of the process.
+WATCHED_COMPILE = """
+import sys, torch
+from neffbuild.backends.inductor import InductorBackend
+
+class Stop(BaseException):
+    pass
+
+def stop(counter):
+    print(counter)
+    raise Stop
+
+backend = InductorBackend()
+if sys.argv[1] == "watched":
+    assert backend.watch_compiles(stop)
+compiled = torch.compile(lambda x: (x * 2).sin(), backend=backend.compiler(), fullgraph=True)
+try:
+    compiled(torch.ones(8))
+    print("ran")
+except Stop:
+    print("stopped")
+"""
+
+
+@pytest.mark.slow
+def test_watch_compiles_sees_the_first_cache_miss_before_inductor_compiles_it(tmp_path: Path) -> None:
+    def run(how: str) -> tuple[list[str], list[str]]:
+        cache = tmp_path / how
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        result = subprocess.run(
+            [sys.executable, "-c", WATCHED_COMPILE, how], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        entries = [p.name for p in (cache / "fxgraph").rglob("*") if p.is_file()] if cache.exists() else []
+        return result.stdout.split(), entries
+
+    said, entries = run("watched")
+    assert said in (["aot_autograd.autograd_cache_miss", "stopped"], ["inductor.fxgraph_cache_miss", "stopped"]), said
+    assert entries == []  # stopped at the lookup: Inductor compiled nothing
+    said, entries = run("plain")  # the same call unwatched compiles, and writes its entry
+    assert said == ["ran"] and entries, (said, entries)

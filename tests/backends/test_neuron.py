@@ -768,6 +768,27 @@ def test_build_bundle_store_pull_replay_through_the_neuron_backend(tmp_path, tin
     assert [o.status for o in again.outcomes] == ["present", "present"] and again.release_id == report.release_id
 
 
+@pytest.mark.slow
+def test_fail_fast_through_the_neuron_backend_stops_after_the_call_that_compiled(tmp_path, tiny_model):
+    # TorchNeuron counts a compile only once it ran (NeuronBackend.watch_compiles): the replay
+    # cannot stop the call, but replays no unit after it, and says which way it stopped.
+    from neffbuild.host.verify import ReplayHow, miss_error, replay
+
+    (tmp_path / "tiny").symlink_to(tiny_model)
+    (tmp_path / "neffbuild.toml").write_text(E2E_MANIFEST)
+    env = {**os.environ, **DOUBLE_ENV, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    plan = make_plan(load_manifest(tmp_path / "neffbuild.toml"), env)
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    report = replay(plan, empty, env=env, how=ReplayHow(fail_fast=True))
+    (unit,) = report.units
+    assert unit.unit_id == plan.units[0].unit_id and unit.compiles >= 1 and not unit.stopped
+    assert report.not_replayed == (plan.units[1].unit_id,)
+    error = miss_error(report)
+    assert error is not None and error.exit_code == 6
+    assert f"{unit.unit_id} compiled, stopped after its call; 1 of 2 units not replayed" in error.message
+
+
 # The Python compiler path: eager ops in synchronous mode (a release wheel's default), second layout.
 SYNC_MANIFEST = """
 name = "tiny-neuron-sync"

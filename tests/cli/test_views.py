@@ -1,5 +1,6 @@
 """What commands print: tables that keep ids and keys whole at 80 columns, and progress with
-each unit's phase and elapsed time (live on a terminal, plain lines without one)."""
+each unit's phase and elapsed time (live on a terminal, plain lines without one), and where a
+--fail-fast replay stopped."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console as RichConsole
@@ -99,3 +101,27 @@ def test_on_a_terminal_each_running_unit_shows_its_phase_live() -> None:
     assert re.search(r"klein/128x256x1\s+loading", shown)
     assert "building" in shown and "1/2 done" in shown
     assert "klein/128x128x1: built in 0." in shown
+
+
+def test_a_fail_fast_replay_says_where_it_stopped_and_which_units_it_did_not_replay(capfd) -> None:
+    from neffbuild.cli.views import host as views
+    from neffbuild.host.verify import ReplayReport, UnitReplay
+
+    first = UnitReplay("klein/128x128x1", 1.5, 1, (), {"aot_autograd.autograd_cache_miss": 1}, stopped=True)
+    report = ReplayReport(Path("/srv/cache"), (first,), fail_fast=True, not_replayed=("klein/128x256x1",))
+    views.replay(Console(as_json=False), report)
+    out = capfd.readouterr().out
+    assert "klein/128x128x1: was stopped at its first compile and wrote no cache file" in out
+    assert (
+        "stopped at the first miss (--fail-fast): klein/128x128x1 at its first compile, before the compiler ran; "
+        "not replayed: klein/128x256x1" in out
+    )
+    views.replay(Console(as_json=True), report)
+    doc = json.loads(capfd.readouterr().out)
+    assert doc["stopped_at"] == "klein/128x128x1" and doc["not_replayed"] == ["klein/128x256x1"]
+    assert doc["units"][0]["stopped"] is True
+    after_call = ReplayReport(Path("/srv/cache"), (replace(first, stopped=False),), fail_fast=True)
+    views.replay(Console(as_json=False), after_call)
+    assert "klein/128x128x1 after its call (no cache miss announced its compile before it ran)" in (
+        capfd.readouterr().out
+    )

@@ -2,7 +2,7 @@
 that differs from the build's, checked against what a real replay does (0 compiles or not).
 
 One real build is shared (the `built` fixture: the tiny FLUX manifest); each perturbation pulls
-nothing new, it runs `status` and `verify --replay` (a private copy of the cache dir per replay,
+nothing new, it runs `status` and `verify --replay --fail-fast` (a private copy of the cache dir per replay,
 two at a time) in a changed environment (the host half), or plans and replays a changed manifest
 (the call half: two tests, so two workers share the minutes of replays). Every
 disagreement fails naming the perturbation. A second, one-shape build, made with `CI` and a
@@ -136,8 +136,10 @@ class Outcome:
 
 
 def replay_hits(manifest: Path, cache: Path, env: dict[str, str]) -> tuple[bool, str]:
-    """Did a real replay (a fresh process, a private copy of cache) compile nothing?"""
-    result = neffbuild("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--json", env=env)
+    """Did a real replay (a fresh process, a private copy of cache) compile nothing? It stops at
+    its first compile (--fail-fast): the first miss is the answer, the rest would only compile."""
+    args = ("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--fail-fast", "--json")
+    result = neffbuild(*args, env=env)
     if result.returncode not in (0, 6):
         # A compile that ran and failed is a miss too (torch 2.13 under ATEN_CPU_CAPABILITY=default
         # on an AVX-512 host fails to compile a vectorised kernel): anything else is the test's fault.

@@ -1,11 +1,13 @@
 """verify: the private copy a replay runs against, the checked dir left byte-identical by real
-misses, what a miss reports, signals during a replay, and the file check's exit codes."""
+misses, what a miss reports, signals during a replay, --fail-fast, and the file check's exit codes."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from neffbuild.host.verify import clone_file, make_view, tree_state
 from neffbuild.runner.scratch import remove_tree
 from tests.conftest import write_manifest
-from tests.procs import assert_all_stopped, start_cli, tree_hash, wait_until_compiling
+from tests.procs import assert_all_stopped, start_cli, started_by, tree_hash, wait_for, wait_until_compiling
 
 
 def make_cache(root: Path) -> Path:
@@ -108,15 +110,30 @@ def test_replay_refuses_scratch_inside_the_dir_it_checks(tiny_model: Path, tmp_p
     assert tree_hash(cache) == before
 
 
+def test_fail_fast_is_a_replay_option(tiny_model: Path, tmp_path: Path, cli) -> None:
+    manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128,))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    result = cli("verify", str(manifest), "--cache-dir", str(cache), "--fail-fast")
+    assert result.returncode == 2 and "--fail-fast is a --replay option" in result.stderr, result.stderr
+
+
 # -- real replays ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pulled(built_store: Path, tmp_path: Path, cli) -> Path:
+    """The shared build pulled into a cache dir of this test's own."""
+    cache = tmp_path / "cache"
+    assert cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(cache)).returncode == 0
+    return cache
 
 
 @pytest.mark.slow
 def test_a_replay_that_misses_twice_leaves_the_checked_dir_byte_identical(
-    built_store: Path, tiny_model: Path, tmp_path: Path, cli
+    pulled: Path, tiny_model: Path, tmp_path: Path, cli
 ) -> None:
-    cache = tmp_path / "cache"
-    assert cli("pull", "tiny-flux2-klein", "--store", str(built_store), "--cache-dir", str(cache)).returncode == 0
+    cache = pulled
     other_width = write_manifest(
         tmp_path / "other-width.toml", tiny_model, widths=(64,), mode="regional"
     )  # in no bundle
@@ -158,3 +175,39 @@ def test_sigterm_to_a_replaying_parent_stops_its_worker_and_removes_the_copy(tin
         assert list(cache.iterdir()) == []
     finally:
         proc.kill()
+
+
+@pytest.mark.slow
+def test_fail_fast_stops_a_missing_replay_at_its_first_compile_and_leaves_nothing_running(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    manifest = write_manifest(tmp_path / "m.toml", tiny_model, widths=(128, 256))  # one entry, two units
+    cache, work = tmp_path / "empty-cache", tmp_path / "work"
+    cache.mkdir()
+    args = ("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--fail-fast", "--work-dir", str(work))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "neffbuild", *args, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 6, err  # a miss, as without --fail-fast
+    assert wait_for(lambda: not started_by(proc.pid), 10), started_by(proc.pid)  # the compile pool too
+    report = json.loads(out)
+    (unit,) = report["units"]  # the first unit's first graph missed: nothing after it ran
+    assert unit["unit_id"] == "klein/128x128x1" and unit["stopped"] and unit["compiles"] == 1, unit
+    assert unit["written"] == [], unit  # stopped before Inductor compiled: no cache entry written
+    assert report["stopped_at"] == "klein/128x128x1" and report["not_replayed"] == ["klein/128x256x1"], report
+    assert "stopped at the first miss (--fail-fast): klein/128x128x1 compiled, stopped at its first compile" in err
+    assert "1 of 2 units not replayed" in err
+    assert list(cache.iterdir()) == [] and list(work.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_fail_fast_on_a_cache_that_serves_every_unit_replays_them_all(pulled: Path, tiny_manifest: Path, cli) -> None:
+    result = cli("verify", str(tiny_manifest), "--cache-dir", str(pulled), "--replay", "--fail-fast", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [(u["unit_id"], u["compiles"], u["stopped"]) for u in report["units"]] == [
+        ("klein/128x128x1", 0, False),
+        ("klein/128x256x1", 0, False),
+    ], report
+    assert report["stopped_at"] is None and report["not_replayed"] == [] and report["misses"] == 0

@@ -139,6 +139,11 @@ def pull(
     metavar="PATH",
     help="Replay: write which cache files each unit opened to PATH (JSON), for `neffbuild show REF --unused PATH`.",
 )
+@click.option(
+    "--fail-fast",
+    is_flag=True,
+    help="Replay: stop at the first miss, at its first compile (exit 6); the units after it are not replayed.",
+)
 @trust_options
 @json_option
 def verify(
@@ -151,19 +156,22 @@ def verify(
     in_place: bool,
     work_dir: Path | None,
     trace_to: Path | None,
+    fail_fast: bool,
     trusted_keys: tuple[Path, ...],
     as_json: bool,
 ) -> None:
     """Prove --cache-dir serves MANIFEST: check its files against the store, or --replay it
     (against a private copy: the cache dir is never written). Without MANIFEST: check --store
     itself (every reference of every record; exit 4 if one dangles or an object is damaged)."""
-    from neffbuild.host.verify import files_error, miss_error, verify_files, verify_replay
+    from neffbuild.host.verify import ReplayHow, files_error, miss_error, verify_files, verify_replay
 
     console = Console(as_json)
     if in_place and not replay:
         raise InputError("--in-place is a --replay option", hint="add --replay")
     if trace_to is not None and not replay:
         raise InputError("--trace is a --replay option", hint="add --replay")
+    if fail_fast and not replay:
+        raise InputError("--fail-fast is a --replay option", hint="add --replay")
     if manifest is None:
         from neffbuild.maint.storecheck import check_store, store_error
 
@@ -183,7 +191,7 @@ def verify(
             work_dir=work_dir,
             outputs_dir=outputs,
             progress=progress,
-            in_place=in_place,
+            how=ReplayHow(in_place=in_place, fail_fast=fail_fast),
             trace_to=trace_to,
         )
         views.replay(console, report, trace_to)

@@ -91,6 +91,8 @@ def _replay_document(report: ReplayReport, trace_to: Path | None = None) -> obje
         "units": report.units,
         "view": report.view,
         "in_place": report.in_place,
+        **({"stopped_at": report.misses[0].unit_id if report.misses else None} if report.fail_fast else {}),
+        "not_replayed": report.not_replayed,
         **({"trace": str(trace_to), "opened": report.trace.opened} if trace_to and report.trace else {}),
     }
 
@@ -120,6 +122,18 @@ def replay(console: Console, report: ReplayReport, trace_to: Path | None = None)
         _would_write(console, u)
     if report.trace is not None:
         _trace_summary(console, report, trace_to)
+    if report.fail_fast and report.misses:
+        first = report.misses[0]
+        console.out.print(
+            f"stopped at the first miss (--fail-fast): {first.unit_id} "
+            + (
+                "at its first compile, before the compiler ran"
+                if first.stopped
+                else "after its call (no cache miss announced its compile before it ran)"
+            )
+            + f"; not replayed: {', '.join(report.not_replayed) or 'none'}",
+            markup=False,
+        )
     if report.in_place:
         console.out.print(
             f"{len(report.units) - len(report.misses)} hits, {len(report.misses)} misses; replayed in place against "
@@ -154,7 +168,8 @@ def _trace_summary(console: Console, report: ReplayReport, trace_to: Path | None
 
 def _would_write(console: Console, u: UnitReplay, shown: int = 10) -> None:
     if not u.written:
-        console.out.print(f"{u.unit_id}: compiled {u.compiles} graph(s) but wrote no cache file", markup=False)
+        did = "was stopped at its first compile and" if u.stopped else f"compiled {u.compiles} graph(s) but"
+        console.out.print(f"{u.unit_id}: {did} wrote no cache file", markup=False)
         return
     changes = {c: sum(w.change == c for w in u.written) for c in ("new", "modified", "deleted")}
     summary = ", ".join(f"{n} {c}" for c, n in changes.items() if n)
