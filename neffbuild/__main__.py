@@ -1,3 +1,3 @@
-from neffbuild.cli import main
+from neffbuild.cli.entry import main
 
 main()

@@ -18,11 +18,11 @@ from neffbuild.cli.quick import parse
 from neffbuild.store.local import LocalStore
 from tests.storekit import publish_release_of, write_files
 
-# `neffbuild ARGS` through the console entry (cli/__init__.py's main), saying on its last line
+# `neffbuild ARGS` through the console entry (cli/entry.py's main), saying on its last line
 # whether click was imported, that is whether the full command ran.
 ENTRY = """
 import sys
-from neffbuild.cli import main
+from neffbuild.cli.entry import main
 try:
     main()
 finally:
