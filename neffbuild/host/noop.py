@@ -19,6 +19,7 @@ from pathlib import Path
 
 from neffbuild.host.fallback import pull_or_stale
 from neffbuild.host.pull import PullOptions, PullReport
+from neffbuild.host.statefile import state_path
 from neffbuild.store.base import Store
 
 
@@ -26,6 +27,8 @@ def noop_pull(open_store: Callable[[], Store], ref: str, cache_dir: Path, option
     """pull_or_stale's report where the pull is a clean no-op (only its summary and exports to
     show); else None, having written nothing but what a no-op writes too (the serving dirs,
     env_file)."""
+    if not state_path(cache_dir).is_file():
+        return None  # nothing installed yet (a host's first boot): the store is the full pull's to ask
     with _heard() as heard:
         try:
             report = pull_or_stale(open_store, ref, cache_dir, replace(options, noop_only=True))

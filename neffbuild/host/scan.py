@@ -4,7 +4,6 @@ state does not vouch for one), and the state table a pull records of them."""
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,14 +74,8 @@ def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs
 
 
 def _regular_stats(cache: CacheDir, paths: list[str]) -> list[os.stat_result | None]:
-    """regular_stat of each path, in one bare loop (Beneath.regular_stats)."""
-    stats: list[os.stat_result | None] = []
     with cache.beneath() as tree:
-        try:
-            tree.regular_stats(paths, stats)
-        except OSError as exc:
-            raise disk_error(exc, cache.path / paths[len(stats)]) from None
-    return stats
+        return regular_stats(tree, paths, cache.path)
 
 
 def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[os.stat_result, Hashed | None] | None]:
@@ -124,13 +117,19 @@ def _runs(files: list[FileEntry], jobs: int) -> list[list[FileEntry]]:
     return [r for r in runs if r]
 
 
-def regular_stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
-    """rel's status if it is a regular file (a link, a directory, a FIFO... count as absent)."""
+def regular_stats(tree: Beneath, rels: list[str], cache_dir: Path) -> list[os.stat_result | None]:
+    """Each rel's status if it is a regular file (a link, a directory, a FIFO... count as absent),
+    in one bare loop (Beneath.regular_stats); a disk error names the path it met."""
+    stats: list[os.stat_result | None] = []
     try:
-        st = tree.lstat(rel)
+        tree.regular_stats(rels, stats)
     except OSError as exc:
-        raise disk_error(exc, cache_dir / rel) from None
-    return st if st is not None and stat.S_ISREG(st.st_mode) else None
+        raise disk_error(exc, cache_dir / rels[len(stats)]) from None
+    return stats
+
+
+def regular_stat(tree: Beneath, rel: str, cache_dir: Path) -> os.stat_result | None:
+    return regular_stats(tree, [rel], cache_dir)[0]
 
 
 def state_trusted(state: State, verify: str) -> State:

@@ -225,3 +225,16 @@ def test_a_store_that_is_down_is_tried_once_before_the_full_commands_retries(pul
     assert "(6 tries, pulling t: opening the store)" in fast.stderr, fast.stderr
     # The attempt made one request and gave up; the full command then retried as it does alone.
     assert server.accepted - alone == alone + 1, (alone, server.accepted)
+
+
+def test_a_first_boot_asks_the_store_only_once(tmp_path: Path) -> None:
+    # No state in the cache dir: nothing is installed, so the attempt leaves the store to the full
+    # command and the entry makes the very requests the full command makes alone.
+    server = _Refusing()
+    args = ("pull", "t", "--store", "s3://bucket/prefix", "--cache-dir")
+    full = _run(FULL, *args, str(tmp_path / "one"), env=server.env)
+    alone = server.accepted
+    fast, full_ran = _entry(*args, str(tmp_path / "two"), env=server.env)
+    server.sock.close()
+    assert full.returncode == fast.returncode == 3 and full_ran and alone > 1, (full.stderr, alone)
+    assert server.accepted - alone == alone, (alone, server.accepted)
