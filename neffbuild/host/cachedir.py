@@ -38,6 +38,12 @@ LOCK_FILE = "pull.lock"
 LOCK_HINT = "another pull into this cache dir is still running; wait for it or raise --lock-timeout"
 
 
+def has_state_file(path: Path) -> bool:
+    """Whether a state file lies in the cache dir at path: a plain look, for a quick answer only
+    (a cache dir without one was never pulled into; anything odd is the full pull's to judge)."""
+    return state_path(path).is_file()
+
+
 class CacheDir:
     """One cache dir for the life of a command; `with CacheDir.opened(path) as cache:`."""
 

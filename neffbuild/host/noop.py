@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from neffbuild.host.cachedir import has_state_file
 from neffbuild.host.fallback import pull_or_stale
 from neffbuild.host.pull import PullOptions, PullReport
-from neffbuild.host.statefile import state_path
 from neffbuild.store.base import Store
 
 
@@ -27,7 +27,7 @@ def noop_pull(open_store: Callable[[], Store], ref: str, cache_dir: Path, option
     """pull_or_stale's report where the pull is a clean no-op (only its summary and exports to
     show); else None, having written nothing but what a no-op writes too (the serving dirs,
     env_file)."""
-    if not state_path(cache_dir).is_file():
+    if not has_state_file(cache_dir):
         return None  # nothing installed yet (a host's first boot): the store is the full pull's to ask
     with _heard() as heard:
         try:
