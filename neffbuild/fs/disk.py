@@ -43,3 +43,24 @@ def sync_filesystem(path: Path) -> None:
             )
     finally:
         os.close(fd)
+
+
+# Filesystems that keep their files in memory: O_DIRECT there keeps nothing out of memory (tmpfs
+# takes the flag since Linux 6.6 and copies into its pages all the same), and a file just
+# written reads back at the speed of a copy.
+IN_MEMORY = frozenset({"tmpfs", "ramfs"})
+
+
+def in_memory(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> bool:
+    """Whether path's filesystem keeps its files in memory (False where that cannot be told)."""
+    try:
+        dev = os.stat(path).st_dev
+        table = mountinfo.read_text()
+    except OSError:
+        return False
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in table.splitlines():  # "ID PARENT MAJOR:MINOR ROOT POINT OPTIONS [TAGS] - TYPE SOURCE ..."
+        fields = line.split(" ", 3)
+        if len(fields) > 2 and fields[2] == wanted:
+            return line.partition(" - ")[2].split(" ", 1)[0] in IN_MEMORY
+    return False

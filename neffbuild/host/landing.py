@@ -12,7 +12,8 @@ from pathlib import Path
 from neffbuild.documents.records import FileEntry
 from neffbuild.documents.refs import ResolvedRelease
 from neffbuild.errors import IntegrityError
-from neffbuild.fs.confined import BlobTarget, disk_error, sync_filesystem
+from neffbuild.fs.confined import DIRECT_MIN, BlobTarget, disk_error, sync_filesystem
+from neffbuild.fs.disk import in_memory
 from neffbuild.host.cachedir import CacheDir, Held
 from neffbuild.host.pullplan import PullOptions
 from neffbuild.host.scan import Scan, regular_stat, scan_files, state_bytes, state_trusted
@@ -45,10 +46,10 @@ def land_missing(
         remove_stale_temp_files(cache.path if missing else cache.path / STATE_DIR)
         if missing:
             root = cache.path
+            # O_DIRECT keeps a file out of memory: on tmpfs it is memory (and S3 then reads it back to hash it).
+            direct = o.direct_writes and not (any(f.size >= DIRECT_MIN for f in missing) and in_memory(root))
             targets = [
-                BlobTarget(
-                    f.digest, f.size, root / f.path, fsync=False, root=root, direct=o.direct_writes, blake3=f.blake3
-                )
+                BlobTarget(f.digest, f.size, root / f.path, fsync=False, root=root, direct=direct, blake3=f.blake3)
                 for f in missing
             ]
             try:

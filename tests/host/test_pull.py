@@ -1066,6 +1066,37 @@ def test_large_files_pulled_from_s3_land_the_same_bytes_with_or_without_o_direct
         assert resident < 0.5  # all but an unaligned tail went around the page cache
 
 
+def test_large_files_pulled_into_tmpfs_come_as_ranges_read_back_from_the_file(
+    s3_url: str, s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On tmpfs O_DIRECT keeps nothing out of memory: large blobs land buffered, as ranges read
+    back from the file to be hashed (store/s3/ranged.py's read_back), byte for byte."""
+    import shutil
+    import tempfile
+
+    from neffbuild.fs.disk import in_memory
+    from neffbuild.store import open_store
+    from neffbuild.store.s3 import ranged
+
+    if not in_memory(Path("/dev/shm")):
+        pytest.skip("no tmpfs at /dev/shm")
+    cache = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="neffbuild-test-"))
+    try:
+        files = {"neff/big.neff": os.urandom(ranged.RANGED_MIN + 7), "small.py": b"x = 1\n"}
+        store = open_store(s3_url, create=True, env=s3_env)
+        publish_files(store, files, tmp_path)
+        read_back, placed = [], []
+        real = ranged.read_back
+        monkeypatch.setattr(ranged, "read_back", lambda *a: read_back.append(a[2]) or real(*a))
+        monkeypatch.setattr(ranged, "placed", lambda *a: placed.append(a[2]))
+        report = pull(store, "t", cache / "c")
+        assert report.files_fetched == 2 and not placed
+        assert [t.dest.name for t in read_back] == ["big.neff"] and not read_back[0].direct
+        assert all((cache / "c" / rel).read_bytes() == data for rel, data in files.items())
+    finally:
+        shutil.rmtree(cache)
+
+
 def test_a_corrupt_blob_says_what_the_other_files_left_behind(store: LocalStore, tmp_path: Path, cli) -> None:
     """The files of a release land in parallel: when one blob is corrupt, the others that
     verified are already in the cache dir. The hint says how many, never "nothing was written"."""

@@ -210,32 +210,41 @@ class DataPlane:
         return self.retried(rel, rest)
 
     def stream(
-        self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None
-    ) -> urllib3.BaseHTTPResponse:
+        self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None,
+        version: Version | None = None,
+    ) -> urllib3.BaseHTTPResponse:  # fmt: skip
         """An open response for [start, end) (the whole object if end is None); the caller reads
-        what it expects of it and no more, then finish()es it."""
-        return self.retried(rel, partial(self.opened, rel, start, end, needed=needed))
+        what it expects of it and no more, then finish()es it. With a version: of that version
+        of the object (ObjectChanged if not)."""
+        return self.retried(rel, partial(self.opened, rel, start, end, needed=needed, version=version))
 
     def opened(
-        self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None
-    ) -> urllib3.BaseHTTPResponse:
+        self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None,
+        version: Version | None = None,
+    ) -> urllib3.BaseHTTPResponse:  # fmt: skip
         """stream's one try, for a caller whose own retried attempt opens it (a retried inside a
         retried would pace and count one request twice)."""
-        response = self._get(rel, start, end, needed)
+        response = self._get(rel, start, end, needed, version)
         length = content_length(response)
         if end is not None and length is not None and length != end - start:
             finish(response)
             raise short_range(self.where(rel), length, end - start, needed)
         return response
 
-    def resumed(self, rel: str, size: int, buf: Buffer, *, needed: str | None = None) -> Iterator[memoryview]:
-        """An object's `size` bytes in order, as views of buf (see received). A body cut short
-        continues with a ranged GET from the bytes already received, under the retry policy; the
-        caller still checks what it got as a whole (write_verified hashes every byte)."""
+    def resumed(
+        self, rel: str, size: int, buf: Buffer, *, needed: str | None = None, part: tuple[int, Version] | None = None
+    ) -> Iterator[memoryview]:
+        """An object's `size` bytes in order, as views of buf (see received); with part (start,
+        version): its bytes [start, start + size) of that version. A body cut short continues
+        with a ranged GET from the bytes already received, under the retry policy; the caller
+        still checks what it got as a whole (write_verified hashes every byte)."""
         got = 0
         tries = retry.Tries()
         while True:
-            response = self.stream(rel, got, size if got else None, needed=needed)
+            if part is None:
+                response = self.stream(rel, got, size if got else None, needed=needed)
+            else:
+                response = self.stream(rel, part[0] + got, part[0] + size, needed=needed, version=part[1])
             before = got
             try:
                 for view in received(response, buf):

@@ -9,10 +9,19 @@ file is linked into place) and gives each buffer back. A part that fails is retr
 bytes it had received (DataPlane.get). The parts of one blob must come from one version of its
 object (responses.Version: If-Match on the first part's ETag): if it is replaced mid-way, the
 blob starts again from its first byte, at most CHANGED_TRIES times in all.
+
+Where the file lives in memory (tmpfs: no O_DIRECT, see host/landing.py) the parts need not wait
+in buffers to be hashed in order (read_back): each streams through a small buffer into the file,
+and the blob's writer hashes the file's own pages, mapped, part after part. So every large blob
+goes as ranges there, a few large ones each, all in flight: the many connections that keep a
+busy server sending (bench/RESULTS.md, issue 40).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from neffbuild import retry
+from neffbuild.errors import StoreError
 from neffbuild.fs.confined import BlobTarget, write_at
 from neffbuild.store.s3.dataplane import Buffers, DataPlane
 from neffbuild.store.s3.responses import Buffer, Version
@@ -33,6 +43,12 @@ PART_MAX = 64 << 20
 RANGED_MIN = 4 * PART_MIN
 PARTS_PER_JOB = 16  # parts per connection over the whole download, so all stay busy to the end
 MEMORY = 256 << 20  # receive buffers held at once, all large blobs together
+# read_back: parts per connection, and their least size (S3 requests are counted per boot:
+# docs/hosts.md); measured on 8 x 128 MiB into tmpfs (bench/RESULTS.md).
+BACK_PARTS_PER_JOB = 2
+BACK_PART_MIN = 16 << 20
+BACK_BUFFER = 1 << 20  # a part's receive buffer: fresh memory per connection costs page faults
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 CHANGED_TRIES = 3  # a blob whose object keeps changing under us fails after this many starts
 
 
@@ -122,3 +138,94 @@ def _in_order(
 
 def _take(starts: Iterator[int], count: int) -> list[int]:
     return [s for _, s in zip(range(count), starts, strict=False)]
+
+
+def back_plan(sizes: Sequence[int], jobs: int) -> Plan:
+    """Parts for read_back: about BACK_PARTS_PER_JOB per connection, of BACK_PART_MIN or more;
+    every part of a blob in flight at once (they hold no buffer while they wait)."""
+    jobs = max(1, jobs)
+    part = max(BACK_PART_MIN, min(PART_MAX, sum(sizes) // (jobs * BACK_PARTS_PER_JOB)) // PART_MIN * PART_MIN)
+    return Plan(part, max(-(-size // part) for size in sizes), max(1, min(len(sizes), jobs)))
+
+
+def read_back(
+    data: DataPlane, key: str, target: BlobTarget, plan: Plan, fetchers: ThreadPoolExecutor, buffers: Buffers
+) -> Callable[[int, bool], Generator[memoryview, None, None]]:
+    """confined.write_placed's `place` for one blob whose file lives in memory (the page cache,
+    tmpfs): every part streamed at once by `fetchers`, each through a small reused buffer and
+    written at its offset, and the bytes read back from the file in order to be hashed. No
+    part is held in memory waiting for the ones before it, so parts can be large (few requests)
+    and all in flight (many connections)."""
+
+    def place(fd: int, direct: bool) -> Generator[memoryview, None, None]:
+        version = Version(data.where(key))
+        starts = range(0, target.size, plan.part)
+        progress = _Progress(len(starts))
+
+        def fetch(index: int, start: int) -> None:
+            size = min(plan.part, target.size - start)
+            at = start
+            try:
+                with buffers.lend() as buf:
+                    for view in data.resumed(key, size, buf, needed=str(target.dest), part=(start, version)):
+                        write_at(fd, view, at, direct)
+                        at += len(view)
+                        if not progress.advance(index, at - start):
+                            return  # the blob failed elsewhere: its file is being discarded
+            finally:
+                progress.ended(index)
+
+        futures = [fetchers.submit(retry.carried(partial(fetch, i, s))) for i, s in enumerate(starts)]
+        reader = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for index, start in enumerate(starts):
+                size = min(plan.part, target.size - start)
+                if progress.wait(index, size) < size:
+                    futures[index].result()  # its failure
+                    raise StoreError(f"{data.where(key)}: a part of {size} bytes ended short")
+                # The part's pages, mapped (no copy) and faulted in at once.
+                with mmap.mmap(reader, size, mmap.MAP_SHARED | MAP_POPULATE, mmap.PROT_READ, offset=start) as pages:
+                    view = memoryview(pages)
+                    yield view
+                    view.release()
+        finally:
+            os.close(reader)
+            progress.stop()
+            for f in futures:  # none may still write into a file about to be closed
+                if not f.cancel():
+                    f.exception()
+
+    return place
+
+
+class _Progress:
+    """The bytes written so far of each part of one blob, from its start (thread-safe)."""
+
+    def __init__(self, parts: int) -> None:
+        self._written = [0] * parts
+        self._ended = [False] * parts
+        self._stopped = False
+        self._changed = threading.Condition()
+
+    def advance(self, index: int, written: int) -> bool:
+        """Record a part's progress; False once the blob is given up (the part should stop)."""
+        with self._changed:
+            self._written[index] = written
+            self._changed.notify_all()
+            return not self._stopped
+
+    def ended(self, index: int) -> None:
+        with self._changed:
+            self._ended[index] = True
+            self._changed.notify_all()
+
+    def wait(self, index: int, size: int) -> int:
+        """A part's bytes written, once all its size are, or it ended."""
+        with self._changed:
+            while self._written[index] < size and not self._ended[index]:
+                self._changed.wait()
+            return self._written[index]
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True

@@ -7,7 +7,8 @@ still hash to the digest it is published under.
 
 Down: small blobs by streaming ranged GETs of their packs, split across about `jobs` connections;
 many large blobs by one streaming GET each; a few (fewer than STREAM_MIN) by concurrent ranges
-written at their offsets (store/s3/ranged.py), so that one big NEFF still gets several connections. Each blob is landed as its bytes arrive and checked against its XXH3-128 (and BLAKE3) before
+written at their offsets (store/s3/ranged.py), so that one big NEFF still gets several connections;
+into a file in memory (tmpfs), every large blob as a few large ranges, read back to be hashed. Each blob is landed as its bytes arrive and checked against its XXH3-128 (and BLAKE3) before
 it is linked into place (confined.write_verified, write_placed).
 """
 
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -138,33 +140,41 @@ class Transfers:
         # small buffer and written in order (no reordering, no big buffers).
         # (A/B on 8 x 128 MiB, bench/RESULTS.md: streams cost 0.4 s less CPU per GiB than ranges
         # and the CLI was not faster with ranges there.)
+        # A file in memory (tmpfs) is read back to be hashed, so its parts need no buffers and
+        # can all be in flight: ranges for every large blob (store/s3/ranged.py's read_back).
+        back = [t for t in large if not t.direct and t.size >= ranged.RANGED_MIN]
+        large = [t for t in large if t.direct or t.size < ranged.RANGED_MIN]
         many = len(large) >= min(STREAM_MIN, jobs)
         tasks += [partial(self._stream_loose, t, chunks, parents) for t in large if many or t.size < ranged.RANGED_MIN]
         large = [t for t in large if not many and t.size >= ranged.RANGED_MIN]
         split = ranged.plan([t.size for t in large], jobs)
-        retry.expect(len(tasks) + split.requests([t.size for t in large]))  # one GET each, a range each
-        self._run_with_ranges(large, split, tasks, jobs, parents)
+        ranges = [_Ranges(t, ranged.placed, split, dataplane.Buffers(split.part)) for t in large]
+        if back:
+            split = ranged.back_plan([t.size for t in back], jobs)
+            received = dataplane.Buffers(ranged.BACK_BUFFER)
+            ranges += [_Ranges(t, ranged.read_back, split, received) for t in back]
+        retry.expect(len(tasks) + sum(r.plan.requests([r.target.size]) for r in ranges))  # one GET each, a range each
+        self._run_with_ranges(ranges, tasks, jobs, parents)
 
     def _run_with_ranges(
-        self, large: list[BlobTarget], split: ranged.Plan, tasks: list[Callable[[], None]], jobs: int, parents: Parents
+        self, ranges: list[_Ranges], tasks: list[Callable[[], None]], jobs: int, parents: Parents
     ) -> None:
-        """Run tasks, and fetch a few large blobs as concurrent ranges (store/s3/ranged.py). Each
+        """Run tasks, and fetch some large blobs as concurrent ranges (store/s3/ranged.py). Each
         writer waits on its ranges, fetched by a pool of their own (a task never waits on its own
         pool); the semaphore bounds memory to writers * window * part."""
-        if not large:
+        if not ranges:
             dataplane.run_all(tasks, jobs)
             return
-        buffers = dataplane.Buffers(split.part)
-        writers = threading.BoundedSemaphore(split.writers)
+        writers = threading.BoundedSemaphore(max(r.plan.writers for r in ranges))
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="neffbuild-s3-part") as parts:
 
-            def write_large(target: BlobTarget) -> None:
-                key = blob_key(target.digest)
+            def write_large(r: _Ranges) -> None:
+                key = blob_key(r.target.digest)
                 with writers:
                     for tries_left in reversed(range(ranged.CHANGED_TRIES)):
                         try:
-                            place = ranged.placed(self._reader, key, target, split, parts, buffers)
-                            write_placed(target, place, origin=self._reader.where(key), parents=parents)
+                            place = r.how(self._reader, key, r.target, r.plan, parts, r.buffers)
+                            write_placed(r.target, place, origin=self._reader.where(key), parents=parents)
                             break
                         except responses.ObjectChanged:
                             if not tries_left:
@@ -172,7 +182,7 @@ class Transfers:
                             logger.info("%s was replaced mid-way: fetching it again", self._reader.where(key))
                 retry.landed()
 
-            dataplane.run_all([lambda t=t: write_large(t) for t in large] + tasks, jobs)
+            dataplane.run_all([partial(write_large, r) for r in ranges] + tasks, jobs)
 
     def _stream_loose(self, target: BlobTarget, chunks: dataplane.Buffers, parents: Parents) -> None:
         """One GET of a blob's own object, received into a small buffer and landed as it comes
@@ -216,6 +226,17 @@ class Transfers:
                 responses.finish(response)
 
         self._reader.retried(key, attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ranges:
+    """A large blob fetched as ranges: how its parts are placed (ranged.placed or read_back),
+    their plan, and the buffers they are received into."""
+
+    target: BlobTarget
+    how: Callable[..., Callable[[int, bool], Generator[memoryview, None, None]]]
+    plan: ranged.Plan
+    buffers: dataplane.Buffers
 
 
 def crc32c(data: Any, crc: int = 0) -> int:
