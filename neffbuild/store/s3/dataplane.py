@@ -212,7 +212,7 @@ class DataPlane:
     def stream(
         self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None,
         version: Version | None = None,
-    ) -> urllib3.BaseHTTPResponse:  # fmt: skip
+    ) -> urllib3.BaseHTTPResponse:  # fmt: skip  # parameters packed by meaning, not one a line
         """An open response for [start, end) (the whole object if end is None); the caller reads
         what it expects of it and no more, then finish()es it. With a version: of that version
         of the object (ObjectChanged if not)."""
@@ -221,7 +221,7 @@ class DataPlane:
     def opened(
         self, rel: str, start: int = 0, end: int | None = None, *, needed: str | None = None,
         version: Version | None = None,
-    ) -> urllib3.BaseHTTPResponse:  # fmt: skip
+    ) -> urllib3.BaseHTTPResponse:  # fmt: skip  # parameters packed by meaning, not one a line
         """stream's one try, for a caller whose own retried attempt opens it (a retried inside a
         retried would pace and count one request twice)."""
         response = self._get(rel, start, end, needed, version)

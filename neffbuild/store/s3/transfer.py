@@ -136,14 +136,14 @@ class Transfers:
         for wanted in by_pack.values():
             fetches = packs.plan_ranges(packed[wanted[0].digest][0], wanted, size)
             tasks += [partial(self._stream_range, f, chunks, parents) for f in fetches]
+        # A file in memory (tmpfs, not O_DIRECT) is read back to be hashed, so its parts need no
+        # buffers and can all be in flight: ranges for every large blob (ranged.read_back).
+        back = [t for t in large if not t.direct and t.size >= ranged.RANGED_MIN]
+        large = [t for t in large if t.direct or t.size < ranged.RANGED_MIN]
         # Enough blobs to keep the connections busy, or small ones: one GET each, received into a
         # small buffer and written in order (no reordering, no big buffers).
         # (A/B on 8 x 128 MiB, bench/RESULTS.md: streams cost 0.4 s less CPU per GiB than ranges
-        # and the CLI was not faster with ranges there.)
-        # A file in memory (tmpfs) is read back to be hashed, so its parts need no buffers and
-        # can all be in flight: ranges for every large blob (store/s3/ranged.py's read_back).
-        back = [t for t in large if not t.direct and t.size >= ranged.RANGED_MIN]
-        large = [t for t in large if t.direct or t.size < ranged.RANGED_MIN]
+        # held in memory and the CLI was not faster with those there.)
         many = len(large) >= min(STREAM_MIN, jobs)
         tasks += [partial(self._stream_loose, t, chunks, parents) for t in large if many or t.size < ranged.RANGED_MIN]
         large = [t for t in large if not many and t.size >= ranged.RANGED_MIN]
@@ -161,7 +161,7 @@ class Transfers:
     ) -> None:
         """Run tasks, and fetch some large blobs as concurrent ranges (store/s3/ranged.py). Each
         writer waits on its ranges, fetched by a pool of their own (a task never waits on its own
-        pool); the semaphore bounds memory to writers * window * part."""
+        pool); the semaphore bounds memory to writers * window * part (ranges held in memory)."""
         if not ranges:
             dataplane.run_all(tasks, jobs)
             return
