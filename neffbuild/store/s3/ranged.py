@@ -12,9 +12,9 @@ blob starts again from its first byte, at most CHANGED_TRIES times in all.
 
 Where the file lives in memory (tmpfs: no O_DIRECT, see host/landing.py) the parts need not wait
 in buffers to be hashed in order (read_back): each streams through a small buffer into the file,
-and the blob's writer hashes the file's own pages, mapped, part after part. So every large blob
-goes as ranges there, a few large ones each, all in flight: the many connections that keep a
-busy server sending (bench/RESULTS.md, issue 40).
+and the blob's writer hashes the file's own pages, mapped, in order as they are written. So
+every large blob goes as ranges there, a few large ones each, all in flight: the many
+connections that keep a busy server sending (bench/RESULTS.md, issue 40).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ MEMORY = 256 << 20  # receive buffers held at once, all large blobs together
 BACK_PARTS_PER_JOB = 2
 BACK_PART_MIN = 16 << 20
 BACK_BUFFER = 1 << 20  # a part's receive buffer: fresh memory per connection costs page faults
+BACK_HASHED = 4 << 20  # bytes of a part mapped and hashed at once (page-aligned: parts are whole MiB)
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 CHANGED_TRIES = 3  # a blob whose object keeps changing under us fails after this many starts
 
@@ -180,14 +181,17 @@ def read_back(
         try:
             for index, start in enumerate(starts):
                 size = min(plan.part, target.size - start)
-                if progress.wait(index, size) < size:
-                    futures[index].result()  # its failure
-                    raise StoreError(f"{data.where(key)}: a part of {size} bytes ended short")
-                # The part's pages, mapped (no copy) and faulted in at once.
-                with mmap.mmap(reader, size, mmap.MAP_SHARED | MAP_POPULATE, mmap.PROT_READ, offset=start) as pages:
-                    view = memoryview(pages)
-                    yield view
-                    view.release()
+                for at in range(0, size, BACK_HASHED):  # hashed as it lands, not once the part is whole
+                    end = min(at + BACK_HASHED, size)
+                    if progress.wait(index, end) < end:
+                        futures[index].result()  # its failure
+                        raise StoreError(f"{data.where(key)}: a part of {size} bytes ended at {at}")
+                    # The written pages, mapped (no copy) and faulted in at once.
+                    flags = mmap.MAP_SHARED | MAP_POPULATE
+                    with mmap.mmap(reader, end - at, flags, mmap.PROT_READ, offset=start + at) as pages:
+                        view = memoryview(pages)
+                        yield view
+                        view.release()
         finally:
             os.close(reader)
             progress.stop()
@@ -220,7 +224,7 @@ class _Progress:
             self._changed.notify_all()
 
     def wait(self, index: int, size: int) -> int:
-        """A part's bytes written, once all its size are, or it ended."""
+        """A part's bytes written, once size of them are, or it ended."""
         with self._changed:
             while self._written[index] < size and not self._ended[index]:
                 self._changed.wait()
