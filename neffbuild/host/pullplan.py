@@ -103,7 +103,7 @@ def _missing(cache: CacheDir, installed: Installed, state: State, jobs: int) -> 
     """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
     files = installed.release.files
     scan = scan_files(cache, files, state, jobs) if cache.exists else Scan(dict.fromkeys(f.path for f in files))
-    missing = [f for f in files if scan.found[f.path] is None]
+    missing = [] if scan.recorded is not None else [f for f in files if scan.found[f.path] is None]
     sizes = [*(f.size for f in missing), state_size(installed)] if missing else []  # a no-op pull encodes nothing
     return scan, missing, sizes
 
