@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +115,8 @@ def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[
     runs = _runs(files, jobs)
     if len(runs) <= 1:
         return looks(files)
+    from concurrent.futures import ThreadPoolExecutor  # only to hash large files: not on a no-op
+
     with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
         return [d for run in pool.map(looks, runs) for d in run]
 
