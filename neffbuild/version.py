@@ -45,7 +45,9 @@ def _dist_info_version(package: str) -> str | None:
             continue
         if any(n.endswith((".egg-info", ".egg")) and _normal(n).startswith(wanted) for n in names):
             return None
-        found = [n for n in names if (m := _DIST_INFO.fullmatch(n)) and _normal(m[1]) == wanted]
+        found = [
+            n for n in names if n.endswith(".dist-info") and (m := _DIST_INFO.fullmatch(n)) and _normal(m[1]) == wanted
+        ]
         if len(found) > 1:
             return None
         if found:

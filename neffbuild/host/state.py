@@ -77,12 +77,13 @@ class Recorded(Mapping[str, tuple[int, int, str]]):
     (None: not recorded), read as path -> (size, mtime_ns, digest). The table is built only when
     asked for; a no-op pull compares the columns instead (host/scan.py)."""
 
-    __slots__ = ("_columns", "_table", "entries", "mtimes")
+    __slots__ = ("_columns", "_count", "_table", "entries", "mtimes")
 
     def __init__(self, entries: tuple[FileEntry, ...], mtimes: list[int | None]) -> None:
         self.entries, self.mtimes = entries, mtimes
         self._table: dict[str, tuple[int, int, str]] | None = None
         self._columns: tuple[list[str], list[int]] | None = None
+        self._count = len(mtimes) - mtimes.count(None)  # len (and bool) without the table
 
     def columns(self) -> tuple[list[str], list[int]]:
         """(the entries' paths, their sizes), in their order."""
@@ -104,7 +105,7 @@ class Recorded(Mapping[str, tuple[int, int, str]]):
         return iter(self._dict())
 
     def __len__(self) -> int:
-        return len(self._dict())
+        return self._count
 
     def __repr__(self) -> str:
         return f"Recorded({self._dict()!r})"
@@ -338,7 +339,7 @@ def _indexed_paths(units: object, paths: list[str], strays: list[str]) -> object
         if type(unit) is not dict or type(got := unit.get("paths")) is not list:
             named.append(unit)
             continue
-        if all(type(p) is int for p in got) and (not got or (min(got) >= 0 and max(got) < len(paths))):
+        if not got or (set(map(type, got)) == {int} and min(got) >= 0 and max(got) < len(paths)):
             named.append({**unit, "paths": [paths[p] for p in got]})
             continue
         for p in got:
