@@ -59,8 +59,8 @@ FORMATS: dict[str, Format] = {
         # Version 1 of the state had no format field: host.state reads it as such.
         Format(
             "cache state",
-            ("neffbuild.cache-state/2", "neffbuild.cache-state/3"),  # /3: /2 with the tag expiries accepted
-            ("neffbuild.cache-state/2", "neffbuild.cache-state/3"),
+            ("neffbuild.cache-state/4",),  # /4: each path once (host/state.py)
+            ("neffbuild.cache-state/2", "neffbuild.cache-state/3", "neffbuild.cache-state/4"),  # /3: with expiries
             ("host.state.parse_state",),
         ),
         Format(

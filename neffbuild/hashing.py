@@ -15,13 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import blake3
 import xxhash
 
 CHUNK = 1 << 20
 DIGEST_LEN = 32  # hex characters of an XXH3-128 digest
 BLAKE3_LEN = 64  # hex characters of a BLAKE3 digest (its default 32-byte output)
 _DIGEST = re.compile(r"[0-9a-f]{32}")
+
+
+def _blake3(data: bytes | memoryview = b"") -> Any:
+    """A BLAKE3 hasher, its module imported on first use (a no-op pull hashes nothing)."""
+    from blake3 import blake3
+
+    return blake3(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +50,7 @@ class Hasher:
     def __init__(self, *, crypto: bool = True) -> None:
         self._xxh = xxhash.xxh3_128()
         # One thread: on a pull, several blobs are hashed at once already (measured: bench/trust.py).
-        self._crypto = blake3.blake3() if crypto else None
+        self._crypto = _blake3() if crypto else None
 
     def update(self, chunk: bytes | memoryview) -> None:
         self._xxh.update(chunk)
@@ -72,7 +78,7 @@ def hash_file(path: Path, *, crypto: bool = True) -> Digest:
 def hash_whole(data: bytes | memoryview, *, crypto: bool = True) -> tuple[str, str]:
     """(XXH3-128, BLAKE3 or "") of bytes already in memory: one call each, no hasher objects
     (most cache files are read whole in one read, and their per-file work is what verify pays)."""
-    return xxhash.xxh3_128_hexdigest(data), blake3.blake3(data).hexdigest() if crypto else ""
+    return xxhash.xxh3_128_hexdigest(data), _blake3(data).hexdigest() if crypto else ""
 
 
 def copy_hashing(src: BinaryIO, dst: BinaryIO) -> Digest:
@@ -91,7 +97,7 @@ def hash_bytes(data: bytes) -> str:
 
 
 def blake3_bytes(data: bytes) -> str:
-    return blake3.blake3(data).hexdigest()
+    return _blake3(data).hexdigest()
 
 
 def canonical_json(value: Any) -> bytes:

@@ -38,14 +38,16 @@ def _dist_info_version(package: str) -> str | None:
     wanted = _normal(package)
     for entry in sys.path:
         try:
-            names = os.listdir(entry or ".")
+            names = _listing(entry or ".")
         except NotADirectoryError:
             return None
         except OSError:
             continue
         if any(n.endswith((".egg-info", ".egg")) and _normal(n).startswith(wanted) for n in names):
             return None
-        found = [n for n in names if (m := _DIST_INFO.fullmatch(n)) and _normal(m[1]) == wanted]
+        found = [
+            n for n in names if n.endswith(".dist-info") and (m := _DIST_INFO.fullmatch(n)) and _normal(m[1]) == wanted
+        ]
         if len(found) > 1:
             return None
         if found:
@@ -55,6 +57,22 @@ def _dist_info_version(package: str) -> str | None:
                 return None
             return _header_version(text)
     return ""
+
+
+_LISTINGS: dict[str, tuple[tuple[int, int, int], list[str]]] = {}
+
+
+def _listing(path: str) -> list[str]:
+    """os.listdir(path), kept while the directory is the same one with the same mtime: a host
+    check asks for four distributions, each a walk of sys.path (a listing per entry was most of it)."""
+    st = os.stat(path)
+    seen = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    kept = _LISTINGS.get(path)
+    if kept is not None and kept[0] == seen:
+        return kept[1]
+    names = os.listdir(path)
+    _LISTINGS[path] = (seen, names)
+    return names
 
 
 def _header_version(text: str) -> str | None:

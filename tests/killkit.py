@@ -31,6 +31,7 @@ from neffbuild.host.pull import pull
 from neffbuild.host.state import STATE_FILE, STATE_FORMAT
 from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 from neffbuild.store.base import Store
+from tests.statekit import recorded_files
 
 Files = Mapping[str, FileEntry]  # a release's files by path
 HEAD_MAX = 1024  # bytes of one HTTP response head (SeaweedFS sends about 400): the allowance per request
@@ -130,15 +131,15 @@ def _state(cache: Path, new: Files, old_state: bytes | None, new_release_id: str
     assert doc["format"] == STATE_FORMAT, doc.get("format")
     # Whatever the state records with the size and mtime a file has now must be that file's bytes:
     # a pull trusts (size, mtime) and would never look at them again.
-    for rel, (size, mtime_ns, digest) in doc["files"].items():
+    for rel, (size, mtime_ns, digest) in recorded_files(doc).items():
         st = os.lstat(cache / rel) if (cache / rel).exists() else None
         if st is not None and (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
             assert digests.get(rel) == digest, f"{path} vouches for {rel} ({digest}) but it holds {digests.get(rel)}"
     if data == old_state:
         return "old"
     assert doc["installed"]["release_id"] == new_release_id, f"{path}: neither the old state nor the new release's"
-    assert set(doc["files"]) == set(new), f"{path}: the new state does not record every file of the release"
-    for rel, (size, mtime_ns, digest) in doc["files"].items():  # the commit point: every file is in
+    assert set(recorded_files(doc)) == set(new), f"{path}: the new state does not record every file of the release"
+    for rel, (size, mtime_ns, digest) in recorded_files(doc).items():  # the commit point: every file is in
         st = os.lstat(cache / rel)
         assert (st.st_size, st.st_mtime_ns, digests.get(rel)) == (size, mtime_ns, digest), (
             f"{path} points at {rel}, which changed"
@@ -152,7 +153,7 @@ def assert_installed(cache: Path, release: Files) -> None:
         got = hash_file(cache / rel)
         assert (got.size, got.hex) == (entry.size, entry.digest), f"{cache / rel}: not the release's bytes"
     doc = json.loads((cache / STATE_DIR / STATE_FILE).read_bytes())
-    assert set(doc["files"]) == set(release)
+    assert set(recorded_files(doc)) == set(release)
     temps = [p for p in cache.rglob(f"*{INCOMPLETE_SUFFIX}")]
     assert temps == [], temps
 

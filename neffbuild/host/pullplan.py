@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from neffbuild import retry
 from neffbuild.documents.records import FileEntry, Release, trusted_release
 from neffbuild.documents.refs import ResolvedRelease, resolve
-from neffbuild.fs.room import require_room, room_for
 from neffbuild.host.bundleunits import installed_unit, release_units
 from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.scan import Scan, State, scan_files, state_size, state_trusted
@@ -91,6 +90,10 @@ def missing_that_fits(
     DiskError, with nothing written. Short of room while another pull holds the lock, whatever
     that pull is landing is not ours to fetch: wait for it (lock_timeout) and look again."""
     scan, missing, sizes = _missing(cache, installed, state_trusted(state, o.verify), o.jobs)
+    if not missing:
+        return scan, missing  # a no-op: no room to ask for
+    from neffbuild.fs.room import require_room, room_for
+
     if missing and cache.exists and not room_for(cache.path, sizes).fits and cache.wait_for_other_pull(o.lock_timeout):
         fresh = cache.read_state()[1].files
         scan, missing, sizes = _missing(cache, installed, state_trusted(fresh, o.verify), o.jobs)
@@ -103,7 +106,7 @@ def _missing(cache: CacheDir, installed: Installed, state: State, jobs: int) -> 
     """(what the cache holds, the files to fetch, the sizes to make room for: theirs and the state file's)."""
     files = installed.release.files
     scan = scan_files(cache, files, state, jobs) if cache.exists else Scan(dict.fromkeys(f.path for f in files))
-    missing = [f for f in files if scan.found[f.path] is None]
+    missing = [] if scan.recorded is not None else [f for f in files if scan.found[f.path] is None]
     sizes = [*(f.size for f in missing), state_size(installed)] if missing else []  # a no-op pull encodes nothing
     return scan, missing, sizes
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from neffbuild.documents.records import FileEntry
 from neffbuild.fs.beneath import Beneath, Hashed
 from neffbuild.fs.confined import disk_error
 from neffbuild.host.cachedir import CacheDir
-from neffbuild.host.state import CacheState, Installed, encode_state
+from neffbuild.host.state import CacheState, Installed, Recorded, encode_state
 
 HASH_RUN = 8 << 20  # bytes a verify thread reads per task: small files are not worth a hand-off each
 # Files this large on average are hashed by several threads (their reads and hashes run without
@@ -44,8 +43,13 @@ def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs
     absent = False
     if state:
         unsure = []
-        stats = _regular_stats(cache, [f.path for f in files])
-        found = dict(zip((f.path for f in files), stats, strict=True))
+        paths = (
+            state.columns()[0] if isinstance(state, Recorded) and state.entries is files else [f.path for f in files]
+        )
+        stats = _regular_stats(cache, paths)
+        found = dict(zip(paths, stats, strict=True))
+        if _as_recorded(state, files, stats):
+            return Scan(found, recorded=state)
         for f, st in zip(files, stats, strict=True):
             if st is None:
                 absent = True
@@ -73,6 +77,19 @@ def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs
     return Scan(found, hashed, frozenset(damaged), state if whole else None)
 
 
+def _as_recorded(state: State, files: Collection[FileEntry], stats: list[os.stat_result | None]) -> bool:
+    """Whether each file was found as a /4 state records it, compared a column at a time: the
+    state's table is files' own (size, mtime, digest) where a mtime is recorded, so this is the
+    check below for every file at once (each present, of its size, at its recorded mtime)."""
+    if not (isinstance(state, Recorded) and state.entries is files):
+        return False
+    try:
+        mtimes = [st.st_mtime_ns for st in stats]  # type: ignore[union-attr]
+    except AttributeError:  # None: a file absent (or not a regular file)
+        return False
+    return mtimes == state.mtimes and [st.st_size for st in stats] == state.columns()[1]  # type: ignore[union-attr]
+
+
 def _regular_stats(cache: CacheDir, paths: list[str]) -> list[os.stat_result | None]:
     with cache.beneath() as tree:
         return regular_stats(tree, paths, cache.path)
@@ -98,6 +115,8 @@ def _look_all(cache: CacheDir, files: list[FileEntry], jobs: int) -> list[tuple[
     runs = _runs(files, jobs)
     if len(runs) <= 1:
         return looks(files)
+    from concurrent.futures import ThreadPoolExecutor  # only to hash large files: not on a no-op
+
     with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="neffbuild-verify") as pool:
         return [d for run in pool.map(looks, runs) for d in run]
 
@@ -159,7 +178,7 @@ def state_recorded(old: CacheState, installed: Installed, scan: Scan) -> bool:
     """Whether the state file already says what this pull would write: compared as data, not
     encoded (0.2 s for a 10,000-file release); equal inputs encode to equal bytes. A scan that
     found every file as the state's table says (scan.recorded) is that table."""
-    if old.version != 2 or old.installed != installed:
+    if old.version != 4 or old.installed != installed:  # an earlier format is rewritten as /4
         return False
     return scan.recorded is old.files or old.files == state_files(installed, scan.found)
 

@@ -13,8 +13,15 @@ Format `neffbuild.cache-state/2`:
                                     left out while empty)
 
 Format `neffbuild.cache-state/3` is /2 with `"expires": {tag: ISO 8601 time}`: when the signed
-statement a pull accepted for the tag expires (what a stale boot checks, host/fallback.py). It is
-written only where there is such an expiry, so a cache dir without trusted keys keeps format /2.
+statement a pull accepted for the tag expires (what a stale boot checks, host/fallback.py).
+
+Format `neffbuild.cache-state/4` (written today) holds each path once, in the release: /3 with
+`files` replaced by `"mtimes": [mtime_ns or null, ...]`, one per file of installed.release in its
+order (null: not recorded; a recorded file's size and digest are the release's), and each unit's
+`paths` given as indices into installed.release.files (a path the release does not list stays a
+string). `expires` is left out while empty. A no-op pull compares the mtimes column with what it
+found in one go, without building a table of 10,000s of entries (`Recorded`). A state of an
+earlier format is read as before and rewritten as /4 by the next pull (a no-op included, once).
 
 `installed` answers "which release is this, and what did it set" with no store round trip (a tag
 may have moved since); its units carry what a key is made of, so `status` can recompute each
@@ -29,20 +36,21 @@ the pull that recorded them parsed them strictly, and any other bytes are parsed
 Version 1 (before this format, no `format` field: {"release", "tag", "files"}) is read, not
 migrated in place: its files serve as before and its release id is kept (enough to tell a stale
 cache from a current one), the release document is unknown. The next pull that changes anything
-writes version 2; a pull into a complete v1 cache writes version 2 once (then never again).
+writes format /4; a pull into a complete v1 cache writes it once (then never again).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from neffbuild.documents.records import (
+    FileEntry,
     Release,
     checked,
     decode_doc,
@@ -57,10 +65,50 @@ from neffbuild.hashing import all_digests, canonical_json, hash_bytes, is_digest
 from neffbuild.names import tag_problem
 from neffbuild.printable import printable
 
-STATE_FORMAT, STATE_FORMAT_3 = FORMATS["cache state"].writes  # /3 only where it records expiries
+(STATE_FORMAT,) = FORMATS["cache state"].writes  # /4
+STATE_FORMAT_2, STATE_FORMAT_3 = FORMATS["cache state"].reads[:2]  # read, no longer written
 STATE_FILE = "state.json"
 
-Files = dict[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
+Files = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) of what pull wrote
+
+
+class Recorded(Mapping[str, tuple[int, int, str]]):
+    """A /4 state's file table: the installed release's entries and the mtime recorded for each
+    (None: not recorded), read as path -> (size, mtime_ns, digest). The table is built only when
+    asked for; a no-op pull compares the columns instead (host/scan.py)."""
+
+    __slots__ = ("_columns", "_count", "_table", "entries", "mtimes")
+
+    def __init__(self, entries: tuple[FileEntry, ...], mtimes: list[int | None]) -> None:
+        self.entries, self.mtimes = entries, mtimes
+        self._table: dict[str, tuple[int, int, str]] | None = None
+        self._columns: tuple[list[str], list[int]] | None = None
+        self._count = len(mtimes) - mtimes.count(None)  # len (and bool) without the table
+
+    def columns(self) -> tuple[list[str], list[int]]:
+        """(the entries' paths, their sizes), in their order."""
+        if self._columns is None:
+            self._columns = ([f.path for f in self.entries], [f.size for f in self.entries])
+        return self._columns
+
+    def _dict(self) -> dict[str, tuple[int, int, str]]:
+        if self._table is None:
+            self._table = {
+                f.path: (f.size, m, f.digest) for f, m in zip(self.entries, self.mtimes, strict=True) if m is not None
+            }
+        return self._table
+
+    def __getitem__(self, path: str) -> tuple[int, int, str]:
+        return self._dict()[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return f"Recorded({self._dict()!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +140,11 @@ class Installed:
 
 @dataclass(frozen=True)
 class CacheState:
-    files: Files = field(default_factory=dict)
+    files: Files = field(default_factory=dict)  # a dict, or Recorded (format /4)
     installed: Installed | None = None  # None: unknown (no state, version 1, corrupt or a newer format)
     release_id: str | None = None  # the installed release's id, known from version 1 too
     tag: str | None = None
-    version: int = 0  # 0: no state, corrupt or a newer format
+    version: int = 0  # 0: no state, corrupt or a newer format; 2: formats /2 and /3; 4: /4
     problem: str | None = None  # why the state file is corrupt (then all else is unknown)
     accepted: dict[str, int] = field(default_factory=dict)  # tag -> highest signed version accepted
     expires: dict[str, str] = field(default_factory=dict)  # tag -> when the statement accepted expires (ISO 8601)
@@ -142,8 +190,10 @@ def parse_state(data: bytes, vouched: Vouched | None = None) -> CacheState:
     try:
         if "format" not in raw:
             return _version_1(raw)
-        if raw["format"] in (STATE_FORMAT, STATE_FORMAT_3):
+        if raw["format"] in (STATE_FORMAT_2, STATE_FORMAT_3):
             return _version_2(raw)
+        if raw["format"] == STATE_FORMAT:
+            return _version_4(raw)
     except IntegrityError as exc:
         return corrupt_state(exc.message)
     found = raw["format"]
@@ -188,10 +238,10 @@ def _parse_vouched(data: bytes, vouched: Vouched) -> CacheState | None:
     # The null must be the release the parse took (a second "release" key would override it).
     if type(installed) is not dict or "release" not in installed or installed["release"] is not None:
         return None
-    if raw.get("format") not in (STATE_FORMAT, STATE_FORMAT_3):
+    if raw.get("format") not in (STATE_FORMAT, STATE_FORMAT_2, STATE_FORMAT_3):
         return None
     try:
-        return _version_2(raw, vouched)
+        return _version_4(raw, vouched) if raw["format"] == STATE_FORMAT else _version_2(raw, vouched)
     except IntegrityError as exc:
         return corrupt_state(exc.message)
 
@@ -219,6 +269,15 @@ class _Version2:
 
 
 @dataclass(frozen=True, slots=True)
+class _Version4:
+    format: str
+    installed: dict[str, object]
+    mtimes: object  # checked by _mtimes, a column at a time
+    accepted: dict[str, int] = field(metadata=checked(lambda got: _accepted_problem(got)))
+    expires: dict[str, str] = field(metadata=checked(lambda got: _expires_problem(got)))
+
+
+@dataclass(frozen=True, slots=True)
 class _Head:
     """Installed without its release (which is checked against its id first)."""
 
@@ -238,8 +297,8 @@ def _version_1(raw: dict[str, Any]) -> CacheState:
 
 
 def _version_2(raw: dict[str, Any], vouched: Vouched | None = None) -> CacheState:
-    if raw["format"] == STATE_FORMAT and "expires" in raw:
-        raise IntegrityError(f"expires: not a field of format {STATE_FORMAT!r}")
+    if raw["format"] == STATE_FORMAT_2 and "expires" in raw:
+        raise IntegrityError(f"expires: not a field of format {STATE_FORMAT_2!r}")
     v2 = decode_doc(_Version2, {"accepted": {}, "expires": {}, **raw}, STATE_FILE, field_path=())
     installed = _installed(v2.installed, vouched)
     files = _files(v2.files, checked={f.path for f in installed.release.files})
@@ -247,6 +306,48 @@ def _version_2(raw: dict[str, Any], vouched: Vouched | None = None) -> CacheStat
         files, installed, installed.release_id, installed.tag or None, version=2, accepted=v2.accepted,
         expires=v2.expires,
     )  # fmt: skip  # arguments packed by meaning, not one a line
+
+
+def _version_4(raw: dict[str, Any], vouched: Vouched | None = None) -> CacheState:
+    v4 = decode_doc(_Version4, {"accepted": {}, "expires": {}, **raw}, STATE_FILE, field_path=())
+    installed = _installed(v4.installed, vouched, indexed=True)
+    mtimes = _mtimes(v4.mtimes, len(installed.release.files))
+    return CacheState(
+        Recorded(installed.release.files, mtimes), installed, installed.release_id, installed.tag or None, version=4,
+        accepted=v4.accepted, expires=v4.expires,
+    )  # fmt: skip  # arguments packed by meaning, not one a line
+
+
+_MTIME_TYPES = frozenset({int, type(None)})
+
+
+def _mtimes(value: object, count: int) -> list[int | None]:
+    """The mtimes column: a list of one int or null per file of the installed release."""
+    if type(value) is not list or len(value) != count or not _MTIME_TYPES.issuperset(map(type, value)):
+        raise IntegrityError(f"mtimes: expected a list of {count} mtimes (ns) or nulls, one per file of the release")
+    return value
+
+
+def _indexed_paths(units: object, paths: list[str], strays: list[str]) -> object:
+    """The units of a /4 state with their paths as names: an index stands for that file of the
+    release, a string for a path it does not list (added to strays: checked once decoded, as every
+    path is); anything else is corrupt. Units not as expected are left for the decoder to name."""
+    if type(units) is not list:
+        return units
+    named = []
+    for i, unit in enumerate(units):
+        if type(unit) is not dict or type(got := unit.get("paths")) is not list:
+            named.append(unit)
+            continue
+        if not got or (set(map(type, got)) == {int} and min(got) >= 0 and max(got) < len(paths)):
+            named.append({**unit, "paths": [paths[p] for p in got]})
+            continue
+        for p in got:
+            if not (type(p) is str or (type(p) is int and 0 <= p < len(paths))):
+                raise IntegrityError(f"installed.units.{i}.paths: {printable(str(p)[:40])!r} is no file of the release")
+        strays.extend(p for p in got if type(p) is str)
+        named.append({**unit, "paths": [paths[p] if type(p) is int else p for p in got]})
+    return named
 
 
 def _expires_problem(expires: dict[str, str]) -> str | None:
@@ -296,26 +397,34 @@ def _files_ok(value: dict[str, Any], checked: frozenset[str] | set[str]) -> bool
     )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
-def _installed(value: dict[str, object], vouched: Vouched | None = None) -> Installed:
+def _installed(value: dict[str, object], vouched: Vouched | None = None, *, indexed: bool = False) -> Installed:
     """The installed record: its release document must hash to its id (the bytes pull parsed
     strictly from the store: a mismatch is an edit), then decodes as strictly as from a store;
-    its units must be that release's. vouched: the release cut out of the file (_parse_vouched)."""
+    its units must be that release's. vouched: the release cut out of the file (_parse_vouched).
+    indexed: format /4, whose units name the release's files by index (_indexed_paths)."""
     release = value.get("release")
     trusted = vouched is not None and release is None and value.get("release_id") == vouched.release_id
     if not trusted:
         _hashed(release, value.get("release_id"))
-    head = decode_doc(_Head, {k: v for k, v in value.items() if k != "release"}, STATE_FILE, field_path=("installed",))
+    head_raw = {k: v for k, v in value.items() if k != "release"}
+    if indexed:  # the fields before units first, as in /2: the decoder names the first it meets
+        decode_doc(_Head, {**head_raw, "units": []}, STATE_FILE, field_path=("installed",))
+    else:
+        head = decode_doc(_Head, head_raw, STATE_FILE, field_path=("installed",))
     if vouched is not None and trusted:
         decoded = vouched.release
     else:
         decoded = decode_doc(Release, release, STATE_FILE, field_path=("installed", "release"))
+    strays: list[str] = []  # /4: the units' paths the release does not list
+    if indexed:
+        head_raw["units"] = _indexed_paths(head_raw.get("units"), [f.path for f in decoded.files], strays)
+        head = decode_doc(_Head, head_raw, STATE_FILE, field_path=("installed",))
     if [(u.unit_id, u.key) for u in head.units] != [(u.unit_id, u.key) for u in decoded.units]:
         raise IntegrityError("installed.units: not the units of installed.release")
-    known = {f.path for f in decoded.files}
-    for unit in head.units:
-        for path in unit.paths:
-            if path not in known and (problem := path_problem(path)) is not None:
-                raise IntegrityError(f"installed.units: {problem}")
+    known = {f.path for f in decoded.files} if not indexed or strays else set()
+    for path in strays if indexed else (p for unit in head.units for p in unit.paths):
+        if path not in known and (problem := path_problem(path)) is not None:
+            raise IntegrityError(f"installed.units: {problem}")
     return Installed(**{f: getattr(head, f) for f in _Head.__slots__}, release=decoded)
 
 
@@ -345,13 +454,24 @@ def encode_state(
     accepted: Mapping[str, int] | None = None,
     expires: Mapping[str, str] | None = None,
 ) -> bytes:
-    """The state file's bytes: equal inputs give equal bytes (pull writes only when they change)."""
-    doc: dict[str, Any] = {
-        "format": STATE_FORMAT_3 if expires else STATE_FORMAT, "installed": to_json(installed),
-        "files": {p: list(v) for p, v in files.items()},
-    }  # fmt: skip  # arguments packed by meaning, not one a line
+    """The state file's bytes (format /4): equal inputs give equal bytes (pull writes only when
+    they change). Only files of the installed release, as it lists them, are recorded."""
+    entries = installed.release.files
+    index = {f.path: i for i, f in enumerate(entries)}
+    doc: dict[str, Any] = {"format": STATE_FORMAT, "installed": to_json(installed), "mtimes": _column(entries, files)}
+    for unit in doc["installed"]["units"]:
+        unit["paths"] = [index.get(path, path) for path in unit["paths"]]
     if accepted:
         doc["accepted"] = dict(accepted)
     if expires:
         doc["expires"] = dict(expires)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _column(entries: tuple[FileEntry, ...], files: Mapping[str, tuple[int, int, str]]) -> list[int | None]:
+    """Each entry's recorded mtime where files records it with the entry's size and digest, else None."""
+    column: list[int | None] = []
+    for f in entries:
+        got = files.get(f.path)
+        column.append(got[1] if got is not None and got[0] == f.size and got[2] == f.digest else None)
+    return column

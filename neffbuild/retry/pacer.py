@@ -5,14 +5,17 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
+from typing import TYPE_CHECKING
 
 from neffbuild.retry.policy import Policy
+
+if TYPE_CHECKING:
+    import random
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ class Pacer:
     ) -> None:
         self.policy = policy
         self._clock = clock
-        self._rng = rng or random.Random()
+        self._rng = rng  # made when first drawn from: random is not on every command's start-up
         self._lock = threading.Lock()
         self.enabled = False
         self.rate = math.inf  # requests/s while enabled
@@ -122,6 +125,10 @@ class Pacer:
     def _went(self, now: float) -> None:
         """A request went (or the rate was cut) at now: the next gap starts here, with its jitter."""
         self._last = now
+        if self._rng is None:
+            import random
+
+            self._rng = random.Random()
         self._draw = 1.0 + self.policy.jitter * (2.0 * self._rng.random() - 1.0)
 
     def measured(self) -> float:

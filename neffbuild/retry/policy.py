@@ -5,7 +5,6 @@ socket timeouts and the hints of a deadline's error."""
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, replace
 
 CONNECT_S = 10.0  # a connection not made in this long is Transient
@@ -66,4 +65,6 @@ class Transient(Exception):
 
 def backoff(tries: int, *, base: float = DEFAULT.base_s, cap: float = DEFAULT.cap_s) -> float:
     """Seconds to wait after `tries` failed tries: full jitter, uniform in [0, min(cap, base * 2**tries)]."""
+    import random  # on a first retry only: not on every command's start-up
+
     return random.uniform(0.0, min(cap, base * 2 ** min(tries, 32)))

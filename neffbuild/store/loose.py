@@ -4,7 +4,6 @@ plane (the local store's). A store with ranged reads may bring a plane of its ow
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
@@ -58,6 +57,8 @@ class LooseBlobs:
     def put_all(self, sources: Sequence[BlobSource], jobs: int) -> int:
         wanted = self.missing({s.digest for s in sources})
         todo = list({s.digest: s for s in sources if s.digest in wanted}.values())
+        from concurrent.futures import ThreadPoolExecutor  # not on a no-op pull's start-up
+
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             return sum(pool.map(lambda s: self.put(s.digest, s.path), todo))
 
@@ -65,6 +66,8 @@ class LooseBlobs:
         """Nothing to record: every blob is an object of its own, found by its name."""
 
     def download(self, targets: Sequence[BlobTarget], jobs: int, release: str | None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         with Parents() as parents, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             list(pool.map(partial(self._download_one, parents=parents), targets))
 

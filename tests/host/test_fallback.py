@@ -12,6 +12,7 @@ import pytest
 
 from neffbuild.store import open_store
 from tests.s3server import free_ports
+from tests.statekit import recorded_files
 from tests.storekit import corrupt_blob, publish_release_of, write_files
 
 pytestmark = pytest.mark.s3
@@ -73,7 +74,7 @@ def test_a_damaged_installed_file_is_not_booted_stale(installed, s3_url: str, cl
 def test_a_corrupt_blob_fails_closed_even_with_allow_stale(installed, s3_url: str, s3_env: dict[str, str], cli) -> None:
     _, cache, _ = installed
     store = open_store(s3_url, env=s3_env)
-    digest = json.loads((cache / ".neffbuild" / "state.json").read_text())["files"]["d3/f3.bin"][2]
+    digest = recorded_files(json.loads((cache / ".neffbuild" / "state.json").read_text()))["d3/f3.bin"][2]
     corrupt_blob(store, digest, s3_env)
     os.unlink(cache / "d3" / "f3.bin")  # so the pull must fetch the damaged object
     failed = pull(cli, s3_url, cache, s3_env, "--allow-stale", "--json")

@@ -647,13 +647,14 @@ def test_a_broken_state_file_costs_only_a_re_hash(store: LocalStore, tmp_path: P
     for broken in (b"", b"null", b"[" * 100_000, b'{"files": {"x": [1, 2]}}', b'{"files": []}', b"\xff\xfe"):
         (cache / STATE_DIR / "state.json").write_bytes(broken)
         assert pull(store, "t", cache).files_fetched == 0
-        assert json.loads((cache / STATE_DIR / "state.json").read_bytes())["files"].keys() == FILES.keys()
+        assert recorded_files(json.loads((cache / STATE_DIR / "state.json").read_bytes())).keys() == FILES.keys()
 
 
 # ---- the cache dir's state, version 2: which release is installed, and how (issue 11) ------------
 
 from neffbuild.documents.records import to_json  # noqa: E402
 from neffbuild.host.state import STATE_FORMAT  # noqa: E402
+from tests.statekit import as_v2, recorded_files, unit_paths  # noqa: E402
 
 
 def read_state_doc(cache: Path) -> dict:
@@ -666,7 +667,7 @@ def test_the_state_records_the_installed_release_and_how(store: LocalStore, tmp_
     report = pull(store, "t", cache)
     doc = read_state_doc(cache)
     installed = doc["installed"]
-    assert doc["format"] == STATE_FORMAT == "neffbuild.cache-state/2"
+    assert doc["format"] == STATE_FORMAT == "neffbuild.cache-state/4"
     assert (installed["release_id"], installed["tag"], installed["store"]) == (release_id, "t", str(store.root))
     stored = parse(Release, store.get_doc("releases", release_id), "r")
     assert installed["release"] == json.loads(json.dumps(to_json(stored)))  # the document itself
@@ -677,8 +678,10 @@ def test_the_state_records_the_installed_release_and_how(store: LocalStore, tmp_
     )
     assert installed["installed_at"].endswith("+00:00")
     [unit] = installed["units"]
-    assert (unit["unit_id"], sorted(unit["paths"])) == ("m/1x1x1", sorted(FILES))
-    assert doc["files"].keys() == FILES.keys()
+    assert (unit["unit_id"], sorted(unit_paths(doc, unit))) == ("m/1x1x1", sorted(FILES))
+    assert all(type(p) is int for p in unit["paths"])  # each path once: the units name the release's files
+    assert recorded_files(doc).keys() == FILES.keys() and "files" not in doc
+    assert [m is not None for m in doc["mtimes"]] == [True] * len(FILES)
 
 
 def test_a_no_op_pull_keeps_the_install_time_and_a_new_release_records_its_own(
@@ -704,13 +707,13 @@ def test_a_state_recording_a_file_the_release_lacks_is_rewritten_without_it(stor
     publish_files(store, FILES, tmp_path)
     cache = tmp_path / "cache"
     pull(store, "t", cache)
-    doc = read_state_doc(cache)
+    doc = as_v2(read_state_doc(cache))  # format /4 cannot record a file its release lacks; /2 could
     recorded = dict(doc["files"])
     doc["files"] = {**recorded, "zz/gone.so": next(iter(recorded.values()))}
     (cache / STATE_DIR / "state.json").write_text(json.dumps(doc))
     report = pull(store, "t", cache)
     assert report.files_fetched == 0 and report.files_rehashed == 0
-    assert read_state_doc(cache)["files"] == recorded
+    assert recorded_files(read_state_doc(cache)) == recorded
 
 
 def test_env_reads_the_installed_release_without_the_store_even_after_the_tag_moved(
@@ -751,7 +754,7 @@ def test_a_version_1_state_is_read_and_replaced_once(store: LocalStore, tmp_path
     release_id = publish_files(store, FILES, tmp_path)
     cache = tmp_path / "cache"
     pull(store, "t", cache)
-    v1 = {"release": release_id, "tag": "t", "files": read_state_doc(cache)["files"]}
+    v1 = {"release": release_id, "tag": "t", "files": recorded_files(read_state_doc(cache))}
     (cache / STATE_DIR / "state.json").write_text(json.dumps(v1))
     assert cli("env", "--cache-dir", str(cache)).returncode == 8  # release document unknown
     legacy = cli("env", "t", "--cache-dir", str(cache), "--store", str(store.root))

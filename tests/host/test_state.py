@@ -26,9 +26,10 @@ from neffbuild.documents.records import Release, parse, trusted_release
 from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.host.pull import pull
-from neffbuild.host.state import STATE_FORMAT, Vouched, parse_state, release_in
+from neffbuild.host.state import STATE_FORMAT, Vouched, encode_state, parse_state, release_in
 from neffbuild.store.local import LocalStore
 from tests.procs import without_override
+from tests.statekit import as_v2, recorded_files
 from tests.storekit import publish_release_of, write_files
 
 STATE = Path(".neffbuild") / "state.json"
@@ -216,6 +217,13 @@ def test_every_wrong_type_in_every_field_is_a_corrupt_state_naming_the_field(ins
         state = parse_state(json.dumps(edited).encode())
         if any(part in free_form for part in path[:-1]) and path[-1] != "unit":
             continue
+        if path[1:2] == ("units",) and path[3:4] == ("paths",) and len(path) == 5 and value == "text":
+            # Format /4: a unit's path is an index into the release's files, or a path it does not list.
+            assert state.problem is None and state.installed is not None and "text" in state.installed.units[0].paths
+            continue
+        if path[0] == "mtimes" and len(path) == 2 and value is None:  # not recorded: hashed again
+            assert state.problem is None and len(state.files) == len(doc["mtimes"]) - 1
+            continue
         seen += 1
         assert state.problem is not None, (path, value)
         assert state.installed is None and state.files == {}
@@ -224,26 +232,33 @@ def test_every_wrong_type_in_every_field_is_a_corrupt_state_naming_the_field(ins
     assert seen > 200
 
 
+def assert_edit_is_corrupt(doc: dict[str, Any], edit: Any, problem: str) -> None:
+    """doc edited, its release id recomputed over the edited release (as anyone can), reads as a
+    corrupt state whose problem says problem."""
+    edited = copy.deepcopy(doc)
+    edit(edited)
+    edited["installed"]["release_id"] = hash_bytes(
+        json.dumps(edited["installed"]["release"], sort_keys=True, separators=(",", ":")).encode(
+            "utf-8", "surrogatepass"
+        )
+    )
+    state = parse_state(json.dumps(edited).encode())
+    assert state.problem is not None and problem in state.problem, (problem, state.problem)
+    assert state.installed is None and state.files == {}
+
+
 def test_paths_outside_the_installed_release_are_still_checked(installed) -> None:
     # The release's own paths are checked once, with it; a path only the units or the hash cache
     # list is checked on its own, so an edit cannot slip an unsafe one past the parse.
     _, _, doc = installed
+    doc = as_v2(doc)  # format /2 listed each path in the units and the table too (/4 below)
     for edit, problem in (
         (lambda d: d["installed"]["units"][0]["paths"].append("../escape.so"), "installed.units: unsafe path"),
         (lambda d: d["files"].update({"../escape.so": [1, 1, "0" * 32]}), "files: unsafe path"),
         (lambda d: d["installed"]["release"].update({"name": "\ud800"}), "lone surrogate"),
         (lambda d: d["files"].update({"a\ud800": [1, 1, "0" * 32]}), "lone surrogate"),
     ):
-        edited = copy.deepcopy(doc)
-        edit(edited)
-        edited["installed"]["release_id"] = hash_bytes(
-            json.dumps(edited["installed"]["release"], sort_keys=True, separators=(",", ":")).encode(
-                "utf-8", "surrogatepass"
-            )
-        )
-        state = parse_state(json.dumps(edited).encode())
-        assert state.problem is not None and problem in state.problem, state.problem
-        assert state.installed is None and state.files == {}
+        assert_edit_is_corrupt(doc, edit, problem)
 
 
 def test_commands_on_a_corrupt_state_exit_with_its_code_and_pull_repairs_it(installed, tmp_path: Path) -> None:
@@ -278,6 +293,7 @@ def test_commands_on_a_corrupt_state_exit_with_its_code_and_pull_repairs_it(inst
 
 def test_a_corrupt_state_on_a_read_only_cache_dir_is_said_as_such(installed, tmp_path: Path) -> None:
     store, cache, doc = installed
+    doc = as_v2(doc)
     doc["files"] = []
     write_state(cache, doc)
     for top, dirs, files in os.walk(cache):
@@ -367,7 +383,7 @@ def test_the_decoder_on_mutations_of_a_real_state_says_corrupt_or_decodes(
         doc["installed"]["release_id"] = hash_bytes(canonical_json(doc["installed"]["release"]))
     state = parse_state(json.dumps(doc).encode())
     if state.problem is None:
-        assert state.version == 2 and state.installed is not None
+        assert state.version == 4 and state.installed is not None
         assert all(type(v[0]) is int and type(v[1]) is int and isinstance(v[2], str) for v in state.files.values())
     else:
         with pytest.raises(StateCorrupt):
@@ -488,3 +504,84 @@ def test_a_state_written_by_an_earlier_pull_reads_as_its_release_installed(tmp_p
     )  # fmt: skip
     assert env.returncode == 0, env.stderr
     assert "OMP_NUM_THREADS=2" in env.stdout and f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'cache'}" in env.stdout
+
+
+# ---- format /4: each path once -------------------------------------------------------------------
+
+
+def test_format_4_round_trips_and_reads_as_the_same_state_as_format_2(installed) -> None:
+    store, cache, doc = installed
+    assert doc["format"] == STATE_FORMAT == "neffbuild.cache-state/4" and "files" not in doc
+    data = (cache / STATE).read_bytes()
+    state, old = parse_state(data), parse_state(json.dumps(as_v2(doc)).encode())
+    assert state.problem is None and state.version == 4 and old.version == 2
+    assert (state.installed, dict(state.files)) == (old.installed, old.files) and state.files == old.files
+    assert state.installed is not None
+    assert encode_state(state.installed, state.files) == data  # the same bytes again
+    assert encode_state(state.installed, old.files) == data
+    served = store_release_bytes(store, doc)
+    release = trusted_release(served)
+    assert release is not None
+    assert parse_state(data, Vouched(doc["installed"]["release_id"], served, release)) == state
+
+
+def test_format_4_is_read_as_strictly(installed) -> None:
+    _, _, doc = installed
+    count = len(doc["mtimes"])
+    for edit, problem in (
+        (lambda d: d["mtimes"].append(1), f"mtimes: expected a list of {count} mtimes"),
+        (lambda d: d["mtimes"].pop(), "mtimes: expected a list"),
+        (lambda d: d["mtimes"].__setitem__(0, "1"), "mtimes: expected a list"),
+        (lambda d: d["mtimes"].__setitem__(0, True), "mtimes: expected a list"),
+        (lambda d: d["mtimes"].__setitem__(0, 1.5), "mtimes: expected a list"),
+        (lambda d: d.update(mtimes={}), "mtimes: expected a list"),
+        (lambda d: d.pop("mtimes"), "mtimes"),
+        (lambda d: d.update(files={}), "files"),  # /2's table is no field of /4
+        (lambda d: d["installed"]["units"][0]["paths"].append(count), "installed.units.0.paths: '3' is no file"),
+        (lambda d: d["installed"]["units"][0]["paths"].append(-1), "installed.units.0.paths: '-1' is no file"),
+        (lambda d: d["installed"]["units"][0]["paths"].append(True), "installed.units.0.paths: 'True' is no file"),
+        (lambda d: d["installed"]["units"][0]["paths"].append(None), "installed.units.0.paths: 'None' is no file"),
+        (lambda d: d["installed"]["units"][0]["paths"].append("../escape.so"), "installed.units: unsafe path"),
+        (lambda d: d["installed"]["units"][0]["paths"].append("a\ud800"), "lone surrogate"),
+        (lambda d: d["installed"]["release"].update({"name": "\ud800"}), "lone surrogate"),
+        (lambda d: d["installed"]["release"]["files"][0].update(path="../escape.so"), "unsafe path"),
+    ):
+        assert_edit_is_corrupt(doc, edit, problem)
+    unrecorded = copy.deepcopy(doc)
+    unrecorded["mtimes"][0] = None  # a file not recorded: hashed again, not corrupt
+    state = parse_state(json.dumps(unrecorded).encode())
+    assert state.problem is None and len(state.files) == count - 1
+    assert recorded_files(unrecorded) == {p: list(v) for p, v in state.files.items()}
+
+
+def test_an_earlier_format_is_rewritten_as_format_4_by_the_next_pull_once(installed) -> None:
+    store, cache, doc = installed
+    for earlier in (as_v2(doc), json.loads(FIXTURE_E6D1870.read_bytes())):
+        (cache / STATE).write_text(json.dumps(earlier))
+        report = pull(store, "t", cache)
+        assert report.files_fetched == 0
+        rewritten = (cache / STATE).read_bytes()
+        assert json.loads(rewritten)["format"] == STATE_FORMAT
+        pull(store, "t", cache)
+        assert (cache / STATE).read_bytes() == rewritten  # a no-op writes nothing
+    assert recorded_files(json.loads(rewritten)).keys() == recorded_files(doc).keys()
+
+
+@pytest.mark.parametrize("form", ["4", "2"])
+def test_a_no_op_finds_every_change_whatever_the_format(installed, tmp_path: Path, form: str) -> None:
+    """The column-wise comparison (format /4) and the per-file one (/2) give one verdict."""
+    store, cache, doc = installed
+    for change, fetched, rehashed in (
+        (lambda: (cache / "ab" / "one.so").unlink(), 1, 0),
+        (lambda: os.utime(cache / "cd" / "two.bin", ns=(1, 1)), 0, 1),
+        (lambda: (cache / "three.json").write_bytes(b"x" * 700), 1, 1),  # same size, other bytes
+        (lambda: (cache / "three.json").write_bytes(b"x"), 1, 0),
+        (lambda: None, 0, 0),
+    ):
+        state = doc if form == "4" else as_v2(doc)
+        pull(store, "t", cache, verify="full")
+        state = json.loads((cache / STATE).read_bytes())
+        (cache / STATE).write_text(json.dumps(state if form == "4" else as_v2(state)))
+        change()
+        report = pull(store, "t", cache)
+        assert (report.files_fetched, report.files_rehashed) == (fetched, rehashed), change
