@@ -162,8 +162,10 @@ def _byte_compiled(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _plan_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Plans cached per test session (units/plancache.py), never in the user's ~/.cache."""
-    os.environ["NEFFBUILD_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plan-cache"))
+    """Plans cached per test run (units/plancache.py), never in the user's ~/.cache; one dir for
+    both xdist workers (`once`; the cache writes atomically), so a manifest planned on one is a
+    hit on the other instead of another import of torch and diffusers."""
+    os.environ["NEFFBUILD_PLAN_CACHE"] = str(once(tmp_path_factory, "plan-cache", str))
 
 
 @pytest.fixture(scope="session")
