@@ -1,4 +1,4 @@
-"""Compile recipes end to end on the tiny pipeline (one block of each kind): five recipe entries,
+"""Compile recipes end to end on the tiny pipeline (conftest's, one block of each kind): five recipe entries,
 each built, pulled into another path, replayed with 0 compiles, and served by fresh processes that call
 neffbuild.serve.prepare (or paste `neffbuild recipe`'s plain Python, or are written by hand from
 the diffusers guide) and count 0 compiler-cache misses; a server compiling with the default
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, once
+from tests.conftest import ROOT
 
 # Five real builds (eight units: a dynamic entry's units each compile its graphs), one per entry.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -82,22 +82,6 @@ UNITS = {
 def grouped(entry: str) -> pytest.MarkDecorator:
     """The entry's tests share its build: one xdist group (scripts/test.sh runs --dist loadgroup)."""
     return pytest.mark.xdist_group(f"recipe-{entry}")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny pipeline with one double- and one single-stream block (scripts/make_tiny_pipeline.py
-    --blocks 1,1; the suite's other builds use 2,2): these tests are about the recipes, which apply
-    to every block alike, and each entry's build and serving processes trace, lower and load one
-    block of each kind instead of two (about a tenth of an entry's compile time)."""
-
-    def make(root: Path) -> str:
-        out = root / "tiny-flux2-klein-1x1"
-        script = [sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(out), "--blocks", "1,1"]
-        subprocess.run(script, check=True, capture_output=True)
-        return str(out)
-
-    return Path(str(once(tmp_path_factory, "tiny-model-1x1", make)))
 
 
 @dataclass(frozen=True)
