@@ -277,6 +277,7 @@ def pulled_sdxl(built_sdxl: BuiltSdxl, tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # its setup builds the unet and vae.decode cold: minutes, more on a busy machine
 def test_sdxl_builds_records_what_graphs_saw_and_replays_pulled_with_zero_compiles(
     built_sdxl: BuiltSdxl, pulled_sdxl: Path, tmp_path: Path, cli
 ) -> None:
