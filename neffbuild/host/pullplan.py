@@ -94,7 +94,7 @@ def missing_that_fits(
         return scan, missing  # a no-op: no room to ask for
     from neffbuild.fs.room import require_room, room_for
 
-    if missing and cache.exists and not room_for(cache.path, sizes).fits and cache.wait_for_other_pull(o.lock_timeout):
+    if cache.exists and not room_for(cache.path, sizes).fits and cache.wait_for_other_pull(o.lock_timeout):
         fresh = cache.read_state()[1].files
         scan, missing, sizes = _missing(cache, installed, state_trusted(fresh, o.verify), o.jobs)
     if missing:
