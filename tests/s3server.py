@@ -25,6 +25,12 @@ ACCESS_KEY = "neffbuild-test"
 SECRET_KEY = "neffbuild-test-secret"
 READER_KEY, READER_SECRET = "neffbuild-reader", "neffbuild-reader-secret"  # may read and list, not write or delete
 START_TIMEOUT_S = 60.0
+# `weed mini` gives each bucket (a collection) volumes of its own, and left to itself caps their
+# number at the free disk space over the volume size (1 GiB): on a CI machine with ~20 GiB free,
+# the suite's ~25th bucket got HTTP 500 on every write. Volumes are files that grow as written, so
+# a fixed cap costs nothing until used and makes the server the same on every machine.
+MAX_VOLUMES = 1000
+VOLUME_SIZE_MB = 1024
 # Servers that `weed mini` runs besides S3; each gets an http and a grpc port.
 _PORT_FLAGS = ("master", "volume", "filer", "s3", "admin")
 
@@ -88,6 +94,7 @@ class S3Server:
         self.log_path = log_path or data_dir / "weed.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.settings: S3Settings | None = None
+        self.master_url: str | None = None  # the master's HTTP API (/dir/status), for tests of the server
 
     def __enter__(self) -> S3Settings:
         return self.start()
@@ -117,10 +124,12 @@ class S3Server:
         for i, name in enumerate(_PORT_FLAGS):
             port_args += [f"-{name}.port={ports[2 * i]}", f"-{name}.port.grpc={ports[2 * i + 1]}"]
         s3_port = ports[2 * _PORT_FLAGS.index("s3")]
+        self.master_url = f"http://127.0.0.1:{ports[2 * _PORT_FLAGS.index('master')]}"
         cmd = [
             weed, "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}", *port_args,
+            f"-volume.max={MAX_VOLUMES}", f"-master.volumeSizeLimitMB={VOLUME_SIZE_MB}",
         ]  # fmt: skip
         (self.data_dir / "data").mkdir(exist_ok=True)
         log = self.log_path.open("ab")
