@@ -6,10 +6,14 @@ the checks, and the limits on paths that a cache dir must be able to hold.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import typing
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import field
-from typing import Any
+from itertools import repeat
+from typing import Any, TypeVar
 
 from neffbuild.names import reserved_problem, tag_problem
 
@@ -141,3 +145,20 @@ def optional_field(check: typing.Callable[[Any], str | None], default: Any) -> A
     """A field added by a later format: left out of the encoding while it holds its default, so
     documents written before it keep their bytes (and a release its id)."""
     return field(default=default, metadata={"check": lambda v: None if v == default else check(v), "omit": default})
+
+
+Doc = TypeVar("Doc")
+
+
+def from_columns(kind: type[Doc], *columns: Sequence[Any]) -> tuple[Doc, ...]:
+    """tuple(map(kind, *columns)) for a frozen slotted dataclass without __post_init__, from
+    columns already checked: each field set as kind's own __init__ sets it (object.__setattr__,
+    here its slot's), a column at a time, with no Python call per item (a no-op pull builds a
+    release's 10,000s of FileEntry: half the time of that)."""
+    slots = [vars(kind)[f.name] for f in dataclasses.fields(kind)]  # type: ignore[arg-type]
+    if hasattr(kind, "__post_init__") or len(columns) != len(slots) or len({len(c) for c in columns}) > 1:
+        raise ValueError(f"one column per field of {kind.__name__}, all of one length (and no __post_init__)")
+    made = list(map(object.__new__, repeat(kind, len(columns[0]) if columns else 0)))
+    for slot, values in zip(slots, columns, strict=True):
+        deque(map(slot.__set__, made, values), maxlen=0)
+    return tuple(made)

@@ -39,6 +39,7 @@ from neffbuild.documents.fields import (
     distinct_paths,
     env_name_problem,
     file_size,
+    from_columns,
     optional_field,
     reads_problem,
     tag_name,
@@ -297,7 +298,7 @@ def trusted_release(data: bytes) -> Release | None:
         head = decode_doc(Release, {**raw, "files": []}, "", field_path=())
     except IntegrityError:
         return None
-    return dataclasses.replace(head, files=tuple(map(FileEntry, *columns)))
+    return dataclasses.replace(head, files=from_columns(FileEntry, *columns))
 
 
 def decode_doc(kind: type[Doc], raw: Any, where: str, *, field_path: tuple[str, ...] | None = None) -> Doc:
@@ -431,7 +432,7 @@ def _file_entries(value: list[Any], loc: Loc) -> tuple[FileEntry, ...]:
             and all(type(d) is str for d in digests) and all(type(c) is str for c in crypto)
             and _column_ok(paths, digests, crypto) and all(0 <= n < 1 << 63 for n in sizes)
         ):  # fmt: skip  # arguments packed by meaning, not one a line
-            return tuple(map(FileEntry, paths, sizes, digests, crypto))
+            return from_columns(FileEntry, paths, sizes, digests, crypto)
     return tuple(_file_entry(v, (*loc, i)) for i, v in enumerate(value))
 
 

@@ -403,6 +403,21 @@ def test_a_file_list_decodes_a_column_at_a_time_exactly_as_entry_by_entry(files:
     assert by_column == one_by_one
 
 
+def test_file_entries_from_columns_are_the_entries_the_dataclass_makes() -> None:
+    # Built without a call of FileEntry per entry: equal, hashed, shown and frozen as FileEntry's own.
+    columns = (["a/b", "c"], [3, 0], [DIGEST, "f" * 32], ["5" * 64, ""])
+    built, made = fields.from_columns(FileEntry, *columns), tuple(map(FileEntry, *columns))
+    assert built == made and type(built) is tuple and [type(e) for e in built] == [FileEntry, FileEntry]
+    assert [repr(e) for e in built] == [repr(e) for e in made] and hash(built) == hash(made)
+    assert dataclasses.replace(built[0], size=4) == FileEntry("a/b", 4, DIGEST, "5" * 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built[0].size = 5  # type: ignore[misc]
+    assert fields.from_columns(FileEntry, [], [], [], []) == ()
+    for odd in (columns[:3], (*columns[:3], ["5" * 64])):
+        with pytest.raises(ValueError, match="one column per field"):
+            fields.from_columns(FileEntry, *odd)
+
+
 @settings(max_examples=300)
 @given(st.lists(st.lists(st.sampled_from(["a", "A", "b", "é", "É", "c.d"]), min_size=1, max_size=3).map("/".join)))
 def test_distinct_paths_decided_by_sets_says_what_the_entry_walk_says(paths: list[str]) -> None:
