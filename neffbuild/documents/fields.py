@@ -162,3 +162,59 @@ def from_columns(kind: type[Doc], *columns: Sequence[Any]) -> tuple[Doc, ...]:
     for slot, values in zip(slots, columns, strict=True):
         deque(map(slot.__set__, made, values), maxlen=0)
     return tuple(made)
+
+
+class Columns(Sequence[Doc]):
+    """The tuple from_columns(kind, *columns) gives, built only once an item is asked for: its
+    columns are read without it (`column`), and it is equal, hashed, shown and pickled as that
+    tuple. A no-op pull reads a release's paths and sizes only: its 10,000s of FileEntry are
+    never built."""
+
+    __slots__ = ("_built", "_columns", "_kind")
+
+    def __init__(self, kind: type[Doc], *columns: Sequence[Any]) -> None:
+        if len(columns) != len(dataclasses.fields(kind)) or len({len(c) for c in columns}) > 1:  # type: ignore[arg-type]
+            raise ValueError(f"one column per field of {kind.__name__}, all of one length")
+        self._kind, self._columns = kind, columns
+        self._built: tuple[Doc, ...] | None = None
+
+    def column(self, name: str) -> Sequence[Any]:
+        names = [f.name for f in dataclasses.fields(self._kind)]  # type: ignore[arg-type]
+        return self._columns[names.index(name)]
+
+    def built(self) -> tuple[Doc, ...]:
+        if self._built is None:
+            self._built = from_columns(self._kind, *self._columns)
+        return self._built
+
+    def __len__(self) -> int:
+        return len(self._columns[0])
+
+    @typing.overload
+    def __getitem__(self, index: int) -> Doc: ...
+    @typing.overload
+    def __getitem__(self, index: slice) -> tuple[Doc, ...]: ...
+    def __getitem__(self, index: int | slice) -> Doc | tuple[Doc, ...]:
+        return self.built()[index]
+
+    def __iter__(self) -> typing.Iterator[Doc]:
+        return iter(self.built())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Columns):
+            other = other.built()
+        return self.built() == other if isinstance(other, tuple) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.built())
+
+    def __repr__(self) -> str:
+        return repr(self.built())
+
+    def __reduce__(self) -> tuple[type[tuple[Doc, ...]], tuple[tuple[Doc, ...]]]:
+        return tuple, (self.built(),)
+
+
+def column(items: Sequence[Any], name: str) -> Sequence[Any]:
+    """The name field of each item, without building them where they are Columns."""
+    return items.column(name) if isinstance(items, Columns) else [getattr(i, name) for i in items]

@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from neffbuild.documents.fields import column
 from neffbuild.documents.records import (
     FileEntry,
     Release,
@@ -79,16 +80,16 @@ class Recorded(Mapping[str, tuple[int, int, str]]):
 
     __slots__ = ("_columns", "_count", "_table", "entries", "mtimes")
 
-    def __init__(self, entries: tuple[FileEntry, ...], mtimes: list[int | None]) -> None:
+    def __init__(self, entries: Sequence[FileEntry], mtimes: list[int | None]) -> None:
         self.entries, self.mtimes = entries, mtimes
         self._table: dict[str, tuple[int, int, str]] | None = None
         self._columns: tuple[list[str], list[int]] | None = None
         self._count = len(mtimes) - mtimes.count(None)  # len (and bool) without the table
 
     def columns(self) -> tuple[list[str], list[int]]:
-        """(the entries' paths, their sizes), in their order."""
+        """(the entries' paths, their sizes), in their order (without building Columns' entries)."""
         if self._columns is None:
-            self._columns = ([f.path for f in self.entries], [f.size for f in self.entries])
+            self._columns = (list(column(self.entries, "path")), list(column(self.entries, "size")))
         return self._columns
 
     def _dict(self) -> dict[str, tuple[int, int, str]]:
@@ -328,7 +329,7 @@ def _mtimes(value: object, count: int) -> list[int | None]:
     return value
 
 
-def _indexed_paths(units: object, paths: list[str], strays: list[str]) -> object:
+def _indexed_paths(units: object, paths: Sequence[str], strays: list[str]) -> object:
     """The units of a /4 state with their paths as names: an index stands for that file of the
     release, a string for a path it does not list (added to strays: checked once decoded, as every
     path is); anything else is corrupt. Units not as expected are left for the decoder to name."""
@@ -417,7 +418,7 @@ def _installed(value: dict[str, object], vouched: Vouched | None = None, *, inde
         decoded = decode_doc(Release, release, STATE_FILE, field_path=("installed", "release"))
     strays: list[str] = []  # /4: the units' paths the release does not list
     if indexed:
-        head_raw["units"] = _indexed_paths(head_raw.get("units"), [f.path for f in decoded.files], strays)
+        head_raw["units"] = _indexed_paths(head_raw.get("units"), column(decoded.files, "path"), strays)
         head = decode_doc(_Head, head_raw, STATE_FILE, field_path=("installed",))
     if [(u.unit_id, u.key) for u in head.units] != [(u.unit_id, u.key) for u in decoded.units]:
         raise IntegrityError("installed.units: not the units of installed.release")
@@ -468,7 +469,7 @@ def encode_state(
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _column(entries: tuple[FileEntry, ...], files: Mapping[str, tuple[int, int, str]]) -> list[int | None]:
+def _column(entries: Sequence[FileEntry], files: Mapping[str, tuple[int, int, str]]) -> list[int | None]:
     """Each entry's recorded mtime where files records it with the entry's size and digest, else None."""
     column: list[int | None] = []
     for f in entries:

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild import ensure_cache
-from neffbuild.documents.records import Release, parse, trusted_release
+from neffbuild.documents.fields import Columns, column
+from neffbuild.documents.records import Release, dump, parse, trusted_release
 from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.host.pull import pull
@@ -465,7 +466,12 @@ def test_a_tampered_or_unvouched_release_in_the_state_is_parsed_strictly(install
 def test_trusted_release_is_the_strict_parse_or_none(installed) -> None:
     store, _, doc = installed
     served = store_release_bytes(store, doc)
-    assert trusted_release(served) == parse(Release, served, "r")
+    trusted, strict = trusted_release(served), parse(Release, served, "r")
+    assert trusted == strict and strict == trusted and dump(trusted) == dump(strict) == served
+    # Its files are columns until one is read: counted, sized and shown as the strict parse's.
+    assert type(trusted.files) is Columns and len(trusted.files) == len(strict.files) > 0
+    assert trusted.total_size == strict.total_size and repr(trusted) == repr(strict)
+    assert column(trusted.files, "path") == [f.path for f in strict.files] == list(column(strict.files, "path"))
     raw = json.loads(served)
     for edit in (
         lambda r: r.update(format="neffbuild.release/1"),
