@@ -141,6 +141,8 @@ class Installed:
 
 @dataclass(frozen=True)
 class CacheState:
+    """The state file as read: what it says, or why it is corrupt."""
+
     files: Files = field(default_factory=dict)  # a dict, or Recorded (format /4)
     installed: Installed | None = None  # None: unknown (no state, version 1, corrupt or a newer format)
     release_id: str | None = None  # the installed release's id, known from version 1 too
@@ -253,6 +255,8 @@ def corrupt_state(problem: str) -> CacheState:
 
 @dataclass(frozen=True, slots=True)
 class _Version1:
+    """The state file of version 1 (before `format`), as decoded."""
+
     release: str = field(metadata=checked(digest_problem))
     tag: str | None = None
     files: dict[str, Any] = field(default_factory=dict)
@@ -260,6 +264,8 @@ class _Version1:
 
 @dataclass(frozen=True, slots=True)
 class _Version2:
+    """The state file of formats /2 and /3, as decoded."""
+
     format: str
     # object, not Any: taken as JSON gave them, not walked here, since _installed and _files check
     # every value strictly next (a walk of their 10,000s of entries cost half the parse).
@@ -271,6 +277,8 @@ class _Version2:
 
 @dataclass(frozen=True, slots=True)
 class _Version4:
+    """The state file of format /4, as decoded."""
+
     format: str
     installed: dict[str, object]
     mtimes: object  # checked by _mtimes, a column at a time
