@@ -331,12 +331,12 @@ class _Invalid(Exception):
         self.loc, self.msg = loc, msg
 
 
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_PLAIN_KEY = r"[A-Za-z0-9_-]{1,64}"  # compiled where first used: only an error shows a loc
 
 
 def _shown(loc: Loc) -> str:
     """loc on one printable line, whatever its keys hold."""
-    parts = (str(k) if isinstance(k, int) or _PLAIN_KEY.fullmatch(k) else repr(k[:80]) for k in loc)
+    parts = (str(k) if isinstance(k, int) or re.fullmatch(_PLAIN_KEY, k) else repr(k[:80]) for k in loc)
     return ".".join(parts) or "(top)"
 
 
@@ -413,11 +413,11 @@ _FILE_ENTRY_KEYS_2 = {"path", "size", "digest", "blake3"}
 
 # A column of safe ASCII paths, each ended by "\n" (which no path may hold): components of 1 to
 # NAME_MAX bytes without "/", "\\" or control characters, none "." or "..". path_problem, a
-# column at a time.
+# column at a time. Compiled where first used (re caches them): a no-op pull checks no file list.
 _COMPONENT = rf"(?!\.\.?[/\n])[^/\x00-\x1f\x7f\\]{{1,{NAME_MAX}}}"
-_PATH_COLUMN = re.compile(rf"(?:{_COMPONENT}(?:/{_COMPONENT})*\n)*")
-HEX32_COLUMN = re.compile(r"(?:[0-9a-f]{32}\n)*")
-_BLAKE3_COLUMN = re.compile(r"(?:(?:[0-9a-f]{64})?\n)*")
+_PATH_COLUMN = rf"(?:{_COMPONENT}(?:/{_COMPONENT})*\n)*"
+HEX32_COLUMN = r"(?:[0-9a-f]{32}\n)*"
+_BLAKE3_COLUMN = r"(?:(?:[0-9a-f]{64})?\n)*"
 
 
 def _file_entries(value: list[Any], loc: Loc) -> tuple[FileEntry, ...]:
@@ -442,15 +442,15 @@ def _column_ok(paths: list[str], digests: list[str], crypto: list[str]) -> bool:
     return (
         joined.isascii() and joined.count("\n") == len(paths)  # a "\n" inside a path would split it
         and INCOMPLETE_SUFFIX not in joined and f"\n{STATE_DIR}" not in f"\n{joined}"
-        and max(map(len, paths), default=0) <= PATH_MAX and _PATH_COLUMN.fullmatch(joined) is not None
+        and max(map(len, paths), default=0) <= PATH_MAX and re.fullmatch(_PATH_COLUMN, joined) is not None
         and _column(HEX32_COLUMN, digests)
         and _column(_BLAKE3_COLUMN, crypto)
     )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
-def _column(pattern: re.Pattern[str], values: list[str]) -> bool:
+def _column(pattern: str, values: list[str]) -> bool:
     joined = "\n".join(values) + "\n" if values else ""
-    return joined.count("\n") == len(values) and pattern.fullmatch(joined) is not None
+    return joined.count("\n") == len(values) and re.fullmatch(pattern, joined) is not None
 
 
 def _file_entry(value: Any, loc: Loc) -> FileEntry:

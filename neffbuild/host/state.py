@@ -200,12 +200,12 @@ def parse_state(data: bytes, vouched: Vouched | None = None) -> CacheState:
     except IntegrityError as exc:
         return corrupt_state(exc.message)
     found = raw["format"]
-    if isinstance(found, str) and _NEWER.fullmatch(found):
+    if isinstance(found, str) and re.fullmatch(_NEWER, found):
         return CacheState()  # a newer neffbuild's: its hashes may mean something else; it is not ours to judge
     return corrupt_state(f"format {printable(str(found)[:80])!r} is not one neffbuild writes")
 
 
-_NEWER = re.compile(r"neffbuild\.cache-state/[1-9][0-9]*")
+_NEWER = r"neffbuild\.cache-state/[1-9][0-9]*"  # compiled where first used (re caches it): rarely
 # How encode_state lays out the installed release: sorted keys, so "release" ends where
 # "release_id" starts (no other key before "units" holds an object: exports' values are strings).
 _RELEASE_KEY, _RELEASE_ID_KEY = b',"release":', b',"release_id":"'
