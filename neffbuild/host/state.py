@@ -211,10 +211,12 @@ _NEWER = r"neffbuild\.cache-state/[1-9][0-9]*"  # compiled where first used (re 
 _RELEASE_KEY, _RELEASE_ID_KEY = b',"release":', b',"release_id":"'
 
 
-def release_in(data: bytes) -> tuple[str, bytes] | None:
-    """(the installed release's id, its bytes) where the state file is laid out as encode_state
-    writes it, found by their keys without parsing the file; None otherwise. Nothing is checked:
-    parse_state with Vouched uses these bytes only where they equal bytes it already trusts."""
+def release_in(data: bytes) -> tuple[str, int, int] | None:
+    """(the installed release's id, where its bytes start and end in data) where the state file
+    is laid out as encode_state writes it, found by their keys without parsing the file; None
+    otherwise. Nothing is checked: parse_state with Vouched uses these bytes only where they equal
+    bytes it already trusts (holds_release). Not a copy: they are most of the file, and a copy of
+    1.6 MB (10,000 files) faults in 400 fresh pages, about a ms of a no-op pull each time."""
     start = data.find(_RELEASE_KEY)
     end = data.find(_RELEASE_ID_KEY, start)
     if start < 0 or end < 0:
@@ -223,18 +225,23 @@ def release_in(data: bytes) -> tuple[str, bytes] | None:
     release_id = data[at : at + 33]
     if len(release_id) != 33 or release_id[32:] != b'"' or not release_id[:32].isascii():
         return None
-    return release_id[:32].decode(), data[start + len(_RELEASE_KEY) : end]
+    return release_id[:32].decode(), start + len(_RELEASE_KEY), end
+
+
+def holds_release(data: bytes, found: tuple[str, int, int], release_id: str, release: bytes) -> bool:
+    """Whether the release data holds where found says (release_in's) is release_id with exactly
+    those bytes, compared in place."""
+    return found[0] == release_id and found[2] - found[1] == len(release) and data.startswith(release, found[1])
 
 
 def _parse_vouched(data: bytes, vouched: Vouched) -> CacheState | None:
     """parse_state with the installed release's bytes cut out and vouched.release put in their
     place, where those bytes are vouched.data; None where the file is not so (parse it strictly)."""
     found = release_in(data)
-    if found != (vouched.release_id, vouched.data):
+    if found is None or not holds_release(data, found, vouched.release_id, vouched.data):
         return None
-    start = data.find(_RELEASE_KEY) + len(_RELEASE_KEY)
     try:
-        raw = json.loads(b"%snull%s" % (data[:start], data[start + len(vouched.data) :]))
+        raw = json.loads(b"%snull%s" % (data[: found[1]], data[found[2] :]))
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     installed = raw.get("installed") if type(raw) is dict else None

@@ -27,7 +27,7 @@ from neffbuild.documents.records import Release, dump, parse, trusted_release
 from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.host.pull import pull
-from neffbuild.host.state import STATE_FORMAT, Vouched, encode_state, parse_state, release_in
+from neffbuild.host.state import STATE_FORMAT, Vouched, encode_state, holds_release, parse_state, release_in
 from neffbuild.store.local import LocalStore
 from tests.procs import without_override
 from tests.statekit import as_v2, recorded_files
@@ -428,7 +428,10 @@ def test_a_release_held_as_the_store_serves_it_reads_as_the_strict_parse(install
     store, cache, doc = installed
     data = (cache / STATE).read_bytes()
     served = store_release_bytes(store, doc)
-    assert release_in(data) == (doc["installed"]["release_id"], served)
+    found = release_in(data)
+    assert found is not None and found[0] == doc["installed"]["release_id"] and data[found[1] : found[2]] == served
+    assert holds_release(data, found, found[0], served) and not holds_release(data, found, found[0], served[:-1])
+    assert not holds_release(data, found, "0" * 32, served)
     release = trusted_release(served)
     assert release is not None
     vouched = parse_state(data, Vouched(doc["installed"]["release_id"], served, release))
