@@ -1,7 +1,9 @@
 """What the fields of a stored document must be: each check returns a problem, or None.
 
 `parse` (documents/records.py) runs a field's check from its metadata (`checked`); these are
-the checks, and the limits on paths that a cache dir must be able to hold.
+the checks, and the limits on paths that a cache dir must be able to hold. A list field whose
+items were checked already is built a column at a time (`from_columns`), or held as its columns
+until an item is read (`Columns`: a release's 10,000s of files, where a no-op pull reads two).
 """
 
 from __future__ import annotations
