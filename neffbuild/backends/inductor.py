@@ -369,12 +369,23 @@ def version_output(exe: str, timeout: float) -> str | None:
         return None
     finally:
         os.close(write_end)
+    deadline = time.monotonic() + timeout
     with open(read_end, "rb", buffering=0) as pipe:
-        data = _read_until(pipe, time.monotonic() + timeout)
-    if data is None:
-        os.kill(pid, 9)  # SIGKILL, as subprocess.run kills it (signal is not imported for its name)
+        data = _read_until(pipe, deadline)
+    if data is not None and _reaped(pid, deadline):  # subprocess.run waits for the exit too
+        return io.TextIOWrapper(io.BytesIO(data), encoding="locale").read()
+    os.kill(pid, 9)  # SIGKILL, as subprocess.run kills it (signal is not imported for its name)
     os.waitpid(pid, 0)
-    return None if data is None else io.TextIOWrapper(io.BytesIO(data), encoding="locale").read()
+    return None
+
+
+def _reaped(pid: int, deadline: float) -> bool:
+    """Whether pid exited (and was reaped) before deadline: it closed its stdout, so at once."""
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _read_until(pipe: io.RawIOBase, deadline: float) -> bytes | None:

@@ -218,6 +218,12 @@ def test_a_compilers_version_output_is_read_as_subprocess_reads_it(tmp_path: Pat
     hanging.write_text("#!/bin/sh\necho started\nexec sleep 600\n")
     hanging.chmod(0o755)
     assert version_output(str(hanging), 0.2) is None  # killed: no sleep is left behind
+    lingering = tmp_path / "lingering"  # closes its stdout, then runs on: subprocess.run waits for it too
+    lingering.write_text("#!/bin/sh\necho v1\nexec >&-\nexec sleep 600\n")
+    lingering.chmod(0o755)
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([str(lingering), "--version"], capture_output=True, text=True, timeout=0.5)
+    assert version_output(str(lingering), 0.2) is None
     assert _compiler_version(str(tmp_path / "lines")) == f"{tmp_path / 'lines'}: cc (Ver) 1.2"
     assert _compiler_version(str(tmp_path / "empty")) == f"{tmp_path / 'empty'}: unknown"
 
