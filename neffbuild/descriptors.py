@@ -38,6 +38,8 @@ class HostRuntime:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackendDescriptor:
+    """One backend as the manifest, pull and the host check know it, without importing it."""
+
     name: str  # the manifest's `backend = "..."`, a release's and a bundle's backend
     implementation: str  # "module:Class" of its `backends.base.Backend`, imported when asked for
     devices: tuple[str, ...]  # the manifest's devices for it, its default first

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class ServingEnv:
+    """What a release of one backend may export and what its server writes in the cache dir."""
+
     cache_env: str  # the variable that points the compiler at its cache dir
     names: frozenset[str]  # compiler settings a release may set ...
     prefixes: tuple[str, ...]  # ... by name or by prefix

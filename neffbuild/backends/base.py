@@ -58,6 +58,8 @@ class UnitScope(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Scope:
+    """What of a unit its fingerprint depends on: device, parallelism, its own env, quantizing."""
+
     device: str
     tensor_parallel: int = 1
     env: Mapping[str, str] = field(default_factory=dict)

@@ -9,11 +9,12 @@ absolute include paths, so a Python environment at another prefix recompiles eve
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
-import platform
 import re
-import subprocess
+import select
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 
 # Cache entries whose path is derived from a content hash (graph key, kernel source + command):
 # two builds may write the same path with different bytes (e.g. .so files embed their build
-# dir), and either copy serves.
-_CONTENT_KEYED = re.compile(
+# dir), and either copy serves. The patterns here are compiled where first used (re caches them):
+# a pull's host check imports this module and needs none of them.
+_CONTENT_KEYED = (
     r"^(fxgraph/[^/]+/[^/]+/[^/]+"
     r"|aotautograd/[^/]+/[^/]+"
     r"|[0-9a-z]{2}/[0-9a-zA-Z_]+(\.[a-z]+)*"
@@ -46,7 +48,7 @@ _CONTENT_KEYED = re.compile(
     # AOTInductor packages (artifacts.py): named by the digests of what they bake in and of their inputs.
     r"|aoti/[^/]+/[0-9a-f]+/[0-9a-f]+\.(pt2|json))$"
 )
-_NEVER_BUNDLED = re.compile(
+_NEVER_BUNDLED = (
     r"^\.neffbuild/|(^|/)(locks|precompiled_headers|torch_compile_debug)(/|$)|\.(lock|tmp)$|(^|/)tmp[^/]*$"
     # AOTInductor's build dirs: what they hold is inside the .pt2 package a server loads.
     r"|^c[0-9a-z]{51}/"
@@ -58,8 +60,8 @@ _MISS_COUNTERS = ("inductor.fxgraph_cache_miss", "aot_autograd.autograd_cache_mi
 # What ATEN_CPU_CAPABILITY takes away from the ISA Inductor picks kernels for (its
 # cpu_vec_isa.pick_vec_isa): "default" leaves scalar code, "avx2" everything below AVX-512.
 _CAPPED = {
-    "default": re.compile(r"^(avx\w*|amx\w*|fma|f16c|asimd\w*|sve\w*|neon|bf16|i8mm|fp16)$"),
-    "avx2": re.compile(r"^(avx512\w*|amx\w*)$"),
+    "default": r"^(avx\w*|amx\w*|fma|f16c|asimd\w*|sve\w*|neon|bf16|i8mm|fp16)$",
+    "avx2": r"^(avx512\w*|amx\w*)$",
 }
 
 
@@ -90,11 +92,11 @@ class InductorBackend(Backend):
         facts = {
             "torch": torch_version.get("__version__", ""),
             "torch.git": torch_version.get("git_version", ""),
-            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "python": python_fact(),
             "python.prefix": sys.prefix,
-            "platform": f"{sys.platform}-{platform.machine()}",
+            "platform": f"{sys.platform}-{machine()}",
             "cpu.isa": cpu_isa_flags(cpuinfo),
-            "cpu.capability": dispatch_capability(cpu_isa_flags(cpuinfo), platform.machine()) or _torch_capability(),
+            "cpu.capability": dispatch_capability(cpu_isa_flags(cpuinfo), machine()) or _torch_capability(),
             "threads.default": default_threads(env),
             "cxx.default": _compiler_version(env.get("CXX") or "g++"),
         }
@@ -188,12 +190,12 @@ class InductorBackend(Backend):
         selected = []
         for path in sorted(cache_dir.rglob("*")):
             rel = path.relative_to(cache_dir).as_posix()
-            if path.is_file() and not path.is_symlink() and not _NEVER_BUNDLED.search(rel):
+            if path.is_file() and not path.is_symlink() and not re.search(_NEVER_BUNDLED, rel):
                 selected.append(rel)
         return selected
 
     def is_content_keyed(self, path: str) -> bool:
-        return bool(_CONTENT_KEYED.match(path))
+        return bool(re.match(_CONTENT_KEYED, path))
 
     def compiler(self) -> Any:
         import torch
@@ -259,7 +261,7 @@ def effective_isa(isa: str, capability: str) -> str:
     capped = _CAPPED.get(capability.lower())
     if capped is None:
         return isa
-    return ",".join(f for f in isa.split(",") if f and not capped.match(f)) or "none"
+    return ",".join(f for f in isa.split(",") if f and not re.match(capped, f)) or "none"
 
 
 def dispatch_capability(isa: str, machine: str) -> str | None:
@@ -321,16 +323,80 @@ def _version(package: str) -> str:
     return installed_version(package)
 
 
-def _compiler_version(cxx: str) -> str:
+def python_fact() -> str:
+    """platform's f"{python_implementation()} {python_version()}", without importing platform
+    (its import compiles a dozen patterns: a ms of every pull's host check). CPython's sys.version
+    starts with the version platform reads from it; another interpreter is platform's to say."""
+    version = sys.version.partition(" ")[0]
+    if sys.implementation.name == "cpython" and re.fullmatch(r"[\w.+]+", version) and version.count(".") == 2:
+        return f"CPython {version}"
+    import platform
+
+    return f"{platform.python_implementation()} {platform.python_version()}"
+
+
+def machine() -> str:
+    """platform.machine(): os.uname's, where it has one (platform asks further only where not)."""
+    if found := os.uname().machine:
+        return found
+    import platform
+
+    return platform.machine()
+
+
+def _compiler_version(cxx: str, timeout: float = 30.0) -> str:
     exe = which(cxx)
     if exe is None:
         return f"{cxx} (not found)"
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, env=dict(os.environ))
-    except (OSError, subprocess.TimeoutExpired):
+    out = version_output(exe, timeout)
+    if out is None:
         return f"{cxx} (unusable)"
-    first = out.stdout.splitlines()[0] if out.stdout else "unknown"
+    first = out.splitlines()[0] if out else "unknown"
     return f"{cxx}: {first}"
+
+
+def version_output(exe: str, timeout: float) -> str | None:
+    """What `exe --version` writes on stdout, read as subprocess.run(capture_output=True,
+    text=True, timeout=...) reads it (the locale's encoding, universal newlines; stderr dropped);
+    None where it cannot start or runs past timeout (then it is killed). Spawned without
+    subprocess, whose import (with selectors, signal and locale) was ms of every host check."""
+    read_end, write_end = os.pipe()
+    try:
+        actions = [(os.POSIX_SPAWN_DUP2, write_end, 1), (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
+        pid = os.posix_spawn(exe, [exe, "--version"], dict(os.environ), file_actions=actions)
+    except OSError:
+        os.close(read_end)
+        return None
+    finally:
+        os.close(write_end)
+    deadline = time.monotonic() + timeout
+    with open(read_end, "rb", buffering=0) as pipe:
+        data = _read_until(pipe, deadline)
+    if data is not None and _reaped(pid, deadline):  # subprocess.run waits for the exit too
+        return io.TextIOWrapper(io.BytesIO(data), encoding="locale").read()
+    os.kill(pid, 9)  # SIGKILL, as subprocess.run kills it (signal is not imported for its name)
+    os.waitpid(pid, 0)
+    return None
+
+
+def _reaped(pid: int, deadline: float) -> bool:
+    """Whether pid exited (and was reaped) before deadline: it closed its stdout, so at once."""
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _read_until(pipe: io.RawIOBase, deadline: float) -> bytes | None:
+    """All a pipe holds until its writer closes it; None once deadline passed."""
+    chunks: list[bytes] = []
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([pipe], [], [], left)[0]:
+            if not (chunk := pipe.read(1 << 16)):
+                return b"".join(chunks)
+            chunks.append(chunk)
+    return None
 
 
 def which(command: str) -> str | None:

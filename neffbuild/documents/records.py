@@ -24,21 +24,25 @@ import json
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from operator import itemgetter
-from typing import Any, TypeVar
+from typing import Any
 
 from neffbuild.documents.fields import (
     HEX32,
     HEX64,
     NAME_MAX,
     PATH_MAX,
+    Columns,
+    Doc,
     blake3_problem,
+    column,
     distinct_paths,
     env_name_problem,
     file_size,
+    from_columns,
     optional_field,
     reads_problem,
     tag_name,
@@ -136,7 +140,7 @@ class Release:
     env: dict[str, str] = field(metadata=checked(env_problem))
     fingerprint: dict[str, str]
     units: tuple[ReleaseUnit, ...]
-    files: tuple[FileEntry, ...] = field(metadata=checked(distinct_paths))
+    files: Sequence[FileEntry] = field(metadata=checked(distinct_paths))  # a tuple, or Columns (trusted_release)
     shared: tuple[SharedPath, ...] = ()
     format: str = RELEASE_FORMAT
     # What every unit's bundle agrees on of BundleRecord.env_reads and .compiler_keys (as the
@@ -156,7 +160,7 @@ class Release:
 
     @property
     def total_size(self) -> int:
-        return sum(f.size for f in self.files)
+        return sum(column(self.files, "size"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +207,6 @@ def unit_key(unit: Mapping[str, Any], fingerprint: Mapping[str, str]) -> str:
     return hash_bytes(canonical_json({"format": UNIT_FORMAT, "unit": unit, "fingerprint": fingerprint}))
 
 
-Doc = TypeVar("Doc")
-
-
 def to_json(doc: Any) -> dict[str, Any]:
     """A document as JSON-ready data (tuples become lists when serialised): what
     dataclasses.asdict gives, without its deep copy of every leaf (a 10,000-file release took
@@ -219,8 +220,8 @@ def _plain(value: Any) -> Any:
         return value
     if kind is dict:
         return {k: _plain(v) for k, v in value.items()}
-    if kind in (tuple, list):
-        return kind(_plain(v) for v in value)
+    if kind in (tuple, list, Columns):
+        return (list if kind is list else tuple)(_plain(v) for v in value)
     if dataclasses.is_dataclass(kind):
         return {
             name: _plain(got)
@@ -278,9 +279,10 @@ def parse(kind: type[Doc], data: bytes, where: str) -> Doc:
 def trusted_release(data: bytes) -> Release | None:
     """A release from bytes that a strict parse already accepted (a cache dir's state holds them
     exactly as the store serves them and the pull that wrote it checked them): every field but the
-    file list decoded as strictly as parse, the file list built without checking each entry again
-    (its paths, digests and distinct paths: about 20 ms for 10,000 entries). None where the bytes
-    are not a current release's plain shape: parse them strictly then."""
+    file list decoded as strictly as parse, the file list held as columns without checking each
+    entry again (its paths, digests and distinct paths: about 20 ms for 10,000 entries), its
+    FileEntry built where one is read (fields.Columns). None where the bytes are not a current
+    release's plain shape: parse them strictly then."""
     try:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -297,7 +299,7 @@ def trusted_release(data: bytes) -> Release | None:
         head = decode_doc(Release, {**raw, "files": []}, "", field_path=())
     except IntegrityError:
         return None
-    return dataclasses.replace(head, files=tuple(map(FileEntry, *columns)))
+    return dataclasses.replace(head, files=Columns(FileEntry, *columns))
 
 
 def decode_doc(kind: type[Doc], raw: Any, where: str, *, field_path: tuple[str, ...] | None = None) -> Doc:
@@ -329,12 +331,12 @@ class _Invalid(Exception):
         self.loc, self.msg = loc, msg
 
 
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_PLAIN_KEY = r"[A-Za-z0-9_-]{1,64}"  # compiled where first used: only an error shows a loc
 
 
 def _shown(loc: Loc) -> str:
     """loc on one printable line, whatever its keys hold."""
-    parts = (str(k) if isinstance(k, int) or _PLAIN_KEY.fullmatch(k) else repr(k[:80]) for k in loc)
+    parts = (str(k) if isinstance(k, int) or re.fullmatch(_PLAIN_KEY, k) else repr(k[:80]) for k in loc)
     return ".".join(parts) or "(top)"
 
 
@@ -358,7 +360,7 @@ def _shape(tp: Any) -> tuple[str, Any]:
     origin = typing.get_origin(tp)
     if origin is types.UnionType and len(args := typing.get_args(tp)) == 2 and args[1] is type(None):
         return "optional", args[0]
-    if origin is tuple:
+    if origin is tuple or origin is Sequence:
         return "tuple", typing.get_args(tp)[0]
     if origin is dict:
         return "dict", typing.get_args(tp)[1]
@@ -411,11 +413,11 @@ _FILE_ENTRY_KEYS_2 = {"path", "size", "digest", "blake3"}
 
 # A column of safe ASCII paths, each ended by "\n" (which no path may hold): components of 1 to
 # NAME_MAX bytes without "/", "\\" or control characters, none "." or "..". path_problem, a
-# column at a time.
+# column at a time. Compiled where first used (re caches them): a no-op pull checks no file list.
 _COMPONENT = rf"(?!\.\.?[/\n])[^/\x00-\x1f\x7f\\]{{1,{NAME_MAX}}}"
-_PATH_COLUMN = re.compile(rf"(?:{_COMPONENT}(?:/{_COMPONENT})*\n)*")
-HEX32_COLUMN = re.compile(r"(?:[0-9a-f]{32}\n)*")
-_BLAKE3_COLUMN = re.compile(r"(?:(?:[0-9a-f]{64})?\n)*")
+_PATH_COLUMN = rf"(?:{_COMPONENT}(?:/{_COMPONENT})*\n)*"
+HEX32_COLUMN = r"(?:[0-9a-f]{32}\n)*"
+_BLAKE3_COLUMN = r"(?:(?:[0-9a-f]{64})?\n)*"
 
 
 def _file_entries(value: list[Any], loc: Loc) -> tuple[FileEntry, ...]:
@@ -431,7 +433,7 @@ def _file_entries(value: list[Any], loc: Loc) -> tuple[FileEntry, ...]:
             and all(type(d) is str for d in digests) and all(type(c) is str for c in crypto)
             and _column_ok(paths, digests, crypto) and all(0 <= n < 1 << 63 for n in sizes)
         ):  # fmt: skip  # arguments packed by meaning, not one a line
-            return tuple(map(FileEntry, paths, sizes, digests, crypto))
+            return from_columns(FileEntry, paths, sizes, digests, crypto)
     return tuple(_file_entry(v, (*loc, i)) for i, v in enumerate(value))
 
 
@@ -440,15 +442,15 @@ def _column_ok(paths: list[str], digests: list[str], crypto: list[str]) -> bool:
     return (
         joined.isascii() and joined.count("\n") == len(paths)  # a "\n" inside a path would split it
         and INCOMPLETE_SUFFIX not in joined and f"\n{STATE_DIR}" not in f"\n{joined}"
-        and max(map(len, paths), default=0) <= PATH_MAX and _PATH_COLUMN.fullmatch(joined) is not None
+        and max(map(len, paths), default=0) <= PATH_MAX and re.fullmatch(_PATH_COLUMN, joined) is not None
         and _column(HEX32_COLUMN, digests)
         and _column(_BLAKE3_COLUMN, crypto)
     )  # fmt: skip  # arguments packed by meaning, not one a line
 
 
-def _column(pattern: re.Pattern[str], values: list[str]) -> bool:
+def _column(pattern: str, values: list[str]) -> bool:
     joined = "\n".join(values) + "\n" if values else ""
-    return joined.count("\n") == len(values) and pattern.fullmatch(joined) is not None
+    return joined.count("\n") == len(values) and re.fullmatch(pattern, joined) is not None
 
 
 def _file_entry(value: Any, loc: Loc) -> FileEntry:

@@ -39,6 +39,8 @@ Doc = TypeVar("Doc", BundleRecord, Release, TagRecord)
 
 @dataclass(frozen=True)
 class ResolvedRelease:
+    """A release a ref names, read from the store."""
+
     release_id: str
     release: Release
     tag: str | None  # the tag that points at it now (None for a release named by id, or TAG@N with N > 0)
@@ -47,6 +49,8 @@ class ResolvedRelease:
 
 @dataclass(frozen=True)
 class ResolvedBundle:
+    """A bundle a ref names, read from the store."""
+
     key: str
     record: BundleRecord
     where: str

@@ -155,7 +155,18 @@ class Beneath:
         """Append each rel's own status where it is a regular file, else None (absent, a link, a
         directory, a FIFO...): one stat per path, as lstat's, in a loop kept bare (a no-op pull
         checks 10,000s). On an error, len(into) says which rel it was."""
-        append, regular = into.append, stat.S_ISREG
+        into.extend(self._regular(rels))
+
+    def regular_sizes(self, rels: Iterable[str], sizes: list[int | None], mtimes: list[int | None]) -> None:
+        """regular_stats' answers as two columns: each rel's size and mtime (ns) where it is a
+        regular file, else None in both. No status is kept (10,000 of them fault in some 1,300
+        fresh pages: ~4 ms of a no-op pull). On an error, len(sizes) says which rel it was."""
+        for st in self._regular(rels):
+            sizes.append(None if st is None else st.st_size)
+            mtimes.append(None if st is None else st.st_mtime_ns)
+
+    def _regular(self, rels: Iterable[str]) -> Iterator[os.stat_result | None]:
+        regular = stat.S_ISREG
         last: str | None = None
         parent: int | None = None
         for rel in rels:
@@ -163,14 +174,14 @@ class Beneath:
             if head != last:
                 parent, last = self.parent(rel), head
             if parent is None:
-                append(None)
+                yield None
                 continue
             try:
                 st = os.stat(name, dir_fd=parent, follow_symlinks=False)
             except FileNotFoundError:
-                append(None)
+                yield None
                 continue
-            append(st if regular(st.st_mode) else None)
+            yield st if regular(st.st_mode) else None
 
     def hash_file(self, rel: str, limit: int) -> str | None:
         """XXH3-128 of the regular file rel if it holds at most limit bytes, else None."""

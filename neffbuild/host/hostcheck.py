@@ -36,6 +36,8 @@ def read_facts(backend: Backend, env: Mapping[str, str], device: str) -> Mapping
 
 @dataclass(frozen=True, slots=True)
 class FieldDiff:
+    """One fingerprint field that differs between the build and this host."""
+
     name: str
     built: str | None  # None: the build's fingerprint has no such field
     here: str | None  # None: this host's has none
@@ -61,6 +63,8 @@ class FieldDiff:
 
 @dataclass(frozen=True, slots=True)
 class UnitCheck:
+    """One unit's differences, and the key this host gives it."""
+
     unit_id: str
     key: str  # the key it was built under
     host_key: str  # the key this host gives it; "" when only a release was given
@@ -73,6 +77,8 @@ class UnitCheck:
 
 @dataclass(frozen=True, slots=True)
 class HostReport:
+    """A host check: each unit's differences, and each distinct one once."""
+
     backend: str
     units: tuple[UnitCheck, ...]
     diffs: tuple[FieldDiff, ...]  # each distinct difference once, over all units, by field name

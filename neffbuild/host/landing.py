@@ -38,7 +38,7 @@ def land_missing(
         old_state, state = held.state()
         found = scan.found
         # Another pull may have landed some while we waited for the lock.
-        missing = [f for f in resolved.release.files if found[f.path] is None]
+        missing = [] if scan.recorded is not None else [f for f in resolved.release.files if found[f.path] is None]
         found.update(scan_files(cache, missing, state_trusted(state.files, o.verify), o.jobs).found)
         missing = [f for f in missing if found[f.path] is None]
         # Killed pulls' temp files: in the whole tree when files move, else only where a
@@ -59,7 +59,7 @@ def land_missing(
             with cache.beneath() as tree:
                 found.update({f.path: regular_stat(tree, f.path, root) for f in missing})
         # The tag versions accepted go in with the files: only a pull that passed every check records them.
-        _save_state(held, cache.path, state_bytes(installed, found, *trusted), old_state)
+        _save_state(held, cache.path, state_bytes(installed, scan, *trusted), old_state)
     return missing
 
 

@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PullReport:
+    """What a pull did: what the command shows of it."""
+
     release_id: str
     tag: str | None
     cache_dir: Path

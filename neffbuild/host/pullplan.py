@@ -15,7 +15,7 @@ from neffbuild.documents.refs import ResolvedRelease, resolve
 from neffbuild.host.bundleunits import installed_unit, release_units
 from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.scan import Scan, State, scan_files, state_size, state_trusted
-from neffbuild.host.state import CacheState, Installed, Vouched, parse_state, release_in
+from neffbuild.host.state import CacheState, Installed, Vouched, holds_release, parse_state, release_in
 from neffbuild.store.base import Store
 
 if TYPE_CHECKING:  # host/trust.py is imported only where trusted keys are given
@@ -68,15 +68,15 @@ def resolved_with_state(
         installed = old.installed
         known = None if installed is None else (installed.release_id, lambda _: installed.release)
         return resolve(store, ref, known=known), None, old
-    served: list[Release] = []  # the release decoded from the store's bytes, where they are the state's
+    served: list[tuple[bytes, Release]] = []  # the store's bytes, where they are the state's, and their release
 
     def as_recorded(got: bytes) -> Release | None:
-        release = trusted_release(got) if got == found[1] else None
-        served.extend(() if release is None else (release,))
+        release = trusted_release(got) if holds_release(data, found, found[0], got) else None
+        served.extend(() if release is None else ((got, release),))
         return release
 
     resolved = resolve(store, ref, known=(found[0], as_recorded))
-    vouched = Vouched(found[0], found[1], resolved.release) if served and resolved.release is served[0] else None
+    vouched = Vouched(found[0], *served[0]) if served and resolved.release is served[0][1] else None
     old = parse_state(data, vouched)
     if vouched is not None and (old.installed is None or old.installed.release is not vouched.release):
         resolved = resolve(store, ref)  # a state corrupt elsewhere vouches for nothing: the store's bytes, strictly

@@ -27,7 +27,9 @@ State = Mapping[str, tuple[int, int, str]]  # path -> (size, mtime_ns, digest) o
 class Scan:
     """What the cache dir holds of a release's files."""
 
-    found: dict[str, os.stat_result | None]  # path -> status of a file holding its bytes, else None
+    # path -> status of a file holding its bytes, else None; empty where recorded is the state:
+    # every file is then as it records it (and its table is what a pull records).
+    found: dict[str, os.stat_result | None]
     hashed: int = 0  # files read back and hashed (the state did not vouch for them)
     damaged: frozenset[str] = frozenset()  # paths holding a regular file with other bytes
     recorded: State | None = None  # the state scanned, where it vouched for every file and no other
@@ -37,19 +39,18 @@ def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs
     """What the cache already holds of files (only reads). One stat per file; a file of the right
     size the state does not vouch for is read and hashed, in parallel where that pays. With no
     state to vouch for anything (verify="full", a first pull), each file is opened once instead:
-    its fstat stands in for the stat."""
+    its fstat stands in for the stat. Where the state is a /4 one of these files and every file is
+    as it records it, only sizes and mtimes are read (no status kept): the scan of a no-op pull."""
     found: dict[str, os.stat_result | None] = {}
     damaged = set()
     absent = False
     if state:
         unsure = []
-        paths = (
-            state.columns()[0] if isinstance(state, Recorded) and state.entries is files else [f.path for f in files]
-        )
+        if isinstance(state, Recorded) and state.entries is files and _as_recorded(cache, state):
+            return Scan({}, recorded=state)
+        paths = [f.path for f in files]  # statted again where not as recorded: that pull has work to do
         stats = _regular_stats(cache, paths)
         found = dict(zip(paths, stats, strict=True))
-        if _as_recorded(state, files, stats):
-            return Scan(found, recorded=state)
         for f, st in zip(files, stats, strict=True):
             if st is None:
                 absent = True
@@ -77,17 +78,20 @@ def scan_files(cache: CacheDir, files: Collection[FileEntry], state: State, jobs
     return Scan(found, hashed, frozenset(damaged), state if whole else None)
 
 
-def _as_recorded(state: State, files: Collection[FileEntry], stats: list[os.stat_result | None]) -> bool:
-    """Whether each file was found as a /4 state records it, compared a column at a time: the
-    state's table is files' own (size, mtime, digest) where a mtime is recorded, so this is the
-    check below for every file at once (each present, of its size, at its recorded mtime)."""
-    if not (isinstance(state, Recorded) and state.entries is files):
-        return False
-    try:
-        mtimes = [st.st_mtime_ns for st in stats]  # type: ignore[union-attr]
-    except AttributeError:  # None: a file absent (or not a regular file)
-        return False
-    return mtimes == state.mtimes and [st.st_size for st in stats] == state.columns()[1]  # type: ignore[union-attr]
+def _as_recorded(cache: CacheDir, state: Recorded) -> bool:
+    """Whether each file of a /4 state's release is found as the state records it, compared a
+    column at a time: the state's table is the release's own (size, mtime, digest) where a mtime
+    is recorded, so this is scan_files' per-file check for every file at once (each a regular
+    file, of its size, at its recorded mtime; every one recorded)."""
+    paths, sizes = state.columns()
+    found_sizes: list[int | None] = []
+    found_mtimes: list[int | None] = []
+    with cache.beneath() as tree:
+        try:
+            tree.regular_sizes(paths, found_sizes, found_mtimes)
+        except OSError as exc:
+            raise disk_error(exc, cache.path / paths[len(found_sizes)]) from None
+    return None not in found_mtimes and found_mtimes == state.mtimes and found_sizes == sizes
 
 
 def _regular_stats(cache: CacheDir, paths: list[str]) -> list[os.stat_result | None]:
@@ -156,13 +160,11 @@ def state_trusted(state: State, verify: str) -> State:
     return state if verify == "fast" else {}
 
 
-def state_bytes(
-    installed: Installed,
-    found: Mapping[str, os.stat_result | None],
-    accepted: Mapping[str, int],
-    expires: Mapping[str, str],
-) -> bytes:
-    return encode_state(installed, state_files(installed, found), accepted, expires)
+def state_bytes(installed: Installed, scan: Scan, accepted: Mapping[str, int], expires: Mapping[str, str]) -> bytes:
+    """The state file once scan's files are in: where every file was found as the state records
+    it (scan.recorded), that table is what it records."""
+    table = state_files(installed, scan.found) if scan.recorded is None else scan.recorded
+    return encode_state(installed, table, accepted, expires)
 
 
 def state_files(installed: Installed, found: Mapping[str, os.stat_result | None]) -> dict[str, tuple[int, int, str]]:

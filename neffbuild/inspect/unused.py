@@ -9,6 +9,7 @@ Files the trace lists that the release lacks are ignored.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ class UnusedReport:
 def unused(store: Store, ref: str, trace_path: Path) -> UnusedReport:
     trace = read_trace(trace_path)  # before the store: a bad file fails fast
     found = resolve_any(store, ref)
-    files: tuple[FileEntry, ...]
+    files: Sequence[FileEntry]
     if isinstance(found, ResolvedBundle):
         ref_id, name, tag, files = found.key, found.record.unit_id, None, found.record.files
     else:
@@ -66,7 +67,7 @@ def unused(store: Store, ref: str, trace_path: Path) -> UnusedReport:
 
 
 def _mismatch(
-    files: tuple[FileEntry, ...], traced: dict[str, int], traced_release: str | None, release_id: str | None
+    files: Sequence[FileEntry], traced: dict[str, int], traced_release: str | None, release_id: str | None
 ) -> tuple[str, ...]:
     problems = []
     if release_id is not None and traced_release is not None and traced_release != release_id:

@@ -114,6 +114,8 @@ def deletion_failed(url: str, failures: Sequence[tuple[str, str]]) -> StoreError
 # A pack's index (store/packs.py encodes and plans them): here, as Store.pack_indexes returns it.
 @dataclass(frozen=True, slots=True)
 class PackEntry:
+    """One blob inside a pack: where its bytes are."""
+
     digest: str
     offset: int
     size: int
@@ -121,6 +123,8 @@ class PackEntry:
 
 @dataclass(frozen=True, slots=True)
 class PackIndex:
+    """A pack's index: the blobs it holds, and where."""
+
     pack_id: str
     size: int
     entries: tuple[PackEntry, ...]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import unicodedata
 from typing import Any
 
@@ -401,6 +402,38 @@ def test_a_file_list_decodes_a_column_at_a_time_exactly_as_entry_by_entry(files:
     by_column = decoded(lambda: records._file_entries(files, ("files",)))
     one_by_one = decoded(lambda: tuple(records._file_entry(v, ("files", i)) for i, v in enumerate(files)))
     assert by_column == one_by_one
+
+
+def test_file_entries_from_columns_are_the_entries_the_dataclass_makes() -> None:
+    # Built without a call of FileEntry per entry: equal, hashed, shown and frozen as FileEntry's own.
+    columns = (["a/b", "c"], [3, 0], [DIGEST, "f" * 32], ["5" * 64, ""])
+    built, made = fields.from_columns(FileEntry, *columns), tuple(map(FileEntry, *columns))
+    assert built == made and type(built) is tuple and [type(e) for e in built] == [FileEntry, FileEntry]
+    assert [repr(e) for e in built] == [repr(e) for e in made] and hash(built) == hash(made)
+    assert dataclasses.replace(built[0], size=4) == FileEntry("a/b", 4, DIGEST, "5" * 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built[0].size = 5  # type: ignore[misc]
+    assert fields.from_columns(FileEntry, [], [], [], []) == ()
+    for odd in (columns[:3], (*columns[:3], ["5" * 64])):
+        with pytest.raises(ValueError, match="one column per field"):
+            fields.from_columns(FileEntry, *odd)
+
+
+def test_columns_are_the_tuple_they_hold_built_only_where_an_item_is_read() -> None:
+    columns = (["a/b", "c", "d"], [3, 0, 7], [DIGEST, "f" * 32, DIGEST], ["5" * 64, "", ""])
+    held, made = fields.Columns(FileEntry, *columns), tuple(map(FileEntry, *columns))
+    assert fields.column(held, "size") == [3, 0, 7] and len(held) == 3
+    assert held._built is None  # nothing built for its length or a column
+    assert held == made and made == held and held == fields.Columns(FileEntry, *columns) and held != list(made)
+    assert hash(held) == hash(made) and repr(held) == repr(made) and pickle.loads(pickle.dumps(held)) == made
+    assert held[1] == made[1] and held[-1] == made[-1] and held[1:] == made[1:] and list(held) == list(made)
+    assert FileEntry("c", 0, "f" * 32, "") in held and held.index(made[2]) == 2 and held.count(made[0]) == 1
+    assert fields.column(made, "path") == ["a/b", "c", "d"]
+    for odd in (columns[:3], (*columns[:3], ["5" * 64])):
+        with pytest.raises(ValueError, match="one column per field"):
+            fields.Columns(FileEntry, *odd)
+    release_held = release(files=held)
+    assert to_json(release_held) == to_json(release(files=made)) and release_held.total_size == 10
 
 
 @settings(max_examples=300)

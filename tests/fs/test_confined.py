@@ -295,6 +295,18 @@ def test_beneath_never_reports_a_link_or_a_fifo_as_a_file(cache_and_outside) -> 
             with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
                 tree.regular_stats(["real.bin", "dir/keep.txt", "sub/a.bin"], stats)
             assert len(stats) == 1  # says which path failed
+            # regular_sizes: the same answers as (size, mtime) columns, no status kept
+            rels = ["f.bin", "pipe.bin", "real.bin", "sub", "sub/a.bin", "sub/no", "missing/x"]
+            sizes: list[int | None] = []
+            mtimes: list[int | None] = []
+            tree.regular_sizes(rels, sizes, mtimes)
+            stats = []
+            tree.regular_stats(rels, stats)
+            assert sizes == [st and st.st_size for st in stats] and mtimes == [st and st.st_mtime_ns for st in stats]
+            sizes, mtimes = [], []
+            with pytest.raises(DiskError, match=f"{cache / 'dir'}: is a symbolic link"):
+                tree.regular_sizes(["real.bin", "dir/keep.txt", "sub/a.bin"], sizes, mtimes)
+            assert len(sizes) == len(mtimes) == 1
     finally:
         os.close(root)
 

@@ -22,11 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild import ensure_cache
-from neffbuild.documents.records import Release, parse, trusted_release
+from neffbuild.documents.fields import Columns, column
+from neffbuild.documents.records import Release, dump, parse, trusted_release
 from neffbuild.errors import IntegrityError, StateCorrupt
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.host.pull import pull
-from neffbuild.host.state import STATE_FORMAT, Vouched, encode_state, parse_state, release_in
+from neffbuild.host.state import STATE_FORMAT, Vouched, encode_state, holds_release, parse_state, release_in
 from neffbuild.store.local import LocalStore
 from tests.procs import without_override
 from tests.statekit import as_v2, recorded_files
@@ -427,7 +428,10 @@ def test_a_release_held_as_the_store_serves_it_reads_as_the_strict_parse(install
     store, cache, doc = installed
     data = (cache / STATE).read_bytes()
     served = store_release_bytes(store, doc)
-    assert release_in(data) == (doc["installed"]["release_id"], served)
+    found = release_in(data)
+    assert found is not None and found[0] == doc["installed"]["release_id"] and data[found[1] : found[2]] == served
+    assert holds_release(data, found, found[0], served) and not holds_release(data, found, found[0], served[:-1])
+    assert not holds_release(data, found, "0" * 32, served)
     release = trusted_release(served)
     assert release is not None
     vouched = parse_state(data, Vouched(doc["installed"]["release_id"], served, release))
@@ -465,7 +469,12 @@ def test_a_tampered_or_unvouched_release_in_the_state_is_parsed_strictly(install
 def test_trusted_release_is_the_strict_parse_or_none(installed) -> None:
     store, _, doc = installed
     served = store_release_bytes(store, doc)
-    assert trusted_release(served) == parse(Release, served, "r")
+    trusted, strict = trusted_release(served), parse(Release, served, "r")
+    assert trusted == strict and strict == trusted and dump(trusted) == dump(strict) == served
+    # Its files are columns until one is read: counted, sized and shown as the strict parse's.
+    assert type(trusted.files) is Columns and len(trusted.files) == len(strict.files) > 0
+    assert trusted.total_size == strict.total_size and repr(trusted) == repr(strict)
+    assert column(trusted.files, "path") == [f.path for f in strict.files] == list(column(strict.files, "path"))
     raw = json.loads(served)
     for edit in (
         lambda r: r.update(format="neffbuild.release/1"),
