@@ -106,6 +106,6 @@ if [ -f "$linked" ]; then
   cp "$linked" "$out"
 else
   "$real" "${link[@]}" -o "$out"
-  mkdir -p "$CCACHE_DIR/links"
-  cp "$out" "$linked.$$" && mv "$linked.$$" "$linked"
+  # Not kept (e.g. a full disk): the next link of it runs ld again, this one stands.
+  { mkdir -p "$CCACHE_DIR/links" && cp "$out" "$linked.$$" && mv "$linked.$$" "$linked"; } 2>/dev/null || rm -f "$linked.$$"
 fi
