@@ -9,12 +9,10 @@ absolute include paths, so a Python environment at another prefix recompiles eve
 from __future__ import annotations
 
 import importlib.util
-import io
 import os
 import re
-import select
+import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -348,55 +346,12 @@ def _compiler_version(cxx: str, timeout: float = 30.0) -> str:
     exe = which(cxx)
     if exe is None:
         return f"{cxx} (not found)"
-    out = version_output(exe, timeout)
-    if out is None:
-        return f"{cxx} (unusable)"
-    first = out.splitlines()[0] if out else "unknown"
-    return f"{cxx}: {first}"
-
-
-def version_output(exe: str, timeout: float) -> str | None:
-    """What `exe --version` writes on stdout, read as subprocess.run(capture_output=True,
-    text=True, timeout=...) reads it (the locale's encoding, universal newlines; stderr dropped);
-    None where it cannot start or runs past timeout (then it is killed). Spawned without
-    subprocess, whose import (with selectors, signal and locale) was ms of every host check."""
-    read_end, write_end = os.pipe()
     try:
-        actions = [(os.POSIX_SPAWN_DUP2, write_end, 1), (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
-        pid = os.posix_spawn(exe, [exe, "--version"], dict(os.environ), file_actions=actions)
-    except OSError:
-        os.close(read_end)
-        return None
-    finally:
-        os.close(write_end)
-    deadline = time.monotonic() + timeout
-    with open(read_end, "rb", buffering=0) as pipe:
-        data = _read_until(pipe, deadline)
-    if data is not None and _reaped(pid, deadline):  # subprocess.run waits for the exit too
-        return io.TextIOWrapper(io.BytesIO(data), encoding="locale").read()
-    os.kill(pid, 9)  # SIGKILL, as subprocess.run kills it (signal is not imported for its name)
-    os.waitpid(pid, 0)
-    return None
-
-
-def _reaped(pid: int, deadline: float) -> bool:
-    """Whether pid exited (and was reaped) before deadline: it closed its stdout, so at once."""
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def _read_until(pipe: io.RawIOBase, deadline: float) -> bytes | None:
-    """All a pipe holds until its writer closes it; None once deadline passed."""
-    chunks: list[bytes] = []
-    while (left := deadline - time.monotonic()) > 0:
-        if select.select([pipe], [], [], left)[0]:
-            if not (chunk := pipe.read(1 << 16)):
-                return b"".join(chunks)
-            chunks.append(chunk)
-    return None
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    except (OSError, subprocess.TimeoutExpired):
+        return f"{cxx} (unusable)"
+    first = out.stdout.splitlines()[0] if out.stdout else "unknown"
+    return f"{cxx}: {first}"
 
 
 def which(command: str) -> str | None:

@@ -189,43 +189,26 @@ def test_the_python_and_machine_facts_are_platforms() -> None:
     assert machine() == platform.machine()
 
 
-def test_a_compilers_version_output_is_read_as_subprocess_reads_it(tmp_path: Path) -> None:
-    """Spawned without subprocess: the same text (newlines, stderr dropped), None where
-    subprocess.run raises (it cannot start, or runs past its timeout and is killed)."""
-    from neffbuild.backends.inductor import _compiler_version, version_output
+def test_a_compilers_version_is_its_first_line_or_says_why_not(tmp_path: Path) -> None:
+    """The first line of `CXX --version` (stderr dropped); "unusable" where it cannot start or
+    runs past its timeout (killed), "not found" where it is nowhere."""
+    from neffbuild.backends.inductor import _compiler_version
 
-    outputs = {
-        "lines": r"printf 'cc (Ver) 1.2\r\nsecond\rthird\n'; echo noise >&2",
+    scripts = {
+        "lines": r"printf 'cc (Ver) 1.2\r\nsecond\n'; echo noise >&2",
         "empty": "exit 0",
-        "blank": "echo; echo later",
-        "failing": "echo 'cc 9'; exit 3",
-        "large": "head -c 300000 /dev/zero | tr '\\0' x; echo",
+        "unrunnable": None,
+        "hanging": "echo started\nexec sleep 600",
     }
-    for name, body in outputs.items():
+    for name, body in scripts.items():
         script = tmp_path / name
-        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.write_text("no interpreter line\n" if body is None else f"#!/bin/sh\n{body}\n")
         script.chmod(0o755)
-        expected = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=30).stdout
-        assert version_output(str(script), 30.0) == expected, name
-    unrunnable = tmp_path / "unrunnable"
-    unrunnable.write_text("no interpreter line\n")
-    unrunnable.chmod(0o755)
-    with pytest.raises(OSError):
-        subprocess.run([str(unrunnable), "--version"], capture_output=True, text=True, timeout=30)
-    assert version_output(str(unrunnable), 30.0) is None
-    assert _compiler_version(str(unrunnable)) == f"{unrunnable} (unusable)"
-    hanging = tmp_path / "hanging"
-    hanging.write_text("#!/bin/sh\necho started\nexec sleep 600\n")
-    hanging.chmod(0o755)
-    assert version_output(str(hanging), 0.2) is None  # killed: no sleep is left behind
-    lingering = tmp_path / "lingering"  # closes its stdout, then runs on: subprocess.run waits for it too
-    lingering.write_text("#!/bin/sh\necho v1\nexec >&-\nexec sleep 600\n")
-    lingering.chmod(0o755)
-    with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([str(lingering), "--version"], capture_output=True, text=True, timeout=0.5)
-    assert version_output(str(lingering), 0.2) is None
     assert _compiler_version(str(tmp_path / "lines")) == f"{tmp_path / 'lines'}: cc (Ver) 1.2"
     assert _compiler_version(str(tmp_path / "empty")) == f"{tmp_path / 'empty'}: unknown"
+    assert _compiler_version(str(tmp_path / "unrunnable")) == f"{tmp_path / 'unrunnable'} (unusable)"
+    assert _compiler_version(str(tmp_path / "hanging"), timeout=0.2) == f"{tmp_path / 'hanging'} (unusable)"
+    assert _compiler_version(str(tmp_path / "absent")) == f"{tmp_path / 'absent'} (not found)"
 
 
 # A fresh interpreter: the watch stays on torch's counters for the life of the process.
