@@ -24,6 +24,7 @@ from neffbuild.errors import InputError, IntegrityError, StoreError
 from neffbuild.fs.atomic import write_atomic
 from neffbuild.fs.confined import disk_error
 from neffbuild.hashing import hash_bytes
+from neffbuild.names import is_temp_name
 from neffbuild.store.layout import LayoutStore
 from neffbuild.store.raw import DOC_MAX, Content, NotAnObject, ObjectInfo
 
@@ -62,13 +63,13 @@ class LocalDisk:
         return str(self.root / key)
 
     def create(self, marker_key: str, marker: bytes) -> None:
-        if not _is_empty_or_absent(self.root):
+        if not _holds_only_a_marker(self.root, marker_key):
             raise StoreError(
                 f"{self.root} is not empty and not a neffbuild store",
                 hint="choose an empty or new directory for --store",
             )
         _guard(lambda: self.root.mkdir(parents=True, exist_ok=True), self.root)
-        self.put_new(marker_key, marker)
+        self.put_new(marker_key, marker)  # False: another process wrote it first
 
     def get(self, key: str, limit: int) -> bytes | None:
         return _read_small(self.root / key, limit + 1)
@@ -287,10 +288,13 @@ def _walk(folder: Path, root: Path) -> Iterator[tuple[str, int, float]]:
                 yield Path(path, name).relative_to(root).as_posix(), st.st_size, st.st_mtime
 
 
-def _is_empty_or_absent(root: Path) -> bool:
+def _holds_only_a_marker(root: Path, marker_key: str) -> bool:
+    """Absent, empty, or holding just the marker (or its temp file) that another process creating
+    the same store at this moment has written: the caller reads and checks that marker after."""
+    temp = f".{marker_key}."  # fs.atomic's temp files: .<name>.<pid>.<random>.incomplete
     try:
         with os.scandir(root) as entries:
-            return next(entries, None) is None
+            return all(e.name == marker_key or (e.name.startswith(temp) and is_temp_name(e.name)) for e in entries)
     except FileNotFoundError:
         return True
     except NotADirectoryError:

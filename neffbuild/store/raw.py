@@ -53,7 +53,8 @@ class RawStore(Protocol):
         """The object's URL or path, for messages."""
 
     def create(self, marker_key: str, marker: bytes) -> None:
-        """Make an empty store: refuse (StoreError) a medium that holds anything, then write the marker."""
+        """Make an empty store: refuse (StoreError) a medium that holds anything but a marker, then
+        write the marker unless another process creating the same store wrote it first."""
 
     def get(self, key: str, limit: int) -> bytes | None:
         """At most limit + 1 bytes of an object (one more proves it too long: the caller decides),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,6 +96,56 @@ def test_opening_without_create_needs_an_existing_store(store_url: str, env: dic
     assert err.value.hint
     open_store(store_url, create=True, env=env)
     assert open_store(store_url, env=env).url == open_store(store_url, env=env).url  # opens twice, no error
+
+
+CREATOR = """
+import sys, time
+from neffbuild.errors import NeffbuildError
+from neffbuild.store import open_store
+url, start, env = sys.argv[1], float(sys.argv[2]), dict(a.split("=", 1) for a in sys.argv[3:])
+time.sleep(max(0.0, start - time.time()))
+try:
+    open_store(url, create=True, env=env)
+except NeffbuildError as exc:
+    sys.exit(f"{type(exc).__name__}: {exc.message}")
+"""
+
+
+@pytest.mark.parametrize("stagger", [0.0, 0.004])
+def test_processes_creating_one_new_store_at_once_all_open_it(
+    store_url: str, env: dict[str, str], stagger: float
+) -> None:
+    """CI shards and fleet workers open one new store at the same moment, or a few milliseconds
+    apart (one sees no marker, then the other's marker when it looks whether the place is empty):
+    whichever writes the marker first, the others open that store, not call it foreign."""
+    start = time.time() + 2.0  # every process imported and waiting before the first starts
+    creators = [
+        subprocess.Popen(
+            [sys.executable, "-c", CREATOR, store_url, str(start + i * stagger), *(f"{k}={v}" for k, v in env.items())],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
+    failures = [err for c in creators for err in [c.communicate(timeout=120)[1]] if c.returncode]
+    assert not failures, failures
+    store = open_store(store_url, env=env)
+    assert keys_of(store, env) == {MARKER}
+
+
+def test_local_create_refuses_a_foreign_directory_but_not_a_killed_creators_temp_file(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="is not empty and not a neffbuild store"):
+        open_store(str(foreign), create=True)
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / f".{MARKER}.4242.0a1b2c3d4e.incomplete").write_bytes(b'{"form')  # its creator died mid-write
+    open_store(str(killed), create=True)
+    assert json.loads((killed / MARKER).read_text()) == {"format": STORE_FORMAT}
+    assert open_store(str(killed)).url == str(killed.resolve())
 
 
 def test_layout_contract(store: Store, env: dict[str, str], tmp_path: Path) -> None:

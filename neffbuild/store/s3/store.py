@@ -103,9 +103,10 @@ class S3Medium:
         listed = self._sent(
             "", lambda: self.client.list_objects_v2(Bucket=self.location.bucket, Prefix=self.location.prefix, MaxKeys=1)
         )
-        if listed.get("KeyCount", 0):
+        if not listed.get("KeyCount", 0):
+            self.put(marker_key, marker, IfNoneMatch="*")  # False: another process wrote it first
+        elif not self.reader.exists(marker_key):  # a creator writes the marker first, so it is not one
             raise StoreError(f"{self.url} is not empty and not a neffbuild store", hint="choose an empty or new prefix")
-        self.put(marker_key, marker, IfNoneMatch="*")
 
     # -- objects -------------------------------------------------------------------------------
 
