@@ -118,6 +118,8 @@ def test_processes_creating_one_new_store_at_once_all_open_it(
     """CI shards and fleet workers open one new store at the same moment, or a few milliseconds
     apart (one sees no marker, then the other's marker when it looks whether the place is empty):
     whichever writes the marker first, the others open that store, not call it foreign."""
+    if store_url.startswith("s3://"):  # a new bucket too: each creator finds none and makes it
+        store_url = f"s3://new-{os.urandom(6).hex()}/store"
     start = time.time() + 2.0  # every process imported and waiting before the first starts
     creators = [
         subprocess.Popen(

@@ -95,7 +95,11 @@ class S3Medium:
             except client_error() as exc:  # evaluated (and botocore imported) only on an error
                 if error_code(exc) not in ABSENT_BUCKET:
                     raise
-                self.client.create_bucket(Bucket=self.location.bucket, **bucket_region(self.client))
+                try:
+                    self.client.create_bucket(Bucket=self.location.bucket, **bucket_region(self.client))
+                except client_error() as made:
+                    if error_code(made) != "BucketAlreadyOwnedByYou":  # another of our creators made it meanwhile
+                        raise
 
         self._sent("", ensure)
 
