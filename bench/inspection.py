@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from neffbuild.hashing import hash_bytes  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
-from neffbuild.store.base import BlobSource, Store  # noqa: E402
+from neffbuild.store.base import Store  # noqa: E402
+from neffbuild.store.blobs import BlobSource  # noqa: E402
 from tests.inspectkit import FINGERPRINT, Unit, publish_units, unit_of  # noqa: E402
 from tests.s3server import S3Server, client_for  # noqa: E402
 

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release  # noqa: E402
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key  # noqa: E402
+from neffbuild.documents.bundles import BundleRecord, Timings  # noqa: E402
+from neffbuild.documents.records import FileEntry, Release, ReleaseUnit, unit_key  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
 from neffbuild.store.base import Store  # noqa: E402
 from tests.storekit import this_host, write_files  # noqa: E402

@@ -35,14 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release  # noqa: E402
-from neffbuild.documents.records import (  # noqa: E402
-    RELEASE_FORMAT_1,
-    BundleRecord,
-    FileEntry,
-    Release,
-    ReleaseUnit,
-    Timings,
-)
+from neffbuild.documents.bundles import BundleRecord, Timings  # noqa: E402
+from neffbuild.documents.records import RELEASE_FORMAT_1, FileEntry, Release, ReleaseUnit  # noqa: E402
 from neffbuild.hashing import hash_bytes  # noqa: E402
 from neffbuild.host.pull import pull  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
@@ -104,7 +98,7 @@ def publish_both(store, root: Path, name: str) -> None:
 
 def _sources(root: Path):
     from neffbuild.hashing import hash_file
-    from neffbuild.store.base import BlobSource
+    from neffbuild.store.blobs import BlobSource
 
     out = []
     for path in sorted(p for p in root.rglob("*") if p.is_file()):

@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from neffbuild.build.publish import publish_bundle  # noqa: E402
+from neffbuild.documents.bundles import BundleRecord, Timings  # noqa: E402
 from neffbuild.documents.manifest import load_manifest  # noqa: E402
-from neffbuild.documents.records import BundleRecord, FileEntry, Timings  # noqa: E402
+from neffbuild.documents.records import FileEntry  # noqa: E402
 from neffbuild.store import open_store  # noqa: E402
 from neffbuild.units.plan import make_plan  # noqa: E402
 from tests.conftest import KLEIN_INDEX  # noqa: E402

@@ -40,11 +40,12 @@ AGO = re.compile(r"\b\d+ ?(s|m|h|d|seconds?|minutes?|hours?|days?) ago\b")
 def fixture(root: Path) -> dict[str, str]:
     """The store (a release of this host's plan tagged `tiny`, another tagged `other`), names."""
     from neffbuild.build.publish import publish_bundle
+    from neffbuild.documents.bundles import BundleRecord, Timings
     from neffbuild.documents.manifest import load_manifest
-    from neffbuild.documents.records import BundleRecord, FileEntry, Timings
+    from neffbuild.documents.records import FileEntry
     from neffbuild.hashing import blake3_bytes, hash_bytes
     from neffbuild.store import open_store
-    from neffbuild.store.base import BlobSource
+    from neffbuild.store.blobs import BlobSource
     from neffbuild.units.plan import make_plan
     from tests.conftest import write_manifest, write_model_index
     from tests.storekit import publish_release_of, write_files

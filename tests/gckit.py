@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neffbuild.documents.records import BundleRecord, Release, parse
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release, parse
 from neffbuild.hashing import hash_file
-from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.base import Store
+from neffbuild.store.blobs import BlobSource
 from tests.storekit import publish_release_of
 
 BIG = 9 << 20  # over packs.SMALL_BLOB: a loose object on S3

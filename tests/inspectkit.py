@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
+from neffbuild.documents.bundles import BundleRecord, Timings
+from neffbuild.documents.records import FileEntry, Release, ReleaseUnit, unit_key
 from neffbuild.hashing import blake3_bytes, hash_bytes
-from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.base import Store
+from neffbuild.store.blobs import BlobSource
 
 FINGERPRINT = {
     "backend": "inductor", "cpu.capability": "avx512", "cpu.isa": "avx avx2 avx512bw avx512f fma sse4_2",

@@ -11,10 +11,12 @@ from typing import Any
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Scope
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings
+from neffbuild.documents.bundles import BundleRecord, Timings
+from neffbuild.documents.records import FileEntry, Release, ReleaseUnit
 from neffbuild.hashing import hash_bytes, hash_file
 from neffbuild.host.hostcheck import host_fingerprint
-from neffbuild.store.base import BlobSource, Store, blob_key
+from neffbuild.store.base import Store, blob_key
+from neffbuild.store.blobs import BlobSource
 from tests.s3server import ACCESS_KEY, SECRET_KEY
 
 

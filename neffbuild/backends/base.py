@@ -23,8 +23,6 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from neffbuild.backends.components import GRAPH_PREFIX, graph_counters
-
 if TYPE_CHECKING:
     from neffbuild.documents.compile_recipe import ResolvedRecipe
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry
@@ -234,6 +232,8 @@ class Backend(ABC):
     def counters(self) -> dict[str, int]:
         """A snapshot of the cumulative counters in this process: the compiler's, and the graphs
         each listed component received."""
+        from neffbuild.backends.components import graph_counters  # a build's: the host check has no use for it
+
         return {**self.compiler_counters(), **graph_counters()}
 
     @abstractmethod
@@ -325,6 +325,8 @@ def relevant_env(
 
 def components_without_graphs(entry: ModelEntry, counters: Mapping[str, int]) -> list[str]:
     """Listed components that produced no graph during a warmup call: compiled, never run."""
+    from neffbuild.backends.components import GRAPH_PREFIX
+
     if entry.mode == "eager":
         return []
     return [c for c in entry.components if counters.get(GRAPH_PREFIX + c, 0) <= 0]

@@ -21,14 +21,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from neffbuild.backends import get_backend
-from neffbuild.backends.base import GRAPH_PREFIX, Backend, components_without_graphs, no_graph_hint
+from neffbuild.backends.base import Backend, components_without_graphs, no_graph_hint
+from neffbuild.backends.components import GRAPH_PREFIX
 from neffbuild.build.fanin import planned, release_bundles
 from neffbuild.build.fleet import checked_document, select
 from neffbuild.build.publish import publish_bundle
 from neffbuild.build.report import BuildReport, UnitOutcome, emit, from_build
 from neffbuild.build.sizing import unit_shares
+from neffbuild.documents.bundles import BundleRecord, Timings
 from neffbuild.documents.manifest import Shape, load_manifest
-from neffbuild.documents.records import BundleRecord, FileEntry, Timings
+from neffbuild.documents.records import FileEntry
 from neffbuild.documents.signing import Signing
 from neffbuild.errors import BuildError, Interrupted, NeffbuildError, NotFoundError, PartlyCompiledError, WorkerKilled
 from neffbuild.fs.room import require_scratch
@@ -41,7 +43,8 @@ from neffbuild.runner.unitdir import unit_scratch, units_root
 from neffbuild.runner.workerrun import WorkerRun, worker_run
 from neffbuild.runner.workers import Workers
 from neffbuild.store import StoreChoice
-from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.base import Store
+from neffbuild.store.blobs import BlobSource
 from neffbuild.units.plan import BuildUnit, Plan, check_buildable, make_plan
 from neffbuild.units.plancache import cache_dir as plan_cache
 from neffbuild.units.shards import ShardSpec

@@ -18,16 +18,9 @@ from typing import TYPE_CHECKING
 from neffbuild.backends import get_backend
 from neffbuild.build.publish import move_tag, publish_release
 from neffbuild.build.report import emit, merged, read_reports
+from neffbuild.documents.bundles import BundleRecord
 from neffbuild.documents.manifest import load_manifest
-from neffbuild.documents.records import (
-    RELEASE_FORMAT,
-    RELEASE_FORMAT_1,
-    BundleRecord,
-    FileEntry,
-    Release,
-    ReleaseUnit,
-    SharedPath,
-)
+from neffbuild.documents.records import RELEASE_FORMAT, RELEASE_FORMAT_1, FileEntry, Release, ReleaseUnit, SharedPath
 from neffbuild.documents.refs import checked_doc, doc_where
 from neffbuild.documents.signing import Signing
 from neffbuild.errors import ConflictError, IncompleteRelease, IntegrityError

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.documents.records import BundleRecord
+from neffbuild.documents.bundles import BundleRecord
 from neffbuild.documents.refs import checked_doc, doc_where, find_doc, read_tag
 from neffbuild.errors import NeffbuildError
 from neffbuild.store import StoreChoice

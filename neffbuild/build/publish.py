@@ -14,14 +14,16 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from neffbuild.build.sign import sign_release
-from neffbuild.documents.records import TAG_FORMAT_SIGNED, BundleRecord, Release, TagEvent, TagRecord, dump
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import TAG_FORMAT_SIGNED, Release, TagEvent, TagRecord, dump
 from neffbuild.documents.refs import read_tag
 from neffbuild.documents.signing import Signing, SigningKey, open_envelope, sign_statement, tag_claim, tag_statement
 from neffbuild.errors import ConflictError, NotFoundError, TrustError
 from neffbuild.hashing import blake3_bytes
 from neffbuild.names import check_digest, check_tag
 from neffbuild.retry import backoff
-from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.base import Store
+from neffbuild.store.blobs import BlobSource
 from neffbuild.store.lease import wait_for_gc, whoami
 
 TAG_RETRIES = 20

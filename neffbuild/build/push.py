@@ -21,7 +21,8 @@ from neffbuild.documents.refs import parse_ref, read_tag, release_bundle, resolv
 from neffbuild.documents.signing import Signing
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import StoreChoice
-from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.base import Store
+from neffbuild.store.blobs import BlobSource
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from neffbuild.documents.records import BundleRecord, Release
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release
 from neffbuild.documents.refs import checked_doc, doc_where, load_doc
 from neffbuild.documents.signing import (
     BundleDigest,

@@ -17,7 +17,8 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from neffbuild.documents.records import BundleRecord, Release
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release
 from neffbuild.documents.refs import checked_doc, doc_where, find_doc, read_tag
 from neffbuild.errors import NeffbuildError
 from neffbuild.printable import printable

@@ -1,4 +1,4 @@
-"""The documents neffbuild stores: bundle records, releases and tags.
+"""The documents neffbuild stores: releases and tags (bundle records: documents/bundles.py).
 
 Bundles and releases are immutable and named by content (unit key, release digest); only tags
 move. Each document carries a format string so a newer reader can refuse what it cannot read.
@@ -61,7 +61,7 @@ from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
 # BLAKE3 encodes as before); only a release whose every file has one can be signed. (Before any
 # release of neffbuild, version 2 carried SHA-256 instead: such entries are refused as unknown keys.)
 # The strings are data (neffbuild/formats.py): never renamed, every one ever written still read.
-BUNDLE_FORMAT = writes("bundle")
+BUNDLE_FORMAT = writes("bundle")  # documents/bundles.py's BundleRecord, checked here (_whole)
 RELEASE_FORMAT, RELEASE_FORMAT_1 = FORMATS["release"].writes
 TAG_FORMAT, TAG_FORMAT_SIGNED = FORMATS["tag"].writes  # /2: with a signed tag statement (documents/signing.py)
 UNIT_FORMAT = writes("unit key")
@@ -80,41 +80,6 @@ class FileEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class Timings:
-    load_s: float = 0.0
-    first_call_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class BundleRecord:
-    """The cache files one build unit produced, and everything that keyed them."""
-
-    key: str = field(metadata=checked(digest_problem))
-    unit_id: str
-    unit: dict[str, Any]
-    backend: str
-    fingerprint: dict[str, str]
-    files: tuple[FileEntry, ...] = field(metadata=checked(distinct_paths))
-    counters: dict[str, int]
-    timings: Timings
-    created_at: str
-    neffbuild_version: str
-    format: str = BUNDLE_FORMAT
-    # What each listed component received during the warmup, one line per distinct call
-    # (shapes, dtypes, plain values): two bundles with equal inputs compiled the same graphs.
-    inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # Bytes: the build's worker's peak RSS (or its C++ compiler's), which sizes the next build's
-    # `--unit-memory auto` share; 0 where not recorded (bundles from before it was).
-    peak_rss: int = 0
-    # Each environment variable the compiling process read (backends/envreads.py): name -> XXH3
-    # of "NAME=value", "" where unset; and the compiler's own key inputs (config hashes) as
-    # digests. Optional: bundles written before them keep their bytes.
-    env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: reads_problem(v), "omit": {}})
-    compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
-
-
-@dataclass(frozen=True, slots=True)
 class SharedPath:
     """A path two units both produced with different bytes; the backend said either serves."""
 
@@ -125,6 +90,8 @@ class SharedPath:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseUnit:
+    """One unit of a release: its id and the key of the bundle it was built into."""
+
     unit_id: str
     key: str = field(metadata=checked(digest_problem))
 
@@ -165,6 +132,8 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class TagEvent:
+    """One move of a tag: the release it pointed at from then, when and by whom."""
+
     release: str = field(metadata=checked(digest_problem))
     at: str
     by: str
@@ -318,8 +287,9 @@ Loc = tuple[str | int, ...]  # where in the document: keys and indices, shown on
 
 
 def _whole(doc: Any) -> Any:
-    """Checks across fields: a version 2 bundle or release lists every file with its BLAKE3."""
-    if isinstance(doc, Release | BundleRecord) and doc.format in (RELEASE_FORMAT, BUNDLE_FORMAT):
+    """Checks across fields: a version 2 bundle or release lists every file with its BLAKE3 (their
+    format strings are theirs alone: no other document has one of these)."""
+    if getattr(doc, "format", None) in (RELEASE_FORMAT, BUNDLE_FORMAT):
         for i, entry in enumerate(doc.files):
             if not entry.blake3:
                 raise _Invalid(("files", i, "blake3"), f"required in format {doc.format!r}")

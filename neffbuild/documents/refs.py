@@ -19,22 +19,28 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from neffbuild.documents.records import BundleRecord, Release, ReleaseUnit, TagRecord, parse
+from neffbuild.documents.records import Release, ReleaseUnit, TagRecord, parse
 from neffbuild.errors import InputError, IntegrityError, NotFoundError
 from neffbuild.hashing import DIGEST_LEN, hash_bytes, is_digest
 from neffbuild.names import tag_problem
 from neffbuild.store.base import DocKind, Store
 
+if TYPE_CHECKING:  # imported where a bundle is read: a pull reads a tag and a release only
+    from neffbuild.documents.bundles import BundleRecord
+
 PREFIX_MIN = 6  # hex digits: below this a prefix would match too much to be typed on purpose
 BACK_MAX = 10**6  # TAG@N: larger N is a typo, not a history
 _REF = re.compile(r"(?P<name>[^@]+)(?:@(?P<back>[0-9]{1,7}))?")
 _HEX = re.compile(r"[0-9a-f]+")
-DOC_KINDS: dict[type, DocKind] = {BundleRecord: "bundles", Release: "releases", TagRecord: "tags"}
+# Each kind's place in the store and its name, by class name (so that BundleRecord need not be built).
+_KINDS: dict[str, tuple[DocKind, str]] = {
+    "BundleRecord": ("bundles", "bundle"), "Release": ("releases", "release"), "TagRecord": ("tags", "tag"),
+}  # fmt: skip
 _REF_HINT = f"give a tag, TAG@N (its N-th previous release), a release id or at least {PREFIX_MIN} of its hex digits"
 
-Doc = TypeVar("Doc", BundleRecord, Release, TagRecord)
+Doc = TypeVar("Doc", "BundleRecord", Release, TagRecord)
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,13 @@ class Ref:
         return self.back is None and PREFIX_MIN <= len(self.name) < DIGEST_LEN and _HEX.fullmatch(self.name) is not None
 
 
+def doc_kind(kind: type[Doc]) -> DocKind:
+    """Where the store keeps documents of this kind."""
+    return _KINDS[kind.__name__][0]
+
+
 def doc_where(store: Store, kind: type[Doc], name: str) -> str:
-    return f"{store.url}/{DOC_KINDS[kind]}/{name}.json"
+    return f"{store.url}/{doc_kind(kind)}/{name}.json"
 
 
 def find_doc(store: Store, kind: type[Doc], name: str) -> Doc | None:
@@ -82,7 +93,7 @@ def find_doc(store: Store, kind: type[Doc], name: str) -> Doc | None:
     if kind is TagRecord:
         found = read_tag(store, name)
         return None if found is None else found[0]  # type: ignore[return-value]
-    data = store.get_doc(DOC_KINDS[kind], name)
+    data = store.get_doc(doc_kind(kind), name)
     return None if data is None else checked_doc(kind, data, doc_where(store, kind, name), name)
 
 
@@ -90,7 +101,7 @@ def load_doc(store: Store, kind: type[Doc], name: str, *, hint: str = "build or 
     """As find_doc, but an absent document is a NotFoundError (exit 8)."""
     doc = find_doc(store, kind, name)
     if doc is None:
-        what = {BundleRecord: "bundle", Release: "release", TagRecord: "tag"}[kind]
+        what = _KINDS[kind.__name__][1]
         raise NotFoundError(f"{what} {name} not found in {store.url}", hint=hint)
     return doc
 
@@ -98,6 +109,8 @@ def load_doc(store: Store, kind: type[Doc], name: str, *, hint: str = "build or 
 def release_bundle(store: Store, resolved: ResolvedRelease, unit: ReleaseUnit) -> BundleRecord:
     """The bundle a release's unit names. One the store lacks, or one that records another unit,
     means the store is damaged: an IntegrityError (a release is published after its bundles)."""
+    from neffbuild.documents.bundles import BundleRecord
+
     record = find_doc(store, BundleRecord, unit.key)
     if record is None:
         raise IntegrityError(
@@ -133,7 +146,7 @@ def checked_doc(kind: type[Doc], data: bytes, where: str, name: str) -> Doc:
         raise IntegrityError(
             f"{where}: content does not match its name", hint="the object is corrupt; re-push the release"
         )
-    if isinstance(doc, BundleRecord) and doc.key != name:
+    if not isinstance(doc, Release | TagRecord) and doc.key != name:  # a BundleRecord
         raise IntegrityError(
             f"{where}: holds the bundle of key {doc.key}", hint="the object is corrupt or was copied; rebuild the unit"
         )
@@ -209,6 +222,8 @@ def _by_id(
     if kind == "releases":
         release = _find_release(store, name, known)
         return None if release is None else ResolvedRelease(name, release, None, doc_where(store, Release, name))
+    from neffbuild.documents.bundles import BundleRecord
+
     record = find_doc(store, BundleRecord, name)
     return None if record is None else ResolvedBundle(name, record, doc_where(store, BundleRecord, name))
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from neffbuild.documents.records import BundleRecord, ReleaseUnit
+from neffbuild.documents.records import ReleaseUnit
 from neffbuild.host.state import InstalledUnit
 
 if TYPE_CHECKING:
+    from neffbuild.documents.bundles import BundleRecord
     from neffbuild.documents.refs import ResolvedRelease
     from neffbuild.store.base import Store
 

@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffbuild.documents.records import Release
 from neffbuild.errors import InputError, NotFoundError
 from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.beneath import Beneath
 from neffbuild.fs.confined import disk_error
 from neffbuild.fs.locks import acquire
 from neffbuild.host.bundleunits import release_units
-from neffbuild.host.state import STATE_FILE, CacheState, InstalledUnit
+from neffbuild.host.state import STATE_FILE, CacheState
 from neffbuild.host.statefile import load_state, open_existing, open_state_dir, read_state, read_state_data, state_path
 from neffbuild.names import STATE_DIR
 
 if TYPE_CHECKING:
+    from neffbuild.host.target import Target
     from neffbuild.store.base import Store
 
 LOCK_FILE = "pull.lock"
@@ -200,17 +200,6 @@ def lock_in(state_dir: int, shown: Path, timeout: float | None = None) -> Iterat
         os.close(fd)
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A release named for a cache dir (the installed one, or REF's), with its units' key parts."""
-
-    release_id: str
-    release: Release
-    tag: str | None
-    units: tuple[InstalledUnit, ...]
-    source: str
-
-
 def find_target(
     state: CacheState,
     cache_dir: Path,
@@ -222,6 +211,8 @@ def find_target(
 ) -> Target:
     """REF's release (and its units' key parts): from the cache dir's state when it is the
     installed one (a tag only while no store is named: it may have moved), else from the store."""
+    from neffbuild.host.target import Target  # `env` and `status` ask; a pull names its release itself
+
     installed = state.installed
     if installed is not None and ref in (None, installed.release_id, *(() if store_named else (installed.tag,))):
         return Target(

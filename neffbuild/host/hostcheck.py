@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend, Scope
 from neffbuild.backends.envreads import UNSET, host_differences
-from neffbuild.documents.records import BundleRecord, Release, unit_key
+from neffbuild.documents.records import Release, unit_key
 from neffbuild.errors import InputError
 from neffbuild.host.exports import serving_env
+
+if TYPE_CHECKING:
+    from neffbuild.documents.bundles import BundleRecord
 
 Facts = Callable[[Backend, Mapping[str, str], str], Mapping[str, str]]
 FLAG_LISTS = frozenset({"cpu.isa"})  # comma-separated flags: say which ones differ

@@ -122,7 +122,7 @@ class InstalledUnit:
     unit: dict[str, Any]
     fingerprint: dict[str, str]
     paths: tuple[str, ...]  # checked by _installed: the release's own paths were checked with it
-    # What the compiling process read from the environment (records.BundleRecord.env_reads).
+    # What the compiling process read from the environment (bundles.BundleRecord.env_reads).
     env_reads: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
 
 

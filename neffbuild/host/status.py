@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Literal
 
 from neffbuild.errors import StatusMiss
 from neffbuild.fs.confined import disk_error
-from neffbuild.host.cachedir import CacheDir, Target, find_target
+from neffbuild.host.cachedir import CacheDir, find_target
 from neffbuild.host.exports import exports_for, serving_env
 from neffbuild.host.hostcheck import FieldDiff, check_host
 from neffbuild.host.state import CacheState, Files
+from neffbuild.host.target import Target
 
 if TYPE_CHECKING:
     from neffbuild.documents.records import FileEntry

@@ -25,7 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffbuild.documents.records import BundleRecord, Release, TagRecord
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release, TagRecord
 from neffbuild.documents.refs import ResolvedRelease, checked_doc, doc_where, parse_ref, read_tag
 from neffbuild.errors import InputError, NotFoundError, TrustError
 from neffbuild.hashing import blake3_bytes, is_digest

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Backend
+from neffbuild.documents.bundles import BundleRecord
 from neffbuild.documents.manifest import LoadedManifest, load_manifest
-from neffbuild.documents.records import BundleRecord
 from neffbuild.documents.refs import find_doc
 from neffbuild.errors import (
     BuildError,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from neffbuild.documents.records import BundleRecord, Release, TagRecord
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release, TagRecord
 from neffbuild.errors import NotFoundError
 from neffbuild.inspect.read import DOC_JOBS, Snapshot, fetch, snapshot
 from neffbuild.names import check_tag

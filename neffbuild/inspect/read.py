@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from neffbuild.documents.records import BundleRecord, Release, TagRecord, parse
-from neffbuild.documents.refs import DOC_KINDS, Doc, checked_doc, doc_where
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release, TagRecord, parse
+from neffbuild.documents.refs import Doc, checked_doc, doc_kind, doc_where
 from neffbuild.hashing import hash_bytes
 from neffbuild.store.base import DocKind, Store
 
@@ -38,7 +39,7 @@ def snapshot(store: Store, *, all_bundles: bool = False, jobs: int = DOC_JOBS) -
 
 def fetch(store: Store, kind: type[Doc], names: Iterable[str], jobs: int = DOC_JOBS) -> dict[str, Doc]:
     """The named documents of one kind that exist, parsed, by name."""
-    raw = get_docs(store, DOC_KINDS[kind], list(names), jobs)
+    raw = get_docs(store, doc_kind(kind), list(names), jobs)
     return {name: named(store, kind, name, data) for name, data in raw.items() if data is not None}
 
 

@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from neffbuild.documents.records import BundleRecord, Release, TagRecord, parse
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release, TagRecord, parse
 from neffbuild.errors import ConflictError, InputError, IntegrityError
 from neffbuild.inspect.du import Reclaimable
 from neffbuild.inspect.read import Snapshot

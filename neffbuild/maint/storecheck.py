@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from neffbuild.documents.records import BundleRecord, Release, TagRecord, parse
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release, TagRecord, parse
 from neffbuild.errors import IntegrityError, NeffbuildError
 from neffbuild.hashing import CHUNK
 from neffbuild.store.base import Store, blob_key

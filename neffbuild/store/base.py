@@ -43,9 +43,8 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, runtime_checkable
 
 from neffbuild.errors import InputError, StoreError
 from neffbuild.formats import FORMATS, writes
@@ -53,6 +52,9 @@ from neffbuild.fs.confined import BlobTarget
 from neffbuild.names import key_problem
 from neffbuild.store.raw import DOC_MAX as DOC_MAX  # defined with the raw part, named here too
 from neffbuild.store.raw import ObjectInfo as ObjectInfo
+
+if TYPE_CHECKING:  # store/blobs.py: classes a store's reader does not build
+    from neffbuild.store.blobs import BlobSource, PackIndex
 
 DocKind = Literal["bundles", "releases", "tags", "gc", "signatures"]
 STORE_FORMAT = writes("store marker")
@@ -63,16 +65,6 @@ MARKER_HINT = f'not a neffbuild store, or its marker is damaged: it must hold {{
 
 DELETE_BATCH = 1000  # S3's DeleteObjects takes at most this many keys per request
 DELETABLE = ("blobs/", "bundles/", "releases/", "tags/", "packs/", "locators/", "gc/", "signatures/")
-
-
-@dataclass(frozen=True, slots=True)
-class BlobSource:
-    """A local file to publish as a blob, already hashed."""
-
-    digest: str
-    size: int
-    path: Path
-    blake3: str = ""  # its BLAKE3, where the build computed one (recorded in the bundle)
 
 
 def blob_key(digest: str) -> str:
@@ -109,25 +101,6 @@ def deletion_failed(url: str, failures: Sequence[tuple[str, str]]) -> StoreError
         f"{url}/{key}: cannot delete it ({why}){more}",
         hint="check the store's permissions, then run the deletion again",
     )
-
-
-# A pack's index (store/packs.py encodes and plans them): here, as Store.pack_indexes returns it.
-@dataclass(frozen=True, slots=True)
-class PackEntry:
-    """One blob inside a pack: where its bytes are."""
-
-    digest: str
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class PackIndex:
-    """A pack's index: the blobs it holds, and where."""
-
-    pack_id: str
-    size: int
-    entries: tuple[PackEntry, ...]
 
 
 def shown(value: object, limit: int = 60) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from neffbuild.errors import IntegrityError, StoreError
 from neffbuild.fs.confined import BlobTarget
@@ -22,10 +22,8 @@ from neffbuild.store.base import (
     MARKER_HINT,
     MARKER_MAX,
     STORE_FORMAT,
-    BlobSource,
     DocKind,
     ObjectInfo,
-    PackIndex,
     check_deletable,
     check_marker,
     deletion_failed,
@@ -33,6 +31,9 @@ from neffbuild.store.base import (
 )
 from neffbuild.store.loose import BlobPlane, LooseBlobs
 from neffbuild.store.raw import DOC_MAX, NotAnObject, RawStore
+
+if TYPE_CHECKING:  # annotations only: a store's reader builds none of them
+    from neffbuild.store.blobs import BlobSource, PackIndex
 
 MARKER_BYTES = json.dumps({"format": STORE_FORMAT}).encode()
 

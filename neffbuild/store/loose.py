@@ -7,13 +7,16 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from neffbuild.errors import IntegrityError, NeffbuildError, NotFoundError
 from neffbuild.fs.confined import BlobTarget, Parents, write_verified
 from neffbuild.hashing import CHUNK, copy_hashing
-from neffbuild.store.base import BlobSource, PackIndex, blob_key
+from neffbuild.store.base import blob_key
 from neffbuild.store.raw import NotAnObject, RawStore
+
+if TYPE_CHECKING:  # annotations only: a store's reader builds none of them
+    from neffbuild.store.blobs import BlobSource, PackIndex
 
 
 class BlobPlane(Protocol):

@@ -36,7 +36,8 @@ from neffbuild.errors import IntegrityError
 from neffbuild.formats import FORMATS, writes
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.hashing import canonical_json, hash_bytes, is_digest
-from neffbuild.store.base import BlobSource, PackEntry, PackIndex, shown
+from neffbuild.store.base import shown
+from neffbuild.store.blobs import BlobSource, PackEntry, PackIndex
 
 PACK_FORMAT = writes("pack index")
 LOCATOR_FORMAT = writes("locator")

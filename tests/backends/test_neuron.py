@@ -873,7 +873,8 @@ def test_synchronous_eager_ops_are_bundled_counted_and_replay_from_a_pull_with_b
 
 
 def load_bundle(store, key: str):
-    from neffbuild.documents.records import BundleRecord, parse
+    from neffbuild.documents.bundles import BundleRecord
+    from neffbuild.documents.records import parse
 
     return parse(BundleRecord, store.get_doc("bundles", key), key)
 
@@ -1111,7 +1112,8 @@ def test_a_build_refuses_cpu_fallback_unknown_layouts_and_an_empty_eager_unit(tm
 def test_status_names_a_torch_mlir_or_jax_that_differs_from_the_builds(tmp_path, cli, field):
     from neffbuild.backends.base import Scope
     from neffbuild.build.publish import move_tag, publish_bundle, publish_release
-    from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
+    from neffbuild.documents.bundles import BundleRecord, Timings
+    from neffbuild.documents.records import FileEntry, Release, ReleaseUnit, unit_key
     from neffbuild.store import open_store
     from tests.storekit import write_files
 

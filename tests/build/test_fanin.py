@@ -12,11 +12,13 @@ import pytest
 from neffbuild.build.fanin import assemble_release, planned
 from neffbuild.build.publish import publish_bundle
 from neffbuild.build.report import Report, ReportUnit, write_report
+from neffbuild.documents.bundles import BundleRecord, Timings
 from neffbuild.documents.manifest import load_manifest
-from neffbuild.documents.records import BundleRecord, FileEntry, Timings
+from neffbuild.documents.records import FileEntry
 from neffbuild.hashing import blake3_bytes, hash_bytes
 from neffbuild.store import open_store
-from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.base import Store
+from neffbuild.store.blobs import BlobSource
 from neffbuild.units.plan import Plan, make_plan
 from neffbuild.units.plandoc import plan_to_document, read_plan, write_plan
 from tests.conftest import write_model_index
@@ -229,7 +231,8 @@ def two_unit_plan(tmp_path: Path):
 
 
 def record_of(unit, files: dict[str, str], **fingerprint: str):
-    from neffbuild.documents.records import BundleRecord, FileEntry, Timings
+    from neffbuild.documents.bundles import BundleRecord, Timings
+    from neffbuild.documents.records import FileEntry
 
     return BundleRecord(
         key=unit.key, unit_id=unit.unit_id, unit=dict(unit.normalized), backend="inductor",

@@ -20,21 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release, read_tag
-from neffbuild.documents.records import (
-    BundleRecord,
-    FileEntry,
-    Release,
-    ReleaseUnit,
-    TagEvent,
-    TagRecord,
-    Timings,
-    dump,
-    unit_key,
-)
+from neffbuild.documents.bundles import BundleRecord, Timings
+from neffbuild.documents.records import FileEntry, Release, ReleaseUnit, TagEvent, TagRecord, dump, unit_key
 from neffbuild.hashing import blake3_bytes, hash_bytes
 from neffbuild.host.exports import shell_lines, shell_word
 from neffbuild.printable import printable
-from neffbuild.store.base import BlobSource, Store
+from neffbuild.store.base import Store
+from neffbuild.store.blobs import BlobSource
 from neffbuild.store.local import LocalStore
 from tests.storekit import this_host
 

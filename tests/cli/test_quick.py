@@ -3,6 +3,7 @@ prints; every other command line and every pull with something to do is the full
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -87,6 +88,32 @@ def test_a_no_op_pull_is_answered_without_click_as_the_full_command_answers_it(p
     fast, full_ran = _entry("pull", "t", "--cache-dir", str(cache), env={"NEFFBUILD_STORE": str(store)})
     assert not full_ran
     _same(fast, _run(FULL, "pull", "t", "--cache-dir", str(cache), env={"NEFFBUILD_STORE": str(store)}))
+
+
+# Modules whose classes only other commands build (bundles, blobs and packs, `env`'s target, a
+# build's component calls): a no-op pull's process imports none of them, nor click.
+NOT_ON_A_NO_OP = ("neffbuild.documents.bundles", "neffbuild.store.blobs", "neffbuild.host.target", "neffbuild.backends.components", "click")  # fmt: skip
+IMPORTED = """
+import sys
+from neffbuild.cli.entry import main
+try:
+    main()
+finally:
+    sys.stderr.write("imported: " + " ".join(sorted(sys.modules)))
+"""
+
+
+def test_a_no_op_pull_imports_nothing_only_other_commands_use(pulled: tuple[Path, Path]) -> None:
+    store, cache = pulled
+    done = _run(IMPORTED, "pull", "t", "--store", str(store), "--cache-dir", str(cache))
+    assert done.returncode == 0 and "pulled t: 0 of 30 files fetched" in done.stderr, done.stderr
+    imported = set(done.stderr.rpartition("imported: ")[2].split())
+    assert "neffbuild.host.noop" in imported and not imported & set(NOT_ON_A_NO_OP)
+    assert all(importlib.util.find_spec(name) is not None for name in NOT_ON_A_NO_OP)  # each is still there to import
+    # A pull with work to do is the full command's: it imports them as it needs them.
+    (cache / "d0" / "f00.bin").unlink()
+    done = _run(IMPORTED, "pull", "t", "--store", str(store), "--cache-dir", str(cache))
+    assert done.returncode == 0 and "click" in done.stderr.rpartition("imported: ")[2].split(), done.stderr
 
 
 def _twins(cache: Path, tmp_path: Path) -> tuple[Path, Path]:

@@ -13,15 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild.documents import fields, records
+from neffbuild.documents.bundles import BundleRecord, Timings
 from neffbuild.documents.records import (
     RELEASE_FORMAT_1,
-    BundleRecord,
     FileEntry,
     Release,
     ReleaseUnit,
     TagEvent,
     TagRecord,
-    Timings,
     dump,
     parse,
     to_json,

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from neffbuild.build.push import push
-from neffbuild.documents.records import BundleRecord, Release, TagRecord
+from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.records import Release, TagRecord
 from neffbuild.documents.refs import (
     ResolvedBundle,
     ResolvedRelease,

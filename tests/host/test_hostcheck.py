@@ -14,8 +14,9 @@ import pytest
 
 from neffbuild.backends import get_backend
 from neffbuild.backends.base import Scope
+from neffbuild.documents.bundles import BundleRecord, Timings
 from neffbuild.documents.manifest import load_manifest
-from neffbuild.documents.records import BundleRecord, Release, ReleaseUnit, Timings, unit_key
+from neffbuild.documents.records import Release, ReleaseUnit, unit_key
 from neffbuild.host.hostcheck import FieldDiff, check_host, host_fingerprint
 from neffbuild.units.plan import make_plan
 from tests.units.test_plan import manifest  # noqa: F401 - the fixture

@@ -18,21 +18,15 @@ from typing import Any
 import pytest
 
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
-from neffbuild.documents.records import (
-    BundleRecord,
-    FileEntry,
-    Release,
-    ReleaseUnit,
-    Timings,
-    dump,
-    parse,
-)
+from neffbuild.documents.bundles import BundleRecord, Timings
+from neffbuild.documents.records import FileEntry, Release, ReleaseUnit, dump, parse
 from neffbuild.errors import IntegrityError, NotFoundError
 from neffbuild.hashing import canonical_json, hash_bytes, hash_file
 from neffbuild.host.landing import remove_stale_temp_files
 from neffbuild.host.pull import pull
 from neffbuild.names import INCOMPLETE_SUFFIX, STATE_DIR
-from neffbuild.store.base import BlobSource, blob_key
+from neffbuild.store.base import blob_key
+from neffbuild.store.blobs import BlobSource
 from neffbuild.store.local import LocalStore
 from tests.procs import wait_for
 from tests.storekit import this_host

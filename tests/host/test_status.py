@@ -18,7 +18,8 @@ import pytest
 
 from neffbuild.backends.envreads import value_digest
 from neffbuild.build.publish import move_tag, publish_bundle, publish_release
-from neffbuild.documents.records import BundleRecord, FileEntry, Release, ReleaseUnit, Timings, unit_key
+from neffbuild.documents.bundles import BundleRecord, Timings
+from neffbuild.documents.records import FileEntry, Release, ReleaseUnit, unit_key
 from neffbuild.store import open_store
 from neffbuild.store.base import Store
 from tests.storekit import this_host, write_files

@@ -136,7 +136,7 @@ def with_extra_file(store_path: Path, tag: str, work: Path, path: str, data: byt
     from neffbuild.documents.refs import resolve
     from neffbuild.hashing import blake3_bytes, hash_bytes
     from neffbuild.store import open_store
-    from neffbuild.store.base import BlobSource
+    from neffbuild.store.blobs import BlobSource
 
     store = open_store(str(store_path))
     release = resolve(store, tag).release

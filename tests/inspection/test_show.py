@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from neffbuild.build.publish import publish_bundle
-from neffbuild.documents.records import BundleRecord, Timings
+from neffbuild.documents.bundles import BundleRecord, Timings
 from neffbuild.hashing import canonical_json, hash_bytes
 from neffbuild.inspect.show import BundleView, ReleaseView, show
 from neffbuild.store import open_store

@@ -13,7 +13,7 @@ from neffbuild.errors import IntegrityError
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.hashing import hash_bytes, is_digest
 from neffbuild.store import packs
-from neffbuild.store.base import BlobSource
+from neffbuild.store.blobs import BlobSource
 
 
 def sources(*sizes: int) -> list[BlobSource]:

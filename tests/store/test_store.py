@@ -18,17 +18,8 @@ from neffbuild.errors import InputError, IntegrityError, NeffbuildError, NotFoun
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.hashing import hash_bytes
 from neffbuild.store import open_store
-from neffbuild.store.base import (
-    MARKER,
-    MARKER_MAX,
-    STORE_FORMAT,
-    BlobSource,
-    ObjectInfo,
-    Store,
-    blob_key,
-    check_marker,
-    doc_key,
-)
+from neffbuild.store.base import MARKER, MARKER_MAX, STORE_FORMAT, ObjectInfo, Store, blob_key, check_marker, doc_key
+from neffbuild.store.blobs import BlobSource
 from tests.storekit import (
     corrupt_blob,
     keys_of,

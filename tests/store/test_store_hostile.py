@@ -21,7 +21,8 @@ import pytest
 from neffbuild.errors import IntegrityError, NeffbuildError, StoreError
 from neffbuild.host.pull import pull
 from neffbuild.store import open_store, packs
-from neffbuild.store.base import BlobSource, Store, blob_key
+from neffbuild.store.base import Store, blob_key
+from neffbuild.store.blobs import BlobSource
 from tests.storekit import corrupt_blob, publish_release_of, s3_client, write_files
 
 PROXY_CAP = 1 << 30  # an endless body stops here at the latest; a bounded reader takes far less

@@ -309,6 +309,6 @@ def _graphs(counters: Mapping[str, int]) -> str:
     """Graphs the listed components received during a call: loaded from the cache, or compiled;
     or, for artifact 'package', the calls their packages served."""
     from neffbuild.backends.artifacts import PACKAGE_GROUP
-    from neffbuild.backends.base import GRAPH_PREFIX
+    from neffbuild.backends.components import GRAPH_PREFIX
 
     return str(sum(v for k, v in counters.items() if k.startswith((GRAPH_PREFIX, PACKAGE_GROUP + "."))))

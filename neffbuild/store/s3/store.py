@@ -36,7 +36,8 @@ from neffbuild import retry
 from neffbuild.errors import NotFoundError, StoreError
 from neffbuild.fs.confined import BlobTarget
 from neffbuild.store import packs
-from neffbuild.store.base import STORE_FORMAT, BlobSource, blob_key
+from neffbuild.store.base import STORE_FORMAT, blob_key
+from neffbuild.store.blobs import BlobSource
 from neffbuild.store.layout import LayoutStore
 from neffbuild.store.raw import Content, ObjectInfo
 from neffbuild.store.s3 import dataplane, responses, sigv4

@@ -29,7 +29,8 @@ from neffbuild.errors import IntegrityError, StoreError
 from neffbuild.fs.confined import BlobTarget, Parents, write_placed, write_verified
 from neffbuild.hashing import CHUNK
 from neffbuild.store import packs
-from neffbuild.store.base import BlobSource, blob_key
+from neffbuild.store.base import blob_key
+from neffbuild.store.blobs import BlobSource
 from neffbuild.store.s3 import dataplane, ranged, responses
 from neffbuild.store.s3.packs import PackCatalog, Where
 
