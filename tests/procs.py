@@ -29,7 +29,7 @@ def gone(pid: int) -> bool:
     """Not running: no such process, or a zombie nobody reaped yet."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited between the open and the read
         return True
     return stat.rpartition(")")[2].split()[0] == "Z"
 

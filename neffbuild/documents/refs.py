@@ -37,7 +37,7 @@ _HEX = re.compile(r"[0-9a-f]+")
 # Each kind's place in the store and its name, by class name (so that BundleRecord need not be built).
 _KINDS: dict[str, tuple[DocKind, str]] = {
     "BundleRecord": ("bundles", "bundle"), "Release": ("releases", "release"), "TagRecord": ("tags", "tag"),
-}  # fmt: skip
+}  # fmt: skip  # a table: one kind a line would hide it
 _REF_HINT = f"give a tag, TAG@N (its N-th previous release), a release id or at least {PREFIX_MIN} of its hex digits"
 
 Doc = TypeVar("Doc", "BundleRecord", Release, TagRecord)
