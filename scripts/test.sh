@@ -25,6 +25,7 @@ export NEFFBUILD_TEST_CCACHE="${NEFFBUILD_TEST_CCACHE:-1}"  # 0: the suite's com
 .venv/bin/lint-imports
 .venv/bin/python -m mypy  # the package's types ([tool.mypy] in pyproject.toml)
 # Two workers, one per core; a module's tests that share a real build stay on one worker
-# (tests/conftest.py). The ten slowest tests close the log: the suite's budget is 15 minutes.
+# (tests/conftest.py). The ten slowest tests and the ten costliest in CPU (tests/cpucost.py) close
+# the log: the suite's budget is 15 minutes.
 # Later arguments win: scripts/test.sh -n 0 runs in one process.
 exec .venv/bin/python -m pytest -n 2 --dist loadgroup --durations=10 "${quick[@]}" "$@"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.cpucost"]  # each test's CPU seconds; the ten costliest close the log
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MANIFEST = ROOT / "manifests" / "tiny-flux2-klein.toml"
 
