@@ -68,6 +68,8 @@ GROUP_SECONDS = {
     "oracle-ci": 55,
     "built:test_e2e.py": 35,
     "tests/test_bench.py::test_bench_runs_in_smoke_mode[build]": 30,
+    # Serves `built`'s first release, pulled: after the groups that make it, or it waits for it (15 CPU-s).
+    "tests/test_bench.py::test_bench_runs_in_smoke_mode[guard]": 15,
     # Serves what built_with_decode and packaged_build built: after them, or it waits for them.
     "tests/test_bench.py::test_bench_runs_in_smoke_mode[firstcall]": 1,
 }
