@@ -103,7 +103,10 @@ def run(work: Path, rounds: int, calls: int, model: Path | None) -> dict:
         [sys.executable, "-c", PROCESS, str(manifest), str(model), str(events), str(rounds), str(calls)],
         env=env, capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if line is None:  # its warm-up compiled: the cache dir does not hold this unit (keys or settings differ)
+        sys.exit(f"the serving process missed {cache} at warm-up and measured nothing:\n{done.stderr[-3000:]}")
+    result = json.loads(line[7:])
     base = median(result["times"]["none"])
     result["median_s"] = {arm: round(median(t), 4) for arm, t in result["times"].items()}
     result["ratio"] = {arm: round(median(t) / base, 4) for arm, t in result["times"].items()}
