@@ -67,6 +67,7 @@ GROUP_SECONDS = {
     "built:test_e2e_s3.py": 70,
     "oracle-ci": 55,
     "built:test_e2e.py": 35,
+    "tests/test_bench.py::test_bench_runs_in_smoke_mode[recipes]": 35,  # one `regional` recipe, cold and warm
     "tests/test_bench.py::test_bench_runs_in_smoke_mode[build]": 30,
     # Serves `built`'s first release, pulled: after the groups that make it, or it waits for it (15 CPU-s).
     "tests/test_bench.py::test_bench_runs_in_smoke_mode[guard]": 15,
