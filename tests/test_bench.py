@@ -91,7 +91,7 @@ def test_bench_runs_in_smoke_mode(name: str, tmp_path: Path, request: pytest.Fix
     if name == "guard":
         more, exports = pulled_build(request, tmp_path)
         args, env = args + more, env | exports
-    if name == "recipes":  # the suite's model (made once per run), not one made per bench
+    if name in ("recipes", "build"):  # the suite's model (made once per run), not one made per bench
         args += ["--model", str(request.getfixturevalue("tiny_model"))]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke", *args],
