@@ -18,7 +18,7 @@ exit for a one-process build (its release and tag move). Peak RSS per unit from 
 Ratios are against `jobs1` of the same round; the modes rotate their order per round.
 
 Run:
-    .venv/bin/python bench/build.py [--shapes 4] [--rounds 1] [--modes jobs1,jobs2,shards]
+    .venv/bin/python bench/build.py [--shapes 4] [--rounds 1] [--modes jobs1,jobs2,shards] [--model DIR]
 """
 
 from __future__ import annotations
@@ -124,12 +124,13 @@ def main() -> None:
     p.add_argument("--shapes", type=int, default=4, choices=range(1, len(WIDTHS) + 1))
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--modes", default="jobs1,jobs2,shards", help="comma-separated, of jobs1, jobs2, shards")
+    p.add_argument("--model", type=Path, help="the tiny pipeline's dir (default: made in bench/.work/build)")
     args = smoke.parse(p, shapes=1, modes="jobs1")
     modes = [mode for mode in args.modes.split(",") if mode]
     if not modes or set(modes) - {"jobs1", "jobs2", "shards"}:
         sys.exit(f"--modes: {args.modes!r}: give jobs1, jobs2 and/or shards, comma-separated")
     WORK.mkdir(parents=True, exist_ok=True)
-    model = WORK / "model"
+    model = args.model or WORK / "model"
     if not (model / "model_index.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(model)], check=True)
     m = manifest(model, args.shapes)

@@ -7,8 +7,9 @@ alike); each arm's median request time is compared with the no-guard arm's. A re
 runs no compile callback, so what is measured is the guard's standing cost: the recorded call
 wrapper is there in every arm, the fail arm adds torch's fail_on_recompile stance.
 
-Run (the first run compiles the shape once into --work's cache dir, minutes on 2 cores):
-    .venv/bin/python bench/guard.py [--rounds 200] [--calls 2] [--work /tmp/neffbuild-bench-guard]
+Run (the first run compiles the shape once into --work's cache dir, minutes on 2 cores; a cache
+dir that holds it already, such as a release of the same unit pulled there, is used as it is):
+    .venv/bin/python bench/guard.py [--rounds 200] [--calls 2] [--work /tmp/neffbuild-bench-guard] [--model DIR]
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def run(work: Path, rounds: int, calls: int) -> dict:
-    model = work / "tiny-flux2-klein"
+def run(work: Path, rounds: int, calls: int, model: Path | None) -> dict:
+    model = model or work / "tiny-flux2-klein"
     if not (model / "model_index.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_pipeline.py"), str(model)], check=True)
     manifest = work / "guard.toml"
@@ -102,7 +103,10 @@ def run(work: Path, rounds: int, calls: int) -> dict:
         [sys.executable, "-c", PROCESS, str(manifest), str(model), str(events), str(rounds), str(calls)],
         env=env, capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if line is None:  # its warm-up compiled: the cache dir does not hold this unit (keys or settings differ)
+        sys.exit(f"the serving process missed {cache} at warm-up and measured nothing:\n{done.stderr[-3000:]}")
+    result = json.loads(line[7:])
     base = median(result["times"]["none"])
     result["median_s"] = {arm: round(median(t), 4) for arm, t in result["times"].items()}
     result["ratio"] = {arm: round(median(t) / base, 4) for arm, t in result["times"].items()}
@@ -114,9 +118,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--calls", type=int, default=2, help="requests per arm per round")
     parser.add_argument("--work", type=Path, default=Path("/tmp/neffbuild-bench-guard"))
+    parser.add_argument("--model", type=Path, help="the tiny pipeline's dir (default: made in --work)")
     args = smoke.parse(parser, rounds=1, calls=1)
     args.work.mkdir(parents=True, exist_ok=True)
-    result = run(args.work, args.rounds, args.calls)
+    result = run(args.work, args.rounds, args.calls, args.model)
     n = len(result["times"]["none"])
     print(f"warm-up compiles: {result['warmup_compiles']}; events written: {result['events']}; {n} requests per arm")
     print("| arm | median request | vs no guard |\n|---|---:|---:|")

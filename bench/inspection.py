@@ -54,7 +54,6 @@ COMMANDS: dict[str, list[str]] = {
     "du": ["du", "--json"],
     "gc --dry-run": ["gc", "--dry-run", "--grace", "0", "--json"],
 }
-STATUS_UNITS, STATUS_FILES = 40, 50  # the pulled release status judges (bench/status.py's defaults)
 
 
 def _bench_status() -> Any:
@@ -144,13 +143,13 @@ def bench_store(name: str, url: str, env: dict[str, str], work: Path, args: argp
         rows.append(f"| {name} | `{command}` | {median:.2f} | {best:.2f} | {size:,} |")
         print(rows[-1], file=sys.stderr)
     # status: a this-host release pulled from this store, judged from the cache dir alone.
-    _bench_status().publish(store, work / "status-src", STATUS_UNITS, STATUS_FILES, tag="status-bench")
+    _bench_status().publish(store, work / "status-src", args.status_units, args.status_files, tag="status-bench")
     cache = work / "status-cache"
     time_cli(["pull", "status-bench", "--store", url, "--cache-dir", str(cache), "--json"], env, 1)
     time_cli(["status", "--cache-dir", str(cache), "--json"], {}, 1)  # warm-up, as bench/status.py does
     median, best, size = time_cli(["status", "--cache-dir", str(cache), "--json"], {}, args.runs)
     rows.append(
-        f"| {name} | `status` (pulled cache dir, no store; {STATUS_UNITS} units, {STATUS_UNITS * STATUS_FILES:,} files) | {median:.2f} | {best:.2f} | {size:,} |"
+        f"| {name} | `status` (pulled cache dir, no store; {args.status_units} units, {args.status_units * args.status_files:,} files) | {median:.2f} | {best:.2f} | {size:,} |"
     )
     print(rows[-1], file=sys.stderr)
     return rows
@@ -165,7 +164,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per command; the median is reported")
     parser.add_argument("--jobs", type=int, default=8, help="tags published at once while making the store")
     parser.add_argument("--work", type=Path, help="scratch dir [default: a temp dir, removed]")
-    args = smoke.parse(parser, runs=1, releases=6, tags=2, blobs=40)
+    # The pulled release `status` judges (bench/status.py's defaults and smoke sizes).
+    parser.add_argument("--status-units", type=int, default=40, help="units of the release `status` judges")
+    parser.add_argument("--status-files", type=int, default=50, help="files per unit of that release")
+    args = smoke.parse(parser, runs=1, releases=6, tags=2, blobs=40, status_units=2, status_files=3)
     with tempfile.TemporaryDirectory(prefix="neffbench-", dir=args.work) as tmp:
         work = Path(tmp)
         stores: dict[str, Callable[[], list[str]]] = {
