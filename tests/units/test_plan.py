@@ -14,7 +14,7 @@ from neffbuild.backends.base import Backend, cpu_isa_flags
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.errors import EnvironmentMismatch, InputError, ManifestError
 from neffbuild.units.plan import check_buildable, make_plan, plan_document
-from tests.conftest import KLEIN_INDEX, write_model_index
+from tests.conftest import KLEIN_INDEX, once, run_cli, write_model_index
 
 FACTS = {
     "torch": "2.13.0+cpu",
@@ -53,16 +53,36 @@ def facts_provider(**changes: str):
     return provide
 
 
-@pytest.fixture
-def manifest(tmp_path: Path) -> Path:
-    model = tmp_path / "model"
+def write_planned_model(root: Path) -> Path:
+    model = root / "model"
     (model / "transformer").mkdir(parents=True)
     write_model_index(model)
     (model / "transformer" / "config.json").write_text('{"num_layers": 2}')
     (model / "transformer" / "weights.safetensors").write_bytes(b"\0" * 64)
-    path = tmp_path / "m.toml"
+    path = root / "m.toml"
     path.write_text(MANIFEST)
     return path
+
+
+@pytest.fixture
+def manifest(tmp_path: Path) -> Path:
+    return write_planned_model(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The unedited manifest (read only) and `plan --json` of it by two processes with different
+    hash seeds, once per run for both xdist workers (`once`): the two tests on the CLI's plan of it
+    share them instead of each importing torch and diffusers (~8 CPU-s), on either worker."""
+
+    def make(root: Path) -> dict:
+        path = write_planned_model(root)
+        runs = [run_cli("plan", str(path), "--json", env={"PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+        return {"manifest": str(path), "runs": [vars(run) for run in runs]}
+
+    made = once(tmp_path_factory, "planned-tiny", make)
+    assert isinstance(made, dict)
+    return Path(made["manifest"]), made["runs"]
 
 
 def keys(path: Path, env: Mapping[str, str] | None = None, **fact_changes: str) -> dict[str, str]:
@@ -459,10 +479,10 @@ def test_cpu_isa_flags_keep_only_kernel_relevant_flags() -> None:
     assert cpu_isa_flags("Features\t: fp asimd sve2 bf16 crc32\n") == "asimd,bf16,sve2"
 
 
-def test_plan_json_shows_units_keys_and_named_fingerprint_fields(manifest: Path, cli) -> None:
-    result = cli("plan", str(manifest), "--json")
-    assert result.returncode == 0, result.stderr
-    doc = json.loads(result.stdout)
+def test_plan_json_shows_units_keys_and_named_fingerprint_fields(planned: tuple[Path, list[dict]]) -> None:
+    manifest, (result, _) = planned
+    assert result["returncode"] == 0, result["stderr"]
+    doc = json.loads(result["stdout"])
     assert [u["unit_id"] for u in doc["units"]] == ["klein/128x128x1", "klein/128x256x1"]
     fingerprint = doc["units"][0]["fingerprint"]
     for field in ("torch", "cpu.isa", "cpu.capability", "cxx", "threads", "python.prefix", "diffusers"):
@@ -473,11 +493,11 @@ def test_plan_json_shows_units_keys_and_named_fingerprint_fields(manifest: Path,
     assert doc["env"]["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
 
 
-def test_keys_are_stable_across_processes(manifest: Path, cli) -> None:
+def test_keys_are_stable_across_processes(planned: tuple[Path, list[dict]]) -> None:
     """Two processes with different hash seeds (set and dict order, object ids) key alike."""
-    runs = [cli("plan", str(manifest), "--json", env={"PYTHONHASHSEED": seed}) for seed in ("1", "2")]
-    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
-    first, second = ({u["unit_id"]: u["key"] for u in json.loads(r.stdout)["units"]} for r in runs)
+    _, runs = planned
+    assert all(r["returncode"] == 0 for r in runs), [r["stderr"] for r in runs]
+    first, second = ({u["unit_id"]: u["key"] for u in json.loads(r["stdout"])["units"]} for r in runs)
     assert first == second and len(set(first.values())) == 2
 
 
