@@ -54,7 +54,8 @@ SHARED_BUILDS = ("built", "built_with_decode", "built_sdxl", "packaged_build")
 # model), the build bench's smoke 29 (a warm ccache; 20 on the suite's 1,1 model, issue 40 part 5),
 # and the groups on `built` with it made: e2e_s3
 # 70, serve loop 83, e2e 35; test_inductor.py's 4 tests 84 (1,1) beside its shared build's 42 with a
-# warm ccache (155 cold). recipe-autotune is CI's figure as before.
+# warm ccache (155 cold). recipe-autotune is CI's figure as before, less the ~8 CPU-s its default-recipe
+# server no longer compiles (it stops at its first miss: 8.2 and 9.4 in two interleaved pairs of runs).
 GROUP_SECONDS = {
     "packaged_build:test_artifacts.py": 410,
     "oracle-host": 280,
@@ -65,7 +66,7 @@ GROUP_SECONDS = {
     "recipe-int8": 110,
     "recipe-layout": 100,
     "recipe-dynamic": 100,
-    "recipe-autotune": 100,
+    "recipe-autotune": 92,
     "built:test_serve_loop.py": 85,
     "built:test_e2e_s3.py": 70,
     "oracle-ci": 55,

@@ -123,6 +123,8 @@ import json, sys, torch
 from diffusers import Flux2KleinPipeline
 from torch._dynamo.utils import counters
 model, how, arg, sizes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+class Missed(BaseException):  # not an Exception: torch would bypass its cache on one, and compile
+    pass
 pipe = Flux2KleinPipeline.from_pretrained(model, torch_dtype=torch.float32, local_files_only=True)
 if how == "prepare":
     import neffbuild.serve
@@ -136,12 +138,19 @@ elif how == "guide":  # the diffusers guide's hand-written server: global flags,
     torch._inductor.config.epilogue_fusion = False
     torch._inductor.config.coordinate_descent_check_all_directions = True
     pipe.transformer = torch.compile(pipe.transformer, mode=arg, fullgraph=True)
-else:
+else:  # "default": stopped at Inductor's first cache miss, what it asserts (the compile would follow)
+    from neffbuild.backends.base import watch_dynamo_counters
+    def stop(counter):
+        raise Missed(counter)
+    watch_dynamo_counters(["inductor.fxgraph_cache_miss"], stop)
     pipe.transformer.compile(fullgraph=True, dynamic=False)
-for height, width in sizes:
-    with torch.inference_mode():
-        pipe(prompt="a photo of a cat", num_inference_steps=2, max_sequence_length=64,
-             text_encoder_out_layers=(1,), height=height, width=width, output_type="pt")
+try:
+    for height, width in sizes:
+        with torch.inference_mode():
+            pipe(prompt="a photo of a cat", num_inference_steps=2, max_sequence_length=64,
+                 text_encoder_out_layers=(1,), height=height, width=width, output_type="pt")
+except Missed:
+    pass
 groups = ("inductor", "aot_autograd", "neffbuild.graphs", "stats")
 print(json.dumps({f"{g}.{k}": v for g in groups for k, v in counters[g].items()}))
 """
@@ -222,6 +231,8 @@ def test_a_server_written_from_the_guide_hits_both_shapes_of_a_dynamic_auto_rele
 def test_a_server_compiling_with_the_default_recipe_misses_the_autotune_release(
     release_of: Callable[[str], Release], tiny_model: Path
 ) -> None:
+    # The server stops at Inductor's first cache miss (SERVER): the compile that would follow adds
+    # nothing to the verdict, and was ~8 of this test's ~20 CPU-s.
     counters = serve(release_of("autotune"), tiny_model, "default", "", [(128, 128)])
     assert counters.get("inductor.fxgraph_cache_miss", 0) > 0, counters
 
