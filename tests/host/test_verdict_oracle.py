@@ -2,28 +2,34 @@
 that differs from the build's, checked against what a real replay does (0 compiles or not).
 
 One real build is shared (the `built` fixture: the tiny FLUX manifest); each perturbation pulls
-nothing new, it runs `status` and `verify --replay --fail-fast` (a private copy of the cache dir per replay,
-two at a time) in a changed environment (the host half), or plans and replays a changed manifest
-(the call half: two tests, so two workers share the minutes of replays). Every
-disagreement fails naming the perturbation. A second, one-shape build, made with `CI` and a
-variable neffbuild has no list for set, shows the reverse direction.
+nothing new, it runs `status` in a changed environment (the host half), or is planned as a changed
+manifest (the call half: every manifest in one planning process), and its truth comes from
+`verify --replay --fail-fast` (a private copy of the cache dir per replay, two at a time). The
+predicted hits are replayed in groups, all of a group's changes in one replay, and alone only
+where that replay misses (tests/oraclekit.py says why a combined hit is each member's hit); every
+predicted miss is replayed alone. Every disagreement fails naming the perturbation. A second,
+one-shape build, made with `CI` and a variable neffbuild has no list for set, shows the reverse
+direction.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 
 from tests.conftest import BuiltStore, write_manifest
+from tests.oraclekit import Truth, first_fit, truths
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +93,8 @@ HOST = [
     Perturbation("USER elsewhere", env=setting("USER", "oracle")),
     Perturbation("XDG_CACHE_HOME elsewhere", env=setting("XDG_CACHE_HOME", "/var/tmp/oracle-cache")),
 ]
+# An edit's text is all it touches: edits of different text can share a replay (guidance_scale goes
+# in under [model.call], apart from num_inference_steps, for that).
 CALL = [
     Perturbation("prompt text", manifest_edit=(('prompt = "a photo of a cat"', 'prompt = "a red bicycle"'),)),
     Perturbation("num_inference_steps 2 -> 3", manifest_edit=(("num_inference_steps = 2", "num_inference_steps = 3"),)),
@@ -99,11 +107,11 @@ CALL = [
     ),
     Perturbation(
         "guidance_scale 4.0 added",
-        manifest_edit=(("num_inference_steps = 2", "num_inference_steps = 2\nguidance_scale = 4.0"),),
+        manifest_edit=(("[model.call]", "[model.call]\nguidance_scale = 4.0"),),
     ),
     Perturbation(
         "guidance_scale 1.0 added",
-        manifest_edit=(("num_inference_steps = 2", "num_inference_steps = 2\nguidance_scale = 1.0"),),
+        manifest_edit=(("[model.call]", "[model.call]\nguidance_scale = 1.0"),),
     ),
     Perturbation(
         "OMP_NUM_THREADS in the unit 2 -> 1", manifest_edit=(('OMP_NUM_THREADS = "2"', 'OMP_NUM_THREADS = "1"'),)
@@ -149,36 +157,10 @@ def replay_hits(manifest: Path, cache: Path, env: dict[str, str]) -> tuple[bool,
     return result.returncode == 0, f"replay exit {result.returncode}, misses {report.get('misses')}"
 
 
-def judge_host(p: Perturbation, manifest: Path, cache: Path) -> Outcome:
+def replay_truth(manifest: Path, cache: Path, env: dict[str, str]) -> Truth:
     started = time.monotonic()
-    env = p.env(base_env())
-    status = neffbuild("status", "--cache-dir", str(cache), "--json", env=env)
-    assert status.returncode in (0, 12), status.stderr
-    changes = sorted({c["name"] for u in json.loads(status.stdout)["units"] for c in u["changes"] if c["breaking"]})
     hit, detail = replay_hits(manifest, cache, env)
-    seconds = time.monotonic() - started
-    return Outcome(
-        p.name, status.returncode == 0, hit, f"status names {changes}; {detail}", seconds, {"names": changes}
-    )
-
-
-def judge_call(p: Perturbation, manifest: Path, cache: Path, root: Path) -> Outcome:
-    started = time.monotonic()
-    text = manifest.read_text()
-    for old, new in p.manifest_edit:
-        assert old in text, f"{p.name}: the tiny manifest has no {old!r}"
-        text = text.replace(old, new, 1)
-    edited = root / f"{abs(hash(p.name))}.toml"
-    edited.write_text(text)
-    env = base_env()
-    plan = neffbuild("plan", str(edited), "--json", env=env)
-    assert plan.returncode == 0, plan.stderr
-    planned = {u["unit_id"]: u["key"] for u in json.loads(plan.stdout)["units"]}
-    state = json.loads((cache / ".neffbuild" / "state.json").read_text())
-    built = {u["unit_id"]: u["key"] for u in state["installed"]["units"]}
-    same = all(built.get(unit) == key for unit, key in planned.items())
-    hit, detail = replay_hits(edited, cache, env)
-    return Outcome(p.name, same, hit, f"keys {'equal' if same else 'differ'}; {detail}", time.monotonic() - started)
+    return Truth(hit, detail, seconds=time.monotonic() - started)
 
 
 @pytest.fixture(scope="module")
@@ -191,14 +173,26 @@ def pulled(built: BuiltStore, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
-def judged(jobs: list[Callable[[], Outcome]]) -> list[Outcome]:
-    with ThreadPoolExecutor(2) as pool:  # two replays at a time
-        return list(pool.map(lambda job: job(), jobs))
+def names(members: Sequence[Perturbation]) -> str:
+    return ", ".join(p.name for p in members)
 
 
-def agree(outcomes: list[Outcome], started: float) -> None:
-    """Every verdict agrees with its replay (else fail naming each disagreement), and both answers
-    occur: the corpus holds real misses, not only hits."""
+def outcomes_of(
+    judged: list[tuple[Perturbation, Truth]], predicted: dict[str, tuple[bool, str]], extra: dict[str, dict]
+) -> list[Outcome]:
+    """Each perturbation's verdict beside its truth, in the corpus's order as the groups give it."""
+    out = []
+    for p, truth in judged:
+        hit, said = predicted[p.name]
+        by = f"; judged by the combined replay of {truth.shared}" if truth.shared > 1 else ""
+        out.append(Outcome(p.name, hit, truth.hit, f"{said}; {truth.detail}{by}", truth.seconds, extra.get(p.name, {})))
+    return out
+
+
+def agree(outcomes: list[Outcome], started: float, combinations: list[str]) -> None:
+    """Every verdict agrees with its replay (else fail naming each disagreement, and any combination
+    that missed though its members alone hit: its verdict said hit), and both answers occur: the
+    corpus holds real misses, not only hits."""
     lines = [
         f"{o.name}: predicted {'hit' if o.predicted_hit else 'miss'}, replay {'hit' if o.replay_hit else 'miss'} "
         f"({o.detail}; {o.seconds:.0f} s)"
@@ -206,6 +200,7 @@ def agree(outcomes: list[Outcome], started: float) -> None:
     ]
     print(f"oracle: {len(outcomes)} perturbations in {time.monotonic() - started:.0f} s\n" + "\n".join(lines))
     disagreements = [line for o, line in zip(outcomes, lines, strict=True) if o.predicted_hit != o.replay_hit]
+    disagreements += combinations
     assert not disagreements, "the verdict disagrees with a real replay:\n" + "\n".join(disagreements)
     assert {o.replay_hit for o in outcomes} == {True, False}
 
@@ -214,28 +209,143 @@ def test_the_corpus_holds_at_least_25_perturbations() -> None:
     assert len(HOST) + len(CALL) >= 25
 
 
+def host_env(members: Sequence[Perturbation]) -> dict[str, str]:
+    env = base_env()
+    for p in members:
+        env = p.env(env)
+    return env
+
+
+def changed_variables(p: Perturbation) -> set[str]:
+    base, env = base_env(), p.env(base_env())
+    return {name for name in base.keys() | env.keys() if base.get(name) != env.get(name)}
+
+
+def status_of(env: dict[str, str], cache: Path) -> tuple[bool, list[str]]:
+    """Does status predict a hit, and which breaking changes does it name?"""
+    status = neffbuild("status", "--cache-dir", str(cache), "--json", env=env)
+    assert status.returncode in (0, 12), status.stderr
+    changes = sorted({c["name"] for u in json.loads(status.stdout)["units"] for c in u["changes"] if c["breaking"]})
+    return status.returncode == 0, changes
+
+
 # The two halves of the corpus are two xdist groups (minutes of replays each): they run on both
 # workers at once. Replays run one of the release's two units (the same key either way): half the time.
 @pytest.mark.xdist_group("oracle-host")
 def test_status_agrees_with_real_replays_on_changed_hosts(pulled: Path, tiny_model: Path, tmp_path: Path) -> None:
     started = time.monotonic()
     one_shape = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,))
-    outcomes = judged([lambda p=p: judge_host(p, one_shape, pulled) for p in HOST])
-    agree(outcomes, started)
+    with ThreadPoolExecutor(2) as pool:  # two processes at a time
+        statuses = dict(
+            zip((p.name for p in HOST), pool.map(lambda p: status_of(p.env(base_env()), pulled), HOST), strict=True)
+        )
+        hits = first_fit([p for p in HOST if statuses[p.name][0]], changed_variables)
+        together = [g for g in hits if len(g) > 1]
+        for group, (hit, changes) in zip(
+            together, pool.map(lambda g: status_of(host_env(g), pulled), together), strict=True
+        ):
+            assert hit, f"together ({names(group)}): status names {changes} where each alone predicts a hit"
+        groups = hits + [[p] for p in HOST if not statuses[p.name][0]]
+        judged, combinations = truths(
+            groups, lambda members: replay_truth(one_shape, pulled, host_env(members)), lambda p: p.name, pool.map
+        )
+    predicted = {name: (hit, f"status names {changes}") for name, (hit, changes) in statuses.items()}
+    outcomes = outcomes_of(judged, predicted, {name: {"names": changes} for name, (_, changes) in statuses.items()})
+    agree(outcomes, started, combinations)
     # The build ran without CI (or with it): status names the variable itself on the flipped host.
-    assert outcomes[0].extra["names"] == ["env.CI"], outcomes[0].detail
+    flipped_ci = next(o for o in outcomes if o.name == HOST[0].name)
+    assert flipped_ci.extra["names"] == ["env.CI"], flipped_ci.detail
+
+
+# One process plans every manifest it is sent (a line each; it answers a line of unit keys each):
+# torch and diffusers are imported once, not once a manifest. No plan cache: a cache entry records
+# the variables torch read while its facts were computed, and only the first plan here sees torch's
+# import-time reads; `plan` with the cache gives the same keys by that cache's design.
+PLANNER = """
+import json, os, sys
+from pathlib import Path
+from neffbuild.documents.manifest import load_manifest
+from neffbuild.units.plan import make_plan
+for line in sys.stdin:
+    plan = make_plan(load_manifest(Path(line.strip())), os.environ)
+    print(json.dumps({u.unit_id: u.key for u in plan.units}), flush=True)
+"""
+
+
+def planned_keys(planner: subprocess.Popen[str], log: Path, manifests: list[Path]) -> list[dict[str, str]]:
+    assert planner.stdin is not None and planner.stdout is not None
+    keys = []
+    for manifest in manifests:
+        planner.stdin.write(f"{manifest}\n")
+        planner.stdin.flush()
+        line = planner.stdout.readline()
+        assert line, f"planning {manifest} failed: {log.read_text()[-3000:]}"
+        keys.append(json.loads(line))
+    return keys
+
+
+def edit_spans(text: str, p: Perturbation) -> list[tuple[int, int, str]]:
+    """Where each of p's edits applies in text (its first occurrence), and what replaces it."""
+    spans = []
+    for old, new in p.manifest_edit:
+        start = text.find(old)
+        assert start >= 0, f"{p.name}: the tiny manifest has no {old!r}"
+        spans.append((start, start + len(old), new))
+    return spans
+
+
+def edited(text: str, members: Sequence[Perturbation]) -> str:
+    """text with every member's edits applied (they touch disjoint spans of it)."""
+    out, at = [], 0
+    for start, end, new in sorted(s for p in members for s in edit_spans(text, p)):
+        assert start >= at, f"{names(members)}: edits overlap"
+        out += [text[at:start], new]
+        at = end
+    return "".join(out) + text[at:]
 
 
 @pytest.mark.xdist_group("oracle-call")
 def test_keys_agree_with_real_replays_of_changed_calls(pulled: Path, tiny_model: Path, tmp_path: Path) -> None:
     started = time.monotonic()
-    one_shape = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,))
-    outcomes = judged([lambda p=p: judge_call(p, one_shape, pulled, tmp_path) for p in CALL + CONSERVATIVE])
-    outcomes, conservative = outcomes[: -len(CONSERVATIVE)], outcomes[-len(CONSERVATIVE) :]
+    text = write_manifest(tmp_path / "one-shape.toml", tiny_model, widths=(128,)).read_text()
+
+    def manifest(members: Sequence[Perturbation]) -> Path:
+        path = tmp_path / f"{hashlib.sha256(names(members).encode()).hexdigest()[:16]}.toml"
+        if not path.exists():
+            path.write_text(edited(text, members))
+        return path
+
+    state = json.loads((pulled / ".neffbuild" / "state.json").read_text())
+    built = {u["unit_id"]: u["key"] for u in state["installed"]["units"]}
+    corpus = CALL + CONSERVATIVE
+    args, log = [sys.executable, "-c", PLANNER], tmp_path / "planner.log"
+    with (
+        log.open("w") as err,
+        subprocess.Popen(args, stdin=PIPE, stdout=PIPE, stderr=err, text=True, env=base_env()) as planner,
+    ):
+        keys = planned_keys(planner, log, [manifest([p]) for p in corpus])
+        same = {
+            p.name: all(built.get(unit) == key for unit, key in k.items()) for p, k in zip(corpus, keys, strict=True)
+        }
+        for p in CONSERVATIVE:
+            assert not same[p.name], f"{p.name}: the verdict says hit where it was meant to stay conservative"
+        hits = first_fit(
+            [p for p in corpus if same[p.name]], lambda p: {i for a, b, _ in edit_spans(text, p) for i in range(a, b)}
+        )
+        together = [g for g in hits if len(g) > 1]
+        for group, k in zip(together, planned_keys(planner, log, [manifest(g) for g in together]), strict=True):
+            assert all(built.get(u) == key for u, key in k.items()), f"together ({names(group)}): keys differ"
+    groups = hits + [[p] for p in corpus if not same[p.name]]
+    with ThreadPoolExecutor(2) as pool:  # two replays at a time
+        judged, combinations = truths(
+            groups, lambda members: replay_truth(manifest(members), pulled, base_env()), lambda p: p.name, pool.map
+        )
+    predicted = {name: (hit, f"keys {'equal' if hit else 'differ'}") for name, hit in same.items()}
+    outcomes = outcomes_of(judged, predicted, {})
+    conservative = [o for o in outcomes if o.name in {p.name for p in CONSERVATIVE}]
     for o in conservative:
         print(f"conservative: {o.name}: predicted miss={not o.predicted_hit}, replay hit={o.replay_hit} ({o.detail})")
-        assert not o.predicted_hit, f"{o.name}: the verdict says hit where it was meant to stay conservative"
-    agree(outcomes, started)
+    agree([o for o in outcomes if o not in conservative], started, combinations)
 
 
 @pytest.fixture(scope="module")
