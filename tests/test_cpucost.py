@@ -27,7 +27,8 @@ def test_asleep():
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_the_summary_ranks_a_test_by_its_childrens_cpu_not_its_wall(tmp_path: Path, workers: str) -> None:
     (tmp_path / "test_costs.py").write_text(TESTS)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The outer run's PYTEST_ADDOPTS (a plugin of its own, say) is not this inner run's.
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | {"PYTHONPATH": str(ROOT)}
     args = ["-p", "tests.cpucost", "-p", "no:cacheprovider", "-n", workers, "-q", str(tmp_path / "test_costs.py")]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", *args], capture_output=True, text=True, cwd=tmp_path, env=env
