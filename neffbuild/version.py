@@ -38,16 +38,14 @@ def _dist_info_version(package: str) -> str | None:
     wanted = _normal(package)
     for entry in sys.path:
         try:
-            names = _listing(entry or ".")
+            dist_infos, eggs = _listing(entry or ".")
         except NotADirectoryError:
             return None
         except OSError:
             continue
-        if any(n.endswith((".egg-info", ".egg")) and _normal(n).startswith(wanted) for n in names):
+        if any(egg.startswith(wanted) for egg in eggs):
             return None
-        found = [
-            n for n in names if n.endswith(".dist-info") and (m := _DIST_INFO.fullmatch(n)) and _normal(m[1]) == wanted
-        ]
+        found = dist_infos.get(wanted, ())
         if len(found) > 1:
             return None
         if found:
@@ -59,20 +57,29 @@ def _dist_info_version(package: str) -> str | None:
     return ""
 
 
-_LISTINGS: dict[str, tuple[tuple[int, int, int], list[str]]] = {}
+# What a sys.path directory holds of distributions: each normalised name's dist-info directories,
+# and the normalised names of its eggs (egg-info too).
+_Listing = tuple[dict[str, list[str]], tuple[str, ...]]
+_LISTINGS: dict[str, tuple[tuple[int, int, int], _Listing]] = {}
 
 
-def _listing(path: str) -> list[str]:
-    """os.listdir(path), kept while the directory is the same one with the same mtime: a host
-    check asks for four distributions, each a walk of sys.path (a listing per entry was most of it)."""
+def _listing(path: str) -> _Listing:
+    """path's distributions, from os.listdir, kept while the directory is the same one with the
+    same mtime: a host check asks for four distributions, each a walk of sys.path (a listing per
+    entry was most of it, then matching its names once per distribution)."""
     st = os.stat(path)
     seen = (st.st_dev, st.st_ino, st.st_mtime_ns)
     kept = _LISTINGS.get(path)
     if kept is not None and kept[0] == seen:
         return kept[1]
     names = os.listdir(path)
-    _LISTINGS[path] = (seen, names)
-    return names
+    dist_infos: dict[str, list[str]] = {}
+    for name in names:
+        if name.endswith(".dist-info") and (m := _DIST_INFO.fullmatch(name)):
+            dist_infos.setdefault(_normal(m[1]), []).append(name)
+    listing = dist_infos, tuple(_normal(n) for n in names if n.endswith((".egg-info", ".egg")))
+    _LISTINGS[path] = (seen, listing)
+    return listing
 
 
 def _header_version(text: str) -> str | None:

@@ -24,20 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
+    from neffbuild.backends.problems import Problem
     from neffbuild.documents.compile_recipe import ResolvedRecipe
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something found before any worker starts: the entry's field, what is wrong, how to fix it."""
-
-    field: str
-    message: str
-    hint: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
 
 
 class UnitScope(Protocol):

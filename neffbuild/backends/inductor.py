@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from neffbuild.backends.base import (
     Backend,
-    Problem,
     UnitScope,
     cpu_isa_flags,
     dynamo_counters,
@@ -31,6 +30,7 @@ from neffbuild.servingenv import INDUCTOR
 from neffbuild.version import installed_version
 
 if TYPE_CHECKING:
+    from neffbuild.backends.problems import Problem
     from neffbuild.documents.compile_recipe import ResolvedRecipe
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry
 
@@ -87,14 +87,15 @@ class InductorBackend(Backend):
         # a CUDA device's name, and the dispatch capability off x86, need torch itself.
         cpuinfo = _read("/proc/cpuinfo")
         torch_version = _torch_version_file()
+        isa = cpu_isa_flags(cpuinfo)
         facts = {
             "torch": torch_version.get("__version__", ""),
             "torch.git": torch_version.get("git_version", ""),
             "python": python_fact(),
             "python.prefix": sys.prefix,
             "platform": f"{sys.platform}-{machine()}",
-            "cpu.isa": cpu_isa_flags(cpuinfo),
-            "cpu.capability": dispatch_capability(cpu_isa_flags(cpuinfo), machine()) or _torch_capability(),
+            "cpu.isa": isa,
+            "cpu.capability": dispatch_capability(isa, machine()) or _torch_capability(),
             "threads.default": default_threads(env),
             "cxx.default": _compiler_version(env.get("CXX") or "g++"),
         }
@@ -147,6 +148,8 @@ class InductorBackend(Backend):
         return inductor_setting_problems(entry)
 
     def check_host(self, entry: ModelEntry, env: Mapping[str, str], *, declared: bool) -> list[Problem]:
+        from neffbuild.backends.problems import Problem  # a pull's host check finds none
+
         if importlib.util.find_spec("torch") is None:
             return [
                 Problem("backend", f"torch is not importable in {sys.executable}", "pip install 'neffbuild[compile]'")

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Backend, Problem, UnitScope, dynamo_counters, load_arguments, pipeline_class
+from neffbuild.backends.base import Backend, UnitScope, dynamo_counters, load_arguments, pipeline_class
 from neffbuild.backends.neuron_cache_layout import (
     cache_files,
     is_content_keyed,
@@ -68,6 +68,7 @@ from neffbuild.backends.neuron_toolchain import (
     python_excluded,
     requires_python,
 )
+from neffbuild.backends.problems import Problem
 from neffbuild.names import STATE_DIR
 from neffbuild.servingenv import NEURON, NEURON_COMPILER
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Problem
+from neffbuild.backends.problems import Problem
 
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import LoadedManifest, ModelEntry

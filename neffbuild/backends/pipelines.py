@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from neffbuild.backends.base import Problem
 from neffbuild.backends.pipecode import FORWARD, WHOLE, CallFacts, call_facts
+from neffbuild.backends.problems import Problem
 from neffbuild.documents.manifest import ModelEntry
 
 # Call arguments that never change a compiled graph: the scheduler runs eagerly and hands the

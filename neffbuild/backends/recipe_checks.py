@@ -11,7 +11,7 @@ import importlib.util
 import typing
 from typing import TYPE_CHECKING, Any
 
-from neffbuild.backends.base import Problem
+from neffbuild.backends.problems import Problem
 
 if TYPE_CHECKING:
     from neffbuild.documents.manifest import ModelEntry

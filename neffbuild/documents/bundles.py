@@ -49,3 +49,12 @@ class BundleRecord:
     # digests. Optional: bundles written before them keep their bytes.
     env_reads: dict[str, str] = field(default_factory=dict, metadata={"check": lambda v: reads_problem(v), "omit": {}})
     compiler_keys: dict[str, str] = field(default_factory=dict, metadata={"omit": {}})
+
+
+@dataclass(frozen=True)
+class ResolvedBundle:
+    """A bundle a ref names, read from the store (documents/refs.py's resolve_any)."""
+
+    key: str
+    record: BundleRecord
+    where: str

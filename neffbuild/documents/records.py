@@ -358,14 +358,14 @@ def _decode(tp: Any, value: Any, loc: Loc) -> Any:
             raise _Invalid(loc, f"expected a list, got {type(value).__name__}")
         if item is FileEntry:
             return _file_entries(value, loc)
-        if item is str and all(type(v) is str for v in value) and "".join(value).isascii():
+        if item is str and {*map(type, value)} <= {str} and "".join(value).isascii():
             return tuple(value)  # ASCII holds no lone surrogate: _text of each, at once (a unit's 10,000s of paths)
         return tuple(_decode(item, v, (*loc, i)) for i, v in enumerate(value))
     if shape == "dict":
         if not isinstance(value, dict):
             raise _Invalid(loc, f"expected an object, got {type(value).__name__}")
         # Values as JSON gave them, ASCII keys (no lone surrogate): at once (a state's 10,000s of files).
-        if item is object and all(type(k) is str for k in value) and "".join(value).isascii():
+        if item is object and {*map(type, value)} <= {str} and "".join(value).isascii():
             return dict(value)
         return {_text(k, (*loc, k)): _decode(item, v, (*loc, k)) for k, v in value.items()}
     if shape == "any":

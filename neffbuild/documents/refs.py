@@ -28,7 +28,7 @@ from neffbuild.names import tag_problem
 from neffbuild.store.base import DocKind, Store
 
 if TYPE_CHECKING:  # imported where a bundle is read: a pull reads a tag and a release only
-    from neffbuild.documents.bundles import BundleRecord
+    from neffbuild.documents.bundles import BundleRecord, ResolvedBundle
 
 PREFIX_MIN = 6  # hex digits: below this a prefix would match too much to be typed on purpose
 BACK_MAX = 10**6  # TAG@N: larger N is a typo, not a history
@@ -51,15 +51,6 @@ class ResolvedRelease:
     release: Release
     tag: str | None  # the tag that points at it now (None for a release named by id, or TAG@N with N > 0)
     where: str  # the release document, for messages
-
-
-@dataclass(frozen=True)
-class ResolvedBundle:
-    """A bundle a ref names, read from the store."""
-
-    key: str
-    record: BundleRecord
-    where: str
 
 
 @dataclass(frozen=True)
@@ -222,7 +213,7 @@ def _by_id(
     if kind == "releases":
         release = _find_release(store, name, known)
         return None if release is None else ResolvedRelease(name, release, None, doc_where(store, Release, name))
-    from neffbuild.documents.bundles import BundleRecord
+    from neffbuild.documents.bundles import BundleRecord, ResolvedBundle
 
     record = find_doc(store, BundleRecord, name)
     return None if record is None else ResolvedBundle(name, record, doc_where(store, BundleRecord, name))

@@ -16,21 +16,20 @@ import fcntl
 import os
 from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neffbuild.errors import InputError, NotFoundError
-from neffbuild.fs.atomic import write_atomic_at
 from neffbuild.fs.beneath import Beneath
 from neffbuild.fs.confined import disk_error
 from neffbuild.fs.locks import acquire
 from neffbuild.host.bundleunits import release_units
-from neffbuild.host.state import STATE_FILE, CacheState
-from neffbuild.host.statefile import load_state, open_existing, open_state_dir, read_state, read_state_data, state_path
+from neffbuild.host.state import CacheState
+from neffbuild.host.statefile import open_existing, open_state_dir, read_state, read_state_data, state_path
 from neffbuild.names import STATE_DIR
 
 if TYPE_CHECKING:
+    from neffbuild.host.held import Held
     from neffbuild.host.target import Target
     from neffbuild.store.base import Store
 
@@ -126,6 +125,8 @@ class CacheDir:
     def locked(self, timeout: float | None = None) -> Iterator[Held]:
         """Hold pull's lock while the block runs (ConflictError after timeout seconds); yields
         the state as the holder reads and writes it. The kernel drops the lock if this process dies."""
+        from neffbuild.host.held import Held  # a no-op pull writes nothing, and takes no lock
+
         state_dir = self.state_dir(create=True)
         assert state_dir is not None
         try:
@@ -168,22 +169,6 @@ class CacheDir:
         from neffbuild.fs.readonly import require_read_only
 
         require_read_only(self.path, backend, writable)
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """The state dir of a cache dir whose lock this process holds: its state, read and replaced."""
-
-    fd: int  # `.neffbuild/`, open
-    shown: Path  # the state file, for messages
-
-    def state(self) -> tuple[bytes | None, CacheState]:
-        """(the state file's bytes, what it says); a missing, foreign or broken file reads as empty."""
-        return load_state(self.fd)
-
-    def write_state(self, data: bytes) -> None:
-        """Replace the state file with data, atomically (a reader sees the old or the new one)."""
-        write_atomic_at(self.fd, STATE_FILE, data, shown=self.shown)
 
 
 @contextmanager

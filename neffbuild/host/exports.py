@@ -39,7 +39,8 @@ ALLOW_ENV_VARIABLE = "NEFFBUILD_ALLOW_ENV"  # names the host accepts, separated 
 EXPORT_MAX = 128 << 10
 EXPORTS_TOTAL_MAX = 1 << 20  # leaves the other half of ARG_MAX to the host's own environment
 # What the dynamic loader, the C library, interpreters and shells read to decide what code runs.
-_RUNS_CODE = re.compile(
+# Compiled where first used (re caches it): a pull whose release exports only its own names never asks.
+_RUNS_CODE = (
     r"(LD_|DYLD_|PYTHON|PERL|RUBY|NODE_|JAVA_TOOL_|_JAVA_|GCONV_).*"
     r"|PATH|BASH_ENV|ENV|IFS|CDPATH|PS4|SHELLOPTS|BASHOPTS|GLOBIGNORE|HOME|GLIBC_TUNABLES|LOCPATH|NLSPATH|CC|CXX"
 )
@@ -73,7 +74,7 @@ def is_env_name(name: str) -> bool:
 
 def runs_code(name: str) -> bool:
     """Whether name is read by a loader, interpreter or shell (only a host's allow exports it)."""
-    return _RUNS_CODE.fullmatch(name) is not None
+    return re.fullmatch(_RUNS_CODE, name) is not None
 
 
 def check_allowed_names(names: Collection[str], source: str = "--allow-env") -> tuple[str, ...]:

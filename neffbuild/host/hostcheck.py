@@ -28,40 +28,13 @@ from neffbuild.host.exports import serving_env
 
 if TYPE_CHECKING:
     from neffbuild.documents.bundles import BundleRecord
+    from neffbuild.host.fielddiff import FieldDiff
 
 Facts = Callable[[Backend, Mapping[str, str], str], Mapping[str, str]]
-FLAG_LISTS = frozenset({"cpu.isa"})  # comma-separated flags: say which ones differ
 
 
 def read_facts(backend: Backend, env: Mapping[str, str], device: str) -> Mapping[str, str]:
     return backend.collect_facts(env, device)
-
-
-@dataclass(frozen=True, slots=True)
-class FieldDiff:
-    """One fingerprint field that differs between the build and this host."""
-
-    name: str
-    built: str | None  # None: the build's fingerprint has no such field
-    here: str | None  # None: this host's has none
-    breaking: bool
-
-    def line(self) -> str:
-        """One line naming the field and both sides, e.g. `cpu.isa: build has avx512f, this host lacks it`."""
-        if self.built is not None and self.here is not None and self.name in FLAG_LISTS:
-            built, here = set(self.built.split(",")), set(self.here.split(","))
-            parts = []
-            if lacks := sorted(built - here):
-                parts.append(f"build has {','.join(lacks)}, this host lacks {'it' if len(lacks) == 1 else 'them'}")
-            if extra := sorted(here - built):
-                parts.append(f"this host also has {','.join(extra)}, the build did not")
-            return f"{self.name}: " + "; ".join(parts)
-        verb = "sets" if self.name.startswith("env.") else "has"
-        if self.built is None:
-            return f"{self.name}: this host {verb} {self.here!r}, the build did not"
-        if self.here is None:
-            return f"{self.name}: build {verb} {self.built!r}, this host does not"
-        return f"{self.name}: build {verb} {self.built!r}, this host {self.here!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +133,14 @@ def read_diffs(reads: Mapping[str, str], env: Mapping[str, str], known: set[str]
     recorded it: backends/envreads.py) that is set otherwise here, unless the fingerprint already
     compares it or it is known to reach no key (envreads.NOT_KEYED). The build's value is known
     only by its digest, so the line shows that."""
+    found = [(name, built, here) for name, built, here in host_differences(reads, env) if f"env.{name}" not in known]
+    if not found:
+        return ()
+    from neffbuild.host.fielddiff import FieldDiff  # only where something differs: not on a no-op pull
+
     return tuple(
         FieldDiff(f"env.{name}", None if built == UNSET else f"<a value, xxh3 {built[:8]}>", here, breaking=True)
-        for name, built, here in host_differences(reads, env)
-        if f"env.{name}" not in known
+        for name, built, here in found
     )
 
 
@@ -200,8 +177,9 @@ def _diffs(
     """Field by field. A release's common fingerprint leaves out fields its units differ in, so
     there only a compiler variable this host sets and the build did not counts as extra."""
     names = set(built) | {k for k in here if complete or k.startswith("env.")}
-    return tuple(
-        FieldDiff(name, built.get(name), here.get(name), backend.is_breaking(name))
-        for name in sorted(names)
-        if built.get(name) != here.get(name)
-    )
+    differing = [name for name in sorted(names) if built.get(name) != here.get(name)]
+    if not differing:
+        return ()
+    from neffbuild.host.fielddiff import FieldDiff  # only where something differs: not on a no-op pull
+
+    return tuple(FieldDiff(name, built.get(name), here.get(name), backend.is_breaking(name)) for name in differing)

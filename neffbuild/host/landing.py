@@ -8,19 +8,23 @@ import os
 import stat
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neffbuild.documents.records import FileEntry
 from neffbuild.documents.refs import ResolvedRelease
 from neffbuild.errors import IntegrityError
 from neffbuild.fs.confined import DIRECT_MIN, BlobTarget, disk_error, sync_filesystem
 from neffbuild.fs.disk import in_memory
-from neffbuild.host.cachedir import CacheDir, Held
+from neffbuild.host.cachedir import CacheDir
 from neffbuild.host.pullplan import PullOptions
 from neffbuild.host.scan import Scan, regular_stat, scan_files, state_bytes, state_trusted
 from neffbuild.host.state import Installed
 from neffbuild.names import STATE_DIR, is_temp_name
 from neffbuild.pids import alive
 from neffbuild.store.base import Store
+
+if TYPE_CHECKING:
+    from neffbuild.host.held import Held
 
 
 def land_missing(

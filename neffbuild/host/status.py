@@ -23,7 +23,8 @@ from neffbuild.errors import StatusMiss
 from neffbuild.fs.confined import disk_error
 from neffbuild.host.cachedir import CacheDir, find_target
 from neffbuild.host.exports import exports_for, serving_env
-from neffbuild.host.hostcheck import FieldDiff, check_host
+from neffbuild.host.fielddiff import FieldDiff
+from neffbuild.host.hostcheck import check_host
 from neffbuild.host.state import CacheState, Files
 from neffbuild.host.target import Target
 

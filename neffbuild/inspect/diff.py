@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.bundles import BundleRecord, ResolvedBundle
 from neffbuild.documents.records import FileEntry, Release
-from neffbuild.documents.refs import ResolvedBundle, ResolvedRelease, resolve, resolve_any
+from neffbuild.documents.refs import ResolvedRelease, resolve, resolve_any
 from neffbuild.errors import InputError
 from neffbuild.hashing import canonical_json
 from neffbuild.host.exports import serving_env

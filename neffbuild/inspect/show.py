@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from neffbuild.documents.bundles import BundleRecord, Timings
+from neffbuild.documents.bundles import BundleRecord, ResolvedBundle, Timings
 from neffbuild.documents.records import FileEntry, Release, SharedPath
-from neffbuild.documents.refs import ResolvedBundle, resolve_any
+from neffbuild.documents.refs import resolve_any
 from neffbuild.errors import NotFoundError
 from neffbuild.inspect.read import DOC_JOBS, fetch
 from neffbuild.store.base import Store

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from neffbuild.documents.bundles import ResolvedBundle
 from neffbuild.documents.records import FileEntry
-from neffbuild.documents.refs import ResolvedBundle, resolve_any
+from neffbuild.documents.refs import resolve_any
 from neffbuild.host.trace import read_trace
 from neffbuild.store.base import Store
 

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 
 from neffbuild.build.push import push
-from neffbuild.documents.bundles import BundleRecord
+from neffbuild.documents.bundles import BundleRecord, ResolvedBundle
 from neffbuild.documents.records import Release, TagRecord
 from neffbuild.documents.refs import (
-    ResolvedBundle,
     ResolvedRelease,
     find_doc,
     load_doc,

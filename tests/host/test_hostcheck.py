@@ -17,7 +17,8 @@ from neffbuild.backends.base import Scope
 from neffbuild.documents.bundles import BundleRecord, Timings
 from neffbuild.documents.manifest import load_manifest
 from neffbuild.documents.records import Release, ReleaseUnit, unit_key
-from neffbuild.host.hostcheck import FieldDiff, check_host, host_fingerprint
+from neffbuild.host.fielddiff import FieldDiff
+from neffbuild.host.hostcheck import check_host, host_fingerprint
 from neffbuild.units.plan import make_plan
 from tests.units.test_plan import manifest  # noqa: F401 - the fixture
 

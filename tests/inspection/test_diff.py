@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from neffbuild.documents.records import unit_key
-from neffbuild.host.hostcheck import FieldDiff
+from neffbuild.host.fielddiff import FieldDiff
 from neffbuild.inspect.diff import FieldChange, diff, diff_host
 from neffbuild.store import open_store
 from neffbuild.store.base import Store

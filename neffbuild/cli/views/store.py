@@ -239,7 +239,7 @@ def host_differences(console: Console, diff: HostDiff) -> None:
 def _change(path: str, old: object, new: object) -> str:
     """`2.13.0 -> 2.14.1`; for flag lists (cpu.isa, space- or comma-separated) only what went and
     came: `-avx512f +amx`."""
-    from neffbuild.host.hostcheck import FLAG_LISTS
+    from neffbuild.host.fielddiff import FLAG_LISTS
 
     if path in FLAG_LISTS and isinstance(old, str) and isinstance(new, str):
         before, after = re.split(r"[\s,]+", old.strip()), re.split(r"[\s,]+", new.strip())
