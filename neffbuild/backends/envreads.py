@@ -184,22 +184,29 @@ def host_differences(recorded: Mapping[str, str], env: Mapping[str, str]) -> lis
 
 # torch._dynamo.config is left out: its get_hash() differs between two processes of one host
 # (measured with torch 2.13), so it cannot be compared; its CI-derived settings show as `env.CI`.
-CONFIG_MODULES = ("torch._inductor.config", "torch._functorch.config")
+# Each config is hashed as its cache key sees it: Inductor's FX graph key hashes the portable view
+# (save_config_portable leaves out _cache_config_ignore_prefix: absolute paths such as
+# xpu.cutlass_dir, which torch resolves against the working directory, and compile_threads), and
+# AOTAutograd's key the functorch config whole (save_config). get_hash() covered the paths too, so
+# a build and a host in different directories never agreed. The recorded name says which view.
+KEYED_CONFIGS = (("torch._inductor.config", "save_config_portable"), ("torch._functorch.config", "save_config"))
 
 
 def compiler_config_hashes() -> dict[str, str]:
     """The compiler's own key inputs, as digests, as this process's environment set them at
-    import: the config modules' get_hash() (AOTAutograd's key hashes the functorch config,
-    Inductor's FX graph key its own config) and torch_key() (torch's own sources). Imports torch."""
+    import: each config module as its cache key hashes it (above) and torch_key() (torch's own
+    sources). Imports torch."""
     import importlib
+    import pickle
 
     out: dict[str, str] = {}
-    for module in CONFIG_MODULES:
+    for module, view in KEYED_CONFIGS:
         try:
-            got = importlib.import_module(module).get_hash()
-        except Exception:  # noqa: BLE001 - an older torch without it: nothing to record
+            got = getattr(importlib.import_module(module), view)()
+            raw = got if isinstance(got, bytes) else pickle.dumps(sorted(got.items()), protocol=4)
+        except Exception:  # noqa: BLE001 - an older torch without it, or a setting that cannot be pickled
             continue
-        out[module] = got.hex() if isinstance(got, bytes) else hash_bytes(repr(got).encode())
+        out[f"{module}:{view}"] = hash_bytes(raw)
     try:
         from torch._inductor.codecache import torch_key
 

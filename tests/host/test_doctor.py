@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -326,10 +328,26 @@ def test_compiler_config_hashes_are_recomputed_in_the_serving_environment() -> N
 
     base = {k: v for k, v in os.environ.items() if k not in ("CI", "AOT_PARTITIONER_DEBUG")}
     built = serving_config_hashes(base)
-    assert set(built) == {"torch._inductor.config", "torch._functorch.config", "torch_key"}
+    keyed = {"torch._inductor.config:save_config_portable", "torch._functorch.config:save_config"}
+    assert set(built) == {*keyed, "torch_key"}
     inductor = replace(release({}), backend="inductor", compiler_keys=dict(built))
     assert check_compiler_config(inductor, base, HostView()).status == "pass"
     failed = check_compiler_config(inductor, {**base, "CI": "1"}, HostView())
     assert failed.status == "fail" and failed.detail.startswith("differs from the build: torch._functorch.config")
     assert "status" in failed.fix
     assert check_compiler_config(release({}), base, HostView()).status == "skip"  # built before them
+    # Hashes another neffbuild recorded (get_hash(), which followed the working directory) are not compared.
+    older = replace(inductor, compiler_keys={"torch._inductor.config": "0" * 32, "torch._functorch.config": "1" * 32})
+    assert check_compiler_config(older, base, HostView()).status == "skip"
+
+
+def test_compiler_config_hashes_do_not_follow_the_working_directory(tmp_path: Path) -> None:
+    """torch resolves xpu.cutlass_dir against the working directory: a build run in one directory
+    and a doctor in another must still agree (real torch, two processes)."""
+    code = "import json; from neffbuild.backends.envreads import compiler_config_hashes as h; print(json.dumps(h()))"
+    seen = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / name, capture_output=True, text=True, check=True)
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert seen[0] == seen[1] and len(seen[0]) == 3, seen
