@@ -43,6 +43,10 @@ NOT_KEYED: Mapping[str, str] = {
     "XDG_CACHE_HOME": "default cache locations (huggingface, triton), overridden by the cache dir",
     "PATH": "shutil.which for the compiler: the compiler itself is the fingerprint's cxx field",
     "PWD": "the working directory: not read into any config",
+    # How Inductor schedules its C++ compiles, not what they produce: both settings are in
+    # torch/_inductor/config.py's _cache_config_ignore_prefix, which its FX graph key leaves out.
+    "TORCHINDUCTOR_COMPILE_THREADS": "torch/_inductor/config.py compile_threads: the compile pool's size",
+    "TORCHINDUCTOR_WORKER_START": "torch/_inductor/config.py worker_start_method: how the pool starts",
     # Logging and diagnostics: what is printed, not what is compiled.
     "TORCH_LOGS": "torch/_logging/_internal.py: log levels only",
     "TORCH_LOGS_OUT": "torch/_logging/_internal.py: the log file",

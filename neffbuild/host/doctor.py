@@ -215,7 +215,9 @@ def check_compiler_config(release: Release | None, env: Mapping[str, str], host:
     # neffbuild (another view of the config), and comparing it would fail every such release.
     shared = {k: v for k, v in release.compiler_keys.items() if k in here}
     if not shared:
-        return Check("compiler config", "skip", "the release records none of the config hashes computed here (rebuild it)")
+        return Check(
+            "compiler config", "skip", "the release records none of the config hashes computed here (rebuild it)"
+        )
     differing = sorted(k for k, v in shared.items() if here[k] != v)
     if not differing:
         return Check("compiler config", "pass", f"{len(shared)} config hashes match the build's")

@@ -46,3 +46,20 @@ def test_a_host_is_compared_on_exactly_the_recorded_names() -> None:
     ]
     assert host_differences(recorded, {"CI": "", "AOT_PARTITIONER_DEBUG": "2"})[0][2] == "2"
     assert not_keyed("HOME") and not_keyed("NEFFBUILD_STORE") and not_keyed("CI") is None
+
+
+def test_the_compile_pools_settings_reach_no_key_of_the_compiler_nor_of_status() -> None:
+    """How many processes Inductor compiles in, and how it starts them, are left out of its own
+    cache key: the config hashes a real torch computes agree, and status compares neither."""
+    code = "import json; from neffbuild.backends.envreads import compiler_config_hashes as h; print(json.dumps(h()))"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+    seen = []
+    for threads, start in (("1", "subprocess"), ("2", "fork")):
+        env = {**base, "TORCHINDUCTOR_COMPILE_THREADS": threads, "TORCHINDUCTOR_WORKER_START": start}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert seen[0] == seen[1] and "torch._inductor.config:save_config_portable" in seen[0], seen
+    recorded = {"TORCHINDUCTOR_COMPILE_THREADS": value_digest("TORCHINDUCTOR_COMPILE_THREADS", "1")}
+    assert host_differences(recorded, {"TORCHINDUCTOR_COMPILE_THREADS": "2"}) == []
+    keyed = {"TORCHINDUCTOR_MAX_AUTOTUNE": value_digest("TORCHINDUCTOR_MAX_AUTOTUNE", "1")}  # a setting that is keyed
+    assert host_differences(keyed, {}) == [("TORCHINDUCTOR_MAX_AUTOTUNE", keyed["TORCHINDUCTOR_MAX_AUTOTUNE"], None)]

@@ -348,6 +348,8 @@ def test_compiler_config_hashes_do_not_follow_the_working_directory(tmp_path: Pa
     seen = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / name, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path / name, capture_output=True, text=True, check=True
+        )
         seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert seen[0] == seen[1] and len(seen[0]) == 3, seen
