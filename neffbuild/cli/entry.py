@@ -26,13 +26,4 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(code)
     from neffbuild.cli.main import main as full
 
-    try:
-        full(argv)
-    except SystemExit as done:
-        # A command that imported torch (a plan that checked the pipeline against diffusers, a
-        # serving command) would spend ~2 CPU-s freeing it at exit; the console entry only.
-        if argv is None and "torch" in sys.modules and (done.code is None or isinstance(done.code, int)):
-            from neffbuild.pids import exit_now
-
-            exit_now(done.code or 0)
-        raise
+    full(argv)
