@@ -17,10 +17,6 @@ ccache="@CCACHE@"
 export CCACHE_DIR="@CCACHE_DIR@"
 export CCACHE_NOHASHDIR=1 CCACHE_COMPILERCHECK=content CCACHE_MAXSIZE=20G
 export CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime,time_macros,file_macro,locale
-# Depend mode: on a miss ccache hashes the headers g++ lists (-MD) instead of running the
-# preprocessor first (`g++ -E` of all of ATen's headers: ~0.35 of a kernel's ~1.7 CPU-s). -MD and
-# -MF are not in the object (compared: the same bytes); the list is written outside the unit's dirs.
-export CCACHE_DEPEND=1
 sources=() out="" next_out=0 compile_only=0 linked=0 flags=()
 for arg in "$@"; do
   if [ $next_out = 1 ]; then out="$arg"; next_out=0; continue; fi
@@ -84,15 +80,11 @@ if [ -n "$header" ]; then
   fi
   if [ -e "$pch_dir/$header.gch" ]; then pch=("-I$pch_dir"); fi
 fi
-mkdir -p "$CCACHE_DIR/deps"
-deps="$CCACHE_DIR/deps/$$.d"
 if [ $compile_only = 1 ]; then
-  trap 'rm -f "$deps"' EXIT
-  "$ccache" "$real" "${pch[@]}" "${@/#"$source"/$(basename "$source")}" "-ffile-prefix-map=$PWD=." -MD -MF "$deps"
-  exit
+  exec "$ccache" "$real" "${pch[@]}" "${@/#"$source"/$(basename "$source")}" "-ffile-prefix-map=$PWD=."
 fi
 object="$out.ccache.o"
-trap 'rm -f "$object" "$deps"' EXIT
+trap 'rm -f "$object"' EXIT
 compile=() link=()
 skip=0
 for arg in "$@"; do
@@ -105,7 +97,7 @@ for arg in "$@"; do
   esac
 done
 # The object must not name this dir either (its debug info would): the same bytes from any dir.
-"$ccache" "$real" "${pch[@]}" -c "${compile[@]}" "-ffile-prefix-map=$PWD=." -MD -MF "$deps" -o "$object"
+"$ccache" "$real" "${pch[@]}" -c "${compile[@]}" "-ffile-prefix-map=$PWD=." -o "$object"
 # The link (~0.3 CPU-s, for every kernel of every build, ccache's hits included) is a function of
 # the object's bytes and the link's arguments: ld writes no time or path of its own (the same .so
 # from any dir, compared). Linked once per run, that .so copied after.
